@@ -1,0 +1,90 @@
+"""Public entry points: First Passage Attention, Forgetting Attention (FoX), causal softmax.
+
+All take the layout of `jax.nn.dot_product_attention`: q, k, v are [batch, seq, heads, head_dim];
+per-token gates are [batch, seq, heads]; segment_ids are [batch, seq].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fpa_jax.ops import chunked as _chunked
+from fpa_jax.ops import validate as _v
+from fpa_jax.ops.penalty import first_passage_penalty
+from fpa_jax.ops.quadratic import masked_softmax_attention
+from fpa_jax.ops.recurrent import recurrent_attention
+
+IMPLS = _v.IMPLS
+
+
+def _bht(x):  # [B, T, H] -> [B, H, T] fp32
+  return jnp.swapaxes(x, 1, 2).astype(_v.STATS_DTYPE)
+
+
+def fpa_attention(q, k, v, field, level, *, impl="chunked", scale=None, segment_ids=None, block_size=None):
+  """First Passage Attention.
+
+      out_i = sum_j softmax_j(scale * q_i.k_j - relu(level_j - min(field_{j+1..i}))) v_j,  j <= i
+
+  Args:
+    q, k: [batch, seq, heads, head_dim]; v: [batch, seq, heads, v_dim]; fp32 or bf16.
+    field: [batch, seq, heads] field value phi_t of each token.
+    level: [batch, seq, heads] level l_j of each key.
+    impl: "quadratic" (materialised T x T reference), "chunked" (flash-style tiling, O(T * block)
+      memory in forward and backward), or "recurrent" (scan with a KV cache and first-passage
+      state, the decode formulation). All exact and differentiable.
+    scale: logit scale, default head_dim ** -0.5.
+    segment_ids: optional [batch, seq] int; tokens attend only inside their own segment.
+    block_size: chunked only; query/key tile size (default `chunked.DEFAULT_BLOCK`).
+  Returns:
+    [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
+  """
+  _v.check_impl(impl)
+  b, t, h, d = _v.check_qkv(q, k, v)
+  _v.check_gate("field", field, (b, t, h))
+  _v.check_gate("level", level, (b, t, h))
+  _v.check_segment_ids(segment_ids, (b, t))
+  if block_size is not None and impl != "chunked":
+    raise ValueError(f"block_size only applies to impl='chunked', got impl={impl!r}")
+  scale = _v.default_scale(scale, d)
+  if impl == "quadratic":
+    bias = -first_passage_penalty(_bht(field), _bht(level))
+    return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
+  if impl == "recurrent":
+    return recurrent_attention(q, k, v, field.astype(_v.STATS_DTYPE), level.astype(_v.STATS_DTYPE),
+                               scale=scale, segment_ids=segment_ids)
+  return _chunked.chunked_attention(q, k, v, _chunked.FPAGate(field, level), scale=scale,
+                                    segment_ids=segment_ids, block_size=block_size)
+
+
+def fox_attention(q, k, v, log_fgate, *, impl="chunked", scale=None, segment_ids=None, block_size=None):
+  """Forgetting Attention (FoX): logit_ij = scale * q_i.k_j + sum_{s=j+1..i} log_fgate_s.
+
+  `quadratic` and `recurrent` go through the exact FPA special case field = level =
+  cumsum(log_fgate) (monotone, so the first-passage penalty equals the summed decay). `chunked`
+  tiles FoX's own cumsum-difference bias c_i - c_j: the cost baseline FPA is benchmarked against.
+
+  Args:
+    log_fgate: [batch, seq, heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)).
+    Others as in `fpa_attention`.
+  """
+  _v.check_impl(impl)
+  b, t, h, d = _v.check_qkv(q, k, v)
+  _v.check_gate("log_fgate", log_fgate, (b, t, h))
+  _v.check_segment_ids(segment_ids, (b, t))
+  if block_size is not None and impl != "chunked":
+    raise ValueError(f"block_size only applies to impl='chunked', got impl={impl!r}")
+  c = jnp.cumsum(log_fgate.astype(_v.STATS_DTYPE), axis=1)
+  if impl == "chunked":
+    return _chunked.chunked_attention(q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d),
+                                      segment_ids=segment_ids, block_size=block_size)
+  return fpa_attention(q, k, v, c, c, impl=impl, scale=scale, segment_ids=segment_ids)
+
+
+def softmax_attention(q, k, v, *, scale=None, segment_ids=None):
+  """Plain causal softmax attention (quadratic reference). [B, T, H, D] -> [B, T, H, Dv]."""
+  b, t, h, d = _v.check_qkv(q, k, v)
+  _v.check_segment_ids(segment_ids, (b, t))
+  bias = jnp.zeros((b, h, t, t), _v.STATS_DTYPE)
+  return masked_softmax_attention(q, k, v, bias, scale=_v.default_scale(scale, d), segment_ids=segment_ids)

@@ -1,0 +1,245 @@
+"""Flash-style tiled attention with a first-passage (or FoX) bias; O(T * block) memory.
+
+Tiling identity. For a query block I strictly after a key block J, the range (j, i] splits into
+the rest of J after j, the whole blocks strictly between, and the start of I up to i:
+
+    min(field over (j, i]) = min(S_j, R[I, J], C_i)
+      S_j     = min of the field in J after j            (key-only, per token)
+      R[I, J] = min of the block minima strictly between  (one scalar per block pair, [nb, nb])
+      C_i     = min of the field in I up to and incl. i   (query-only, per token)
+
+so an off-diagonal tile's bias is -relu(level_j - min(S_j, R[I, J], C_i)): O(block^2) elementwise
+work like FoX's c_i - c_j. Diagonal tiles use an in-tile associative scan.
+
+Gradients. S, C and R are computed *outside* the custom VJP by plain differentiable JAX; the core
+treats them as inputs. In the backward pass each tile re-computes its bias under `jax.vjp` and
+pulls the softmax cotangent back to (S, C, R, level); JAX autodiff then routes those through the
+min-scans to the field. Nothing T x T is ever stored: the forward keeps out and logsumexp, the
+backward recomputes tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fpa_jax.ops.validate import STATS_DTYPE
+
+DEFAULT_BLOCK = 256
+# Finite mask value: exp(NEG - m) == 0 without any inf - inf.
+NEG = -1e30
+F32 = STATS_DTYPE
+
+
+def _min_scan(x, axis, reverse=False):
+  return jax.lax.associative_scan(jnp.minimum, x, axis=axis % x.ndim, reverse=reverse)
+
+
+def _blocks(x, nb, blk):
+  """[B, T, H, ...] -> [B, H, nb, blk, ...] (zero-padded along T)."""
+  t = x.shape[1]
+  x = jnp.pad(x, [(0, 0), (0, nb * blk - t)] + [(0, 0)] * (x.ndim - 2))
+  x = jnp.moveaxis(x, 2, 1)
+  return x.reshape(x.shape[:2] + (nb, blk) + x.shape[3:])
+
+
+class FPAGate:
+  """First-passage bias from field / level [B, T, H]."""
+
+  def __init__(self, field, level):
+    self.field, self.level = field, level
+
+  def stats(self, nb, blk):
+    phi = _blocks(self.field.astype(F32), nb, blk)  # [B, H, nb, blk]
+    lvl = _blocks(self.level.astype(F32), nb, blk)
+    inf = jnp.full(phi.shape[:-1] + (1,), jnp.inf, F32)
+    suffix = jnp.concatenate([_min_scan(phi, -1, reverse=True)[..., 1:], inf], -1)  # S_j, excl. j
+    prefix = _min_scan(phi, -1)  # C_i, incl. i
+    bmin = phi.min(-1)  # [B, H, nb]
+    # P[b, J] = min(bmin over (J, b]); R[I, J] = P[I - 1, J] = min over blocks strictly between.
+    ib = jnp.arange(nb)
+    p = _min_scan(jnp.where(ib[:, None] > ib[None, :], bmin[..., :, None], jnp.inf), -2)
+    r = jnp.concatenate([jnp.full(p.shape[:-2] + (1, nb), jnp.inf, F32), p[..., :-1, :]], -2)
+    return (lvl, suffix), (prefix, phi), (r,)
+
+  @staticmethod
+  def off_bias(kst, qst, pst):
+    (lvl, suffix), (prefix, _), (r,) = kst, qst, pst
+    a = jnp.minimum(suffix, r[..., None])  # [B, H, bk]
+    m = jnp.minimum(a[..., None, :], prefix[..., :, None])  # [B, H, bq, bk]
+    return -jax.nn.relu(lvl[..., None, :] - m)
+
+  @staticmethod
+  def diag_bias(kst, qst):
+    (lvl, _), (_, phi) = kst, qst
+    n = phi.shape[-1]
+    below = jnp.arange(n)[:, None] > jnp.arange(n)[None, :]
+    m = _min_scan(jnp.where(below, phi[..., :, None], jnp.inf), -2)  # min over (j, i]
+    return -jax.nn.relu(lvl[..., None, :] - m)
+
+
+class FoXGate:
+  """Forgetting Attention bias c_i - c_j from c = cumsum(log_fgate) [B, T, H]."""
+
+  def __init__(self, c):
+    self.c = c
+
+  def stats(self, nb, blk):
+    c = _blocks(self.c.astype(F32), nb, blk)
+    return (c,), (c,), ()
+
+  @staticmethod
+  def off_bias(kst, qst, pst):
+    return qst[0][..., :, None] - kst[0][..., None, :]
+
+  diag_bias = staticmethod(lambda kst, qst: FoXGate.off_bias(kst, qst, ()))
+
+
+def _take(x, i, axis=2):
+  return jax.lax.dynamic_index_in_dim(x, i, axis=axis, keepdims=False)
+
+
+def _takes(tree, i):
+  return jax.tree.map(lambda x: _take(x, i), tree)
+
+
+def _pair(pst, i, j):
+  return jax.tree.map(lambda x: x[:, :, i, j], pst)
+
+
+def _logits(q, k, bias, scale, seg, i, j, causal):
+  s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=F32) * scale + bias
+  mask = None
+  if causal:
+    n = s.shape[-1]
+    mask = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+  if seg is not None:
+    sm = _take(seg, i, 1)[:, None, :, None] == _take(seg, j, 1)[:, None, None, :]
+    mask = sm if mask is None else mask & sm
+  return s if mask is None else jnp.where(mask, s, NEG)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _core(gate, scale, qb, kb, vb, kst, qst, pst, seg):
+  return _forward(gate, scale, qb, kb, vb, kst, qst, pst, seg)[0]
+
+
+def _forward(gate, scale, qb, kb, vb, kst, qst, pst, seg):
+  b, h, nb, blk, _ = qb.shape
+  dv = vb.shape[-1]
+
+  def q_block(i, carry):
+    o_buf, lse_buf = carry
+    qi, qsti = _take(qb, i), _takes(qst, i)
+    s = _logits(qi, _take(kb, i), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None])
+    l = p.sum(-1)
+    acc = jnp.einsum("bhqk,bhkd->bhqd", p.astype(vb.dtype), _take(vb, i), preferred_element_type=F32)
+
+    def kv_block(j, c):
+      m, l, acc = c
+      bias = gate.off_bias(_takes(kst, j), qsti, _pair(pst, i, j))
+      s = _logits(qi, _take(kb, j), bias, scale, seg, i, j, False)
+      m_new = jnp.maximum(m, s.max(-1))
+      corr = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[..., None])
+      l = l * corr + p.sum(-1)
+      acc = acc * corr[..., None] + jnp.einsum(
+          "bhqk,bhkd->bhqd", p.astype(vb.dtype), _take(vb, j), preferred_element_type=F32)
+      return m_new, l, acc
+
+    m, l, acc = jax.lax.fori_loop(0, i, kv_block, (m, l, acc))
+    o_buf = jax.lax.dynamic_update_index_in_dim(o_buf, (acc / l[..., None]).astype(qb.dtype), i, 2)
+    lse_buf = jax.lax.dynamic_update_index_in_dim(lse_buf, m + jnp.log(l), i, 2)
+    return o_buf, lse_buf
+
+  o, lse = jax.lax.fori_loop(
+      0, nb, q_block, (jnp.zeros((b, h, nb, blk, dv), qb.dtype), jnp.zeros((b, h, nb, blk), F32)))
+  return o, lse
+
+
+def _core_fwd(gate, scale, qb, kb, vb, kst, qst, pst, seg):
+  o, lse = _forward(gate, scale, qb, kb, vb, kst, qst, pst, seg)
+  return o, (qb, kb, vb, kst, qst, pst, seg, o, lse)
+
+
+def _core_bwd(gate, scale, res, do):
+  qb, kb, vb, kst, qst, pst, seg, o, lse = res
+  nb = qb.shape[2]
+  delta = jnp.sum(do.astype(F32) * o.astype(F32), -1)  # [B, H, nb, blk]
+  zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)
+
+  def k_block(j, carry):
+    dq, dqst, dpst, dk, dv, dkst = carry
+    kj, vj, kstj = _take(kb, j), _take(vb, j), _takes(kst, j)
+
+    def tile(i, c, diag):
+      dq, dqst, dpst, dkj, dvj, dkstj = c
+      qi, doi, qsti = _take(qb, i), _take(do, i), _takes(qst, i)
+      if diag:
+        bias, pull = jax.vjp(gate.diag_bias, kstj, qsti)
+      else:
+        bias, pull = jax.vjp(gate.off_bias, kstj, qsti, _pair(pst, i, j))
+      s = _logits(qi, kj, bias, scale, seg, i, j, diag)
+      p = jnp.exp(s - _take(lse, i)[..., None])  # masked entries: exactly 0
+      dvj = dvj + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do.dtype), doi, preferred_element_type=F32)
+      dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vj, preferred_element_type=F32)
+      ds = p * (dp - _take(delta, i)[..., None])  # d loss / d logit (= d loss / d bias)
+      dq = dq.at[:, :, i].add(jnp.einsum("bhqk,bhkd->bhqd", ds, kj, preferred_element_type=F32) * scale)
+      dkj = dkj + jnp.einsum("bhqk,bhqd->bhkd", ds, qi, preferred_element_type=F32) * scale
+      g = pull(ds)
+      dkstj = jax.tree.map(jnp.add, dkstj, g[0])
+      dqst = jax.tree.map(lambda a, x: a.at[:, :, i].add(x), dqst, g[1])
+      if not diag:
+        dpst = jax.tree.map(lambda a, x: a.at[:, :, i, j].add(x), dpst, g[2])
+      return dq, dqst, dpst, dkj, dvj, dkstj
+
+    c = (dq, dqst, dpst, jnp.zeros(kj.shape, F32), jnp.zeros(vj.shape, F32), zeros(kstj))
+    c = tile(j, c, True)
+    c = jax.lax.fori_loop(j + 1, nb, lambda i, c: tile(i, c, False), c)
+    dq, dqst, dpst, dkj, dvj, dkstj = c
+    put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, j, 2)
+    return dq, dqst, dpst, put(dk, dkj), put(dv, dvj), jax.tree.map(put, dkst, dkstj)
+
+  init = (jnp.zeros(qb.shape, F32), zeros(qst), zeros(pst), jnp.zeros(kb.shape, F32),
+          jnp.zeros(vb.shape, F32), zeros(kst))
+  dq, dqst, dpst, dk, dv, dkst = jax.lax.fori_loop(0, nb, k_block, init)
+  return (dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), dkst, dqst, dpst, None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+def block_for(t: int, block_size: int | None) -> int:
+  """The tile size used for length t: the requested size, shrunk for short sequences."""
+  blk = DEFAULT_BLOCK if block_size is None else int(block_size)
+  if blk < 1:
+    raise ValueError(f"block_size must be a positive int, got {block_size}")
+  return min(blk, _round_up(t, 8))
+
+
+def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None):
+  """Tiled causal attention with a gate bias. q, k: [B, T, H, D], v: [B, T, H, Dv] -> [B, T, H, Dv].
+
+  `gate` is an `FPAGate` or `FoXGate`. Any T: the sequence is padded to a multiple of the block
+  at the end, where causality alone keeps padding out of every real query.
+  """
+  b, t, h, _ = q.shape
+  blk = block_for(t, block_size)
+  nb = -(-t // blk)
+  qb, kb, vb = (_blocks(x, nb, blk) for x in (q, k, v))
+  kst, qst, pst = gate.stats(nb, blk)
+  seg = None
+  if segment_ids is not None:
+    seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, nb * blk - t)], constant_values=-1)
+    seg = seg.reshape(b, nb, blk)
+  o = _core(type(gate), float(scale), qb, kb, vb, kst, qst, pst, seg)  # [B, H, nb, blk, Dv]
+  o = o.reshape(b, h, nb * blk, -1)[:, :, :t]
+  return jnp.swapaxes(o, 1, 2)

@@ -1,0 +1,48 @@
+"""The first-passage penalty: the deepest dip of the field below a key's level on (j, i].
+
+    penalty[i, j] = max(0, level_j - min(field_{j+1}, ..., field_i)),  j <= i
+                    0 on the diagonal (empty range), +inf above it (j > i, not causal).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fpa_jax.ops.validate import STATS_DTYPE
+
+
+def _min_level_monoid(a, b):
+  # (running min of the field, level) pairs combine componentwise by (min, max): a column
+  # "starts" on the diagonal, where its level replaces -inf, and the field entries at or above
+  # the diagonal are +inf, so the pair after the scan at row i is (min over (j, i], level_j).
+  return jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])
+
+
+def first_passage_penalty(field: jax.Array, level: jax.Array) -> jax.Array:
+  """Penalty matrix for causal first-passage attention.
+
+  Args:
+    field: [..., T] field value phi_t per token.
+    level: [..., T] level l_j per key.
+  Returns:
+    [..., T, T] fp32, penalty[..., i, j] (query i, key j) >= 0 for j <= i, +inf for j > i.
+  """
+  if field.shape != level.shape:
+    raise ValueError(f"field and level must have the same shape [..., T], got {field.shape} and {level.shape}")
+  if field.ndim < 1:
+    raise ValueError("field and level need a trailing time axis [..., T]")
+  field = field.astype(STATS_DTYPE)
+  level = level.astype(STATS_DTYPE)
+  t = field.shape[-1]
+  i = jnp.arange(t)[:, None]
+  j = jnp.arange(t)[None, :]
+  inf = jnp.asarray(jnp.inf, STATS_DTYPE)
+  # Scan elements at (row i, column j): field_i strictly below the diagonal, +inf elsewhere;
+  # level_j exactly on the diagonal, -inf elsewhere.
+  mins = jnp.where(i > j, field[..., :, None], inf)
+  lvls = jnp.where(i == j, level[..., None, :], -inf)
+  run_min, run_lvl = jax.lax.associative_scan(_min_level_monoid, (mins, lvls), axis=-2)
+  # On and above the diagonal relu(-inf or level - inf) is 0; the gradient there is 0, not NaN.
+  pen = jax.nn.relu(run_lvl - run_min)
+  return jnp.where(i >= j, pen, inf)

@@ -1,0 +1,104 @@
+"""Recurrent FPA: a scan over time whose carry is a KV cache plus each key's first-passage state.
+
+The per-step update `decode_step` is exactly what autoregressive decoding with a KV cache does:
+every cached key keeps the running min of the field since it was written; a new token first
+lowers those minima with its field value, then is appended with an empty range (min = +inf).
+A key's penalty relu(level - running_min) therefore never decreases, which is what makes
+penalty-threshold eviction safe.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fpa_jax.ops.validate import STATS_DTYPE
+
+
+class FPACache(NamedTuple):
+  """Per-sequence decode state. Slots [0, length) are filled.
+
+  k: [B, S, H, D], v: [B, S, H, Dv] cached keys / values (S = capacity).
+  level: [B, S, H] fp32 key levels.
+  run_min: [B, S, H] fp32 min of the field over (j, now]; +inf right after key j is written.
+  segment: [B, S] int32 segment id of each key (-1 for empty slots).
+  length: [] int32 number of filled slots (shared by the batch).
+  """
+  k: jax.Array
+  v: jax.Array
+  level: jax.Array
+  run_min: jax.Array
+  segment: jax.Array
+  length: jax.Array
+
+
+def init_cache(batch: int, capacity: int, heads: int, head_dim: int, v_dim: int | None = None,
+               dtype=jnp.float32) -> FPACache:
+  v_dim = head_dim if v_dim is None else v_dim
+  return FPACache(
+      k=jnp.zeros((batch, capacity, heads, head_dim), dtype),
+      v=jnp.zeros((batch, capacity, heads, v_dim), dtype),
+      level=jnp.zeros((batch, capacity, heads), STATS_DTYPE),
+      run_min=jnp.full((batch, capacity, heads), jnp.inf, STATS_DTYPE),
+      segment=jnp.full((batch, capacity), -1, jnp.int32),
+      length=jnp.zeros((), jnp.int32),
+  )
+
+
+def cache_penalty(cache: FPACache) -> jax.Array:
+  """[B, S, H] fp32 current penalty of every cached key (0 for the newest; junk in empty slots)."""
+  return jax.nn.relu(cache.level - cache.run_min)
+
+
+def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
+  """One token: update the cache with (k, v, field, level), then attend with q.
+
+  Args:
+    cache: FPACache with length < capacity.
+    q, k: [B, H, D]; v: [B, H, Dv]; field, level: [B, H]; segment: optional [B] int.
+  Returns:
+    (out [B, H, Dv] in q's dtype, new cache).
+  """
+  b = q.shape[0]
+  seg = jnp.zeros((b,), jnp.int32) if segment is None else segment.astype(jnp.int32)
+  pos = cache.length
+  # Keys already cached see this token inside their range (j, now]; the new key sees none.
+  run_min = jnp.minimum(cache.run_min, field.astype(STATS_DTYPE)[:, None, :])
+  cache = FPACache(
+      k=jax.lax.dynamic_update_slice_in_dim(cache.k, k[:, None].astype(cache.k.dtype), pos, 1),
+      v=jax.lax.dynamic_update_slice_in_dim(cache.v, v[:, None].astype(cache.v.dtype), pos, 1),
+      level=jax.lax.dynamic_update_slice_in_dim(cache.level, level.astype(STATS_DTYPE)[:, None], pos, 1),
+      run_min=jax.lax.dynamic_update_slice_in_dim(
+          run_min, jnp.full((b, 1, run_min.shape[-1]), jnp.inf, STATS_DTYPE), pos, 1),
+      segment=jax.lax.dynamic_update_slice_in_dim(cache.segment, seg[:, None], pos, 1),
+      length=pos + 1,
+  )
+  valid = (jnp.arange(cache.k.shape[1]) <= pos)[None, :] & (cache.segment == seg[:, None])  # [B, S]
+  s = jnp.einsum("bhd,bshd->bhs", q, cache.k, preferred_element_type=STATS_DTYPE) * scale
+  logits = s - jnp.where(valid[:, :, None], cache_penalty(cache), 0.0).transpose(0, 2, 1)
+  logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bhs,bshd->bhd", p.astype(cache.v.dtype), cache.v, preferred_element_type=STATS_DTYPE)
+  return out.astype(q.dtype), cache
+
+
+def recurrent_attention(q, k, v, field, level, *, scale, segment_ids=None):
+  """Causal FPA by scanning `decode_step` over time. [B, T, H, D] -> [B, T, H, Dv].
+
+  O(T) state per step, O(T^2) total work. Differentiable (scan autodiff, each step rematerialised).
+  """
+  b, t, h, d = q.shape
+  cache = init_cache(b, t, h, d, v.shape[-1], dtype=k.dtype)
+  seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+
+  @jax.checkpoint
+  def step(cache, xs):
+    q_t, k_t, v_t, f_t, l_t, s_t = xs
+    out, cache = decode_step(cache, q_t, k_t, v_t, f_t, l_t, scale=scale, segment=s_t)
+    return cache, out
+
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, field, level, seg))
+  _, out = jax.lax.scan(step, cache, xs)
+  return jnp.moveaxis(out, 0, 1)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The project's two entry points, each setting up .venv first (idempotent, from requirements.txt):
+#   bash run.sh quickstart [args]   # CPU-sized quickstart on embedded/offline data
+#   bash run.sh test [pytest args]  # the default test suite (what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ] || ! cmp -s requirements.txt .venv/.requirements.stamp; then
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
+    || .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
+  cp requirements.txt .venv/.requirements.stamp
+fi
+cmd=${1:-}; shift || true
+case "$cmd" in
+  quickstart) exec .venv/bin/python -m fpa_jax.quickstart "$@" ;;
+  test) exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" ;;
+  *) echo "usage: bash run.sh {quickstart|test} [args]" >&2; exit 2 ;;
+esac
