@@ -45,6 +45,41 @@ def _blocks(x, nb, blk):
   return x.reshape(x.shape[:2] + (nb, blk) + x.shape[3:])
 
 
+@jax.custom_vjp
+def _fpa_off_bias(lvl, suffix, prefix, r):
+  """-relu(level_j - min(S_j, R, C_i)) for one off-diagonal tile.
+
+  lvl, suffix: [B, H, bk]; prefix: [B, H, bq]; r: [B, H]. Returns [B, H, bq, bk].
+  With A_j = min(S_j, R) it is -max(relu(level_j - A_j), level_j - C_i): two passes per tile.
+  """
+  a = jnp.minimum(suffix, r[..., None])
+  return -jnp.maximum(jax.nn.relu(lvl - a)[..., None, :], lvl[..., None, :] - prefix[..., :, None])
+
+
+def _fpa_off_bias_fwd(lvl, suffix, prefix, r):
+  return _fpa_off_bias(lvl, suffix, prefix, r), (lvl, suffix, prefix, r)
+
+
+def _fpa_off_bias_bwd(res, g):
+  # Hand-written pullback: autodiff of min/relu evaluates tie-splitting selects on every tile
+  # element, which made this tile the backward pass's bottleneck. Subgradient at ties: the key
+  # side A_j wins over C_i (any choice is valid; ties have measure zero for continuous fields).
+  lvl, suffix, prefix, r = res
+  a = jnp.minimum(suffix, r[..., None])
+  # The penalty is level_j - A_j where A_j <= C_i and level_j > A_j ...
+  g_a = jnp.where((a[..., None, :] <= prefix[..., :, None]) & (lvl > a)[..., None, :], g, 0.0)
+  # ... and level_j - C_i where C_i < min(A_j, level_j).
+  g_c = jnp.where(prefix[..., :, None] < jnp.minimum(a, lvl)[..., None, :], g, 0.0)
+  d_a = g_a.sum(-2)
+  d_lvl = -(d_a + g_c.sum(-2))
+  d_prefix = g_c.sum(-1)
+  to_s = suffix <= r[..., None]
+  return d_lvl, jnp.where(to_s, d_a, 0.0), d_prefix, jnp.where(to_s, 0.0, d_a).sum(-1)
+
+
+_fpa_off_bias.defvjp(_fpa_off_bias_fwd, _fpa_off_bias_bwd)
+
+
 class FPAGate:
   """First-passage bias from field / level [B, T, H]."""
 
@@ -67,9 +102,7 @@ class FPAGate:
   @staticmethod
   def off_bias(kst, qst, pst):
     (lvl, suffix), (prefix, _), (r,) = kst, qst, pst
-    a = jnp.minimum(suffix, r[..., None])  # [B, H, bk]
-    m = jnp.minimum(a[..., None, :], prefix[..., :, None])  # [B, H, bq, bk]
-    return -jax.nn.relu(lvl[..., None, :] - m)
+    return _fpa_off_bias(lvl, suffix, prefix, r)
 
   @staticmethod
   def diag_bias(kst, qst):
