@@ -38,7 +38,7 @@ def _min_scan(x, axis, reverse=False):
 
 
 def _blocks(x, nb, blk):
-  """[B, T, H, ...] -> [B, H, nb, blk, ...] (zero-padded along T)."""
+  """Per-token gate stats: [B, T, H] -> [B, H, nb, blk] (zero-padded along T)."""
   t = x.shape[1]
   x = jnp.pad(x, [(0, 0), (0, nb * blk - t)] + [(0, 0)] * (x.ndim - 2))
   x = jnp.moveaxis(x, 2, 1)
@@ -142,8 +142,14 @@ def _pair(pst, i, j):
   return jax.tree.map(lambda x: x[:, :, i, j], pst)
 
 
+def _tile(x, i, blk):
+  """Rows [i * blk, (i + 1) * blk) of a [B, T, H, D] array (no transposed copies of q/k/v)."""
+  return jax.lax.dynamic_slice_in_dim(x, i * blk, blk, axis=1)
+
+
 def _logits(q, k, bias, scale, seg, i, j, causal):
-  s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=F32) * scale + bias
+  """q: [B, bq, H, D], k: [B, bk, H, D], bias: [B, H, bq, bk] -> masked logits [B, H, bq, bk]."""
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) * scale + bias
   mask = None
   if causal:
     n = s.shape[-1]
@@ -154,75 +160,79 @@ def _logits(q, k, bias, scale, seg, i, j, causal):
   return s if mask is None else jnp.where(mask, s, NEG)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _core(gate, scale, qb, kb, vb, kst, qst, pst, seg):
-  return _forward(gate, scale, qb, kb, vb, kst, qst, pst, seg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _core(gate, scale, blk, q, k, v, kst, qst, pst, seg):
+  return _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg)[0]
 
 
-def _forward(gate, scale, qb, kb, vb, kst, qst, pst, seg):
-  b, h, nb, blk, _ = qb.shape
-  dv = vb.shape[-1]
+def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg):
+  """q, k: [B, Tp, H, D], v: [B, Tp, H, Dv] -> (o [B, Tp, H, Dv], logsumexp [B, H, nb, blk])."""
+  b, tp, h, _ = q.shape
+  nb = tp // blk
 
   def q_block(i, carry):
     o_buf, lse_buf = carry
-    qi, qsti = _take(qb, i), _takes(qst, i)
-    s = _logits(qi, _take(kb, i), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
-    m = s.max(-1)
+    qi, qsti = _tile(q, i, blk), _takes(qst, i)
+    s = _logits(qi, _tile(k, i, blk), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
+    m = s.max(-1)  # [B, H, bq]; the diagonal entry is always unmasked, so m is finite
     p = jnp.exp(s - m[..., None])
     l = p.sum(-1)
-    acc = jnp.einsum("bhqk,bhkd->bhqd", p.astype(vb.dtype), _take(vb, i), preferred_element_type=F32)
+    acc = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
 
     def kv_block(j, c):
       m, l, acc = c
       bias = gate.off_bias(_takes(kst, j), qsti, _pair(pst, i, j))
-      s = _logits(qi, _take(kb, j), bias, scale, seg, i, j, False)
+      s = _logits(qi, _tile(k, j, blk), bias, scale, seg, i, j, False)
       m_new = jnp.maximum(m, s.max(-1))
       corr = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[..., None])
       l = l * corr + p.sum(-1)
       acc = acc * corr[..., None] + jnp.einsum(
-          "bhqk,bhkd->bhqd", p.astype(vb.dtype), _take(vb, j), preferred_element_type=F32)
+          "bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32)
       return m_new, l, acc
 
     m, l, acc = jax.lax.fori_loop(0, i, kv_block, (m, l, acc))
-    o_buf = jax.lax.dynamic_update_index_in_dim(o_buf, (acc / l[..., None]).astype(qb.dtype), i, 2)
+    o_i = jnp.swapaxes(acc / l[..., None], 1, 2).astype(q.dtype)  # [B, bq, H, Dv]
+    o_buf = jax.lax.dynamic_update_slice_in_dim(o_buf, o_i, i * blk, 1)
     lse_buf = jax.lax.dynamic_update_index_in_dim(lse_buf, m + jnp.log(l), i, 2)
     return o_buf, lse_buf
 
-  o, lse = jax.lax.fori_loop(
-      0, nb, q_block, (jnp.zeros((b, h, nb, blk, dv), qb.dtype), jnp.zeros((b, h, nb, blk), F32)))
-  return o, lse
+  init = (jnp.zeros((b, tp, h, v.shape[-1]), q.dtype), jnp.zeros((b, h, nb, blk), F32))
+  return jax.lax.fori_loop(0, nb, q_block, init)
 
 
-def _core_fwd(gate, scale, qb, kb, vb, kst, qst, pst, seg):
-  o, lse = _forward(gate, scale, qb, kb, vb, kst, qst, pst, seg)
-  return o, (qb, kb, vb, kst, qst, pst, seg, o, lse)
+def _core_fwd(gate, scale, blk, q, k, v, kst, qst, pst, seg):
+  o, lse = _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg)
+  return o, (q, k, v, kst, qst, pst, seg, o, lse)
 
 
-def _core_bwd(gate, scale, res, do):
-  qb, kb, vb, kst, qst, pst, seg, o, lse = res
-  nb = qb.shape[2]
-  delta = jnp.sum(do.astype(F32) * o.astype(F32), -1)  # [B, H, nb, blk]
+def _core_bwd(gate, scale, blk, res, do):
+  q, k, v, kst, qst, pst, seg, o, lse = res
+  b, tp, h, _ = q.shape
+  nb = tp // blk
+  # delta_i = do_i . o_i, in the stats layout [B, H, nb, blk].
+  delta = jnp.moveaxis(jnp.sum(do.astype(F32) * o.astype(F32), -1), 2, 1).reshape(b, h, nb, blk)
   zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)
 
   def k_block(j, carry):
     dq, dqst, dpst, dk, dv, dkst = carry
-    kj, vj, kstj = _take(kb, j), _take(vb, j), _takes(kst, j)
+    kj, vj, kstj = _tile(k, j, blk), _tile(v, j, blk), _takes(kst, j)
 
     def tile(i, c, diag):
       dq, dqst, dpst, dkj, dvj, dkstj = c
-      qi, doi, qsti = _take(qb, i), _take(do, i), _takes(qst, i)
+      qi, doi, qsti = _tile(q, i, blk), _tile(do, i, blk), _takes(qst, i)
       if diag:
         bias, pull = jax.vjp(gate.diag_bias, kstj, qsti)
       else:
         bias, pull = jax.vjp(gate.off_bias, kstj, qsti, _pair(pst, i, j))
       s = _logits(qi, kj, bias, scale, seg, i, j, diag)
       p = jnp.exp(s - _take(lse, i)[..., None])  # masked entries: exactly 0
-      dvj = dvj + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do.dtype), doi, preferred_element_type=F32)
-      dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vj, preferred_element_type=F32)
+      dvj = dvj + jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
+      dp = jnp.einsum("bqhd,bkhd->bhqk", doi, vj, preferred_element_type=F32)
       ds = p * (dp - _take(delta, i)[..., None])  # d loss / d logit (= d loss / d bias)
-      dq = dq.at[:, :, i].add(jnp.einsum("bhqk,bhkd->bhqd", ds, kj, preferred_element_type=F32) * scale)
-      dkj = dkj + jnp.einsum("bhqk,bhqd->bhkd", ds, qi, preferred_element_type=F32) * scale
+      dq_i = jnp.einsum("bhqk,bkhd->bqhd", ds, kj, preferred_element_type=F32) * scale
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, _tile(dq, i, blk) + dq_i, i * blk, 1)
+      dkj = dkj + jnp.einsum("bhqk,bqhd->bkhd", ds, qi, preferred_element_type=F32) * scale
       g = pull(ds)
       dkstj = jax.tree.map(jnp.add, dkstj, g[0])
       dqst = jax.tree.map(lambda a, x: a.at[:, :, i].add(x), dqst, g[1])
@@ -234,13 +244,17 @@ def _core_bwd(gate, scale, res, do):
     c = tile(j, c, True)
     c = jax.lax.fori_loop(j + 1, nb, lambda i, c: tile(i, c, False), c)
     dq, dqst, dpst, dkj, dvj, dkstj = c
-    put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, j, 2)
-    return dq, dqst, dpst, put(dk, dkj), put(dv, dvj), jax.tree.map(put, dkst, dkstj)
+    dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj.astype(dk.dtype), j * blk, 1)
+    dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj.astype(dv.dtype), j * blk, 1)
+    dkst = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, j, 2), dkst, dkstj)
+    return dq, dqst, dpst, dk, dv, dkst
 
-  init = (jnp.zeros(qb.shape, F32), zeros(qst), zeros(pst), jnp.zeros(kb.shape, F32),
-          jnp.zeros(vb.shape, F32), zeros(kst))
+  # dK / dV tiles are final when written (each key block is visited once), so they are stored in
+  # the input dtype; dQ accumulates across key blocks and stays fp32 until the end.
+  init = (jnp.zeros(q.shape, F32), zeros(qst), zeros(pst), jnp.zeros(k.shape, k.dtype),
+          jnp.zeros(v.shape, v.dtype), zeros(kst))
   dq, dqst, dpst, dk, dv, dkst = jax.lax.fori_loop(0, nb, k_block, init)
-  return (dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), dkst, dqst, dpst, None)
+  return (dq.astype(q.dtype), dk, dv, dkst, dqst, dpst, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -267,12 +281,11 @@ def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None
   b, t, h, _ = q.shape
   blk = block_for(t, block_size)
   nb = -(-t // blk)
-  qb, kb, vb = (_blocks(x, nb, blk) for x in (q, k, v))
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, nb * blk - t), (0, 0), (0, 0)]) if nb * blk != t else x
   kst, qst, pst = gate.stats(nb, blk)
   seg = None
   if segment_ids is not None:
     seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, nb * blk - t)], constant_values=-1)
     seg = seg.reshape(b, nb, blk)
-  o = _core(type(gate), float(scale), qb, kb, vb, kst, qst, pst, seg)  # [B, H, nb, blk, Dv]
-  o = o.reshape(b, h, nb * blk, -1)[:, :, :t]
-  return jnp.swapaxes(o, 1, 2)
+  o = _core(type(gate), float(scale), blk, pad(q), pad(k), pad(v), kst, qst, pst, seg)
+  return o[:, :t]
