@@ -1,0 +1,284 @@
+"""Typed experiment configs: model + training in one flat frozen dataclass.
+
+    from fpa_jax.configs import get_config
+    cfg = get_config("tiny", attention="fox", steps=100)
+
+Every field can be overridden on the command line with `--set key=value` (parsed with the field's
+type) and the most common ones have their own flags (`--attention`, `--task`, `--steps`, `--mesh`).
+
+Gate parameterisation (see `layers.FirstPassageAttention`), per head h and token t:
+    fox   : delta_t = log sigmoid(w_f.x_t + b_f)                      (<= 0, FoX)
+    stack : delta_t = log sigmoid(w_f.x_t + b_f) + rise_scale * tanh(w_r.x_t)
+    fpa   : as stack, and level_j = field_j + (w_o.x_j + b_o)
+    field = cumsum(delta) in fp32; level = field unless `fpa`.
+With the default init (w_r = 0, w_o = 0, b_o = 0) stack and fpa start *exactly* at FoX; the rise
+term lets the field go up (by at most rise_scale per token, so the field never explodes) and the
+offset lets each key choose how deep a dip must be before it is forgotten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
+GATED = ("fpa", "stack", "fox")
+TASKS = ("text", "passkey", "scopes", "dips")
+TEST_TASKS = ("synthetic",)  # test-only in-memory source, see train.SyntheticPipeline
+ATTN_IMPLS = ("chunked", "quadratic", "recurrent")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Base config (all defaults). Use a named preset: `get_config('tiny' | 'small' | 'base110m')`."""
+
+  name: str = "base"
+  # ---- model ----
+  vocab_size: int = 256
+  d_model: int = 64
+  n_layers: int = 2
+  n_heads: int = 2
+  d_ff: int = 0                 # SwiGLU hidden dim; 0 -> round_up(8/3 * d_model, 64)
+  attention: str = "fpa"        # one of ATTENTIONS
+  attn_impl: str = "chunked"    # fpa_jax.ops impl: chunked (default), quadratic (debug), recurrent
+  block_size: int = 0           # chunked tile size; 0 -> ops default (shrinks for short sequences)
+  rope: bool | None = None      # None -> RoPE for softmax only (FoX/FPA gates give position info)
+  rope_theta: float = 10000.0
+  qk_norm: bool = False         # FoX "Pro": RMSNorm on q and k per head
+  output_gate: bool = False     # FoX "Pro": o = o * sigmoid(W_g x) per head before W_o
+  tie_embeddings: bool = False
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  # gate parameterisation / init (see module docstring); exposed for ablations
+  gate_init_std: float = 0.02   # w_f ~ N(0, std) (FoX's init)
+  gate_bias_init: float = 0.0   # b_f (FoX's init: 0)
+  rise_scale: float = 1.0       # max upward field step per token for stack/fpa
+  rise_init_std: float = 0.0    # w_r init std; 0 -> stack/fpa start exactly at FoX
+  offset_init_std: float = 0.0  # fpa level-offset weight init std; 0 -> level = field at init
+  offset_bias_init: float = 0.0
+  dtype: str = "float32"        # compute dtype (bfloat16 for speed); params stay param_dtype
+  param_dtype: str = "float32"
+  # ---- data ----
+  task: str = "text"
+  data_dir: str = "data"
+  tokenizer: str = "bytes"
+  small_data: bool = False
+  seq_len: int = 64
+  batch_size: int = 8           # global batch (sequences per optimizer step)
+  # ---- optimisation ----
+  steps: int = 100
+  lr: float = 1e-3
+  min_lr_ratio: float = 0.1     # cosine decays to lr * min_lr_ratio
+  warmup_steps: int = 10
+  lr_decay_steps: int = 0       # cosine horizon; 0 -> `steps`. Fix it to extend runs exactly.
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0        # global-norm clipping; 0 disables
+  grad_accum: int = 1           # micro-batches per step (batch_size must divide)
+  seed: int = 0
+  # ---- loop ----
+  mesh: str = ""                # e.g. "data=4,model=2"; "" -> all devices on data
+  log_every: int = 10
+  ckpt_every: int = 100
+  keep_checkpoints: int = 3
+  eval_every: int = 0           # 0 disables periodic validation loss
+  eval_batches: int = 4
+
+  # ---- derived ----
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def ff_dim(self) -> int:
+    return self.d_ff or -(-int(8 * self.d_model / 3) // 64) * 64
+
+  @property
+  def use_rope(self) -> bool:
+    return (self.attention == "softmax") if self.rope is None else bool(self.rope)
+
+  @property
+  def decay_steps(self) -> int:
+    return self.lr_decay_steps or self.steps
+
+  def validate(self) -> "Config":
+    """Static checks (no devices needed); raises ValueError saying what to change."""
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
+    if self.task not in TASKS + TEST_TASKS:
+      raise ValueError(f"unknown task {self.task!r}; use one of {TASKS}")
+    if self.attn_impl not in ATTN_IMPLS:
+      raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use one of {ATTN_IMPLS}")
+    if self.d_model % self.n_heads:
+      raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                       f"change one of them (e.g. --set n_heads={_divisor_hint(self.d_model, self.n_heads)})")
+    if self.use_rope and self.head_dim % 2:
+      raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}; change d_model or n_heads")
+    for f in ("dtype", "param_dtype"):
+      if getattr(self, f) not in DTYPES:
+        raise ValueError(f"{f}={getattr(self, f)!r}; use one of {DTYPES}")
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "batch_size", "steps", "grad_accum"):
+      if getattr(self, f) < 1:
+        raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+    if self.batch_size % self.grad_accum:
+      raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+    if self.block_size < 0:
+      raise ValueError(f"block_size must be >= 0 (0 = default), got {self.block_size}")
+    if self.block_size and self.attn_impl != "chunked":
+      raise ValueError("block_size only applies to attn_impl='chunked'; set block_size=0")
+    return self
+
+  def validate_mesh(self, mesh_sizes: dict[str, int]) -> None:
+    """Checks that need the mesh: the per-micro-batch batch must split over `data`."""
+    data = mesh_sizes["data"]
+    micro = self.batch_size // self.grad_accum
+    if micro % data:
+      raise ValueError(f"batch_size/grad_accum = {self.batch_size}/{self.grad_accum} = {micro} sequences per "
+                       f"micro-batch is not divisible by the data axis ({data}); use a batch_size that is a "
+                       f"multiple of {data * self.grad_accum} or a smaller data axis in --mesh")
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _divisor_hint(d: int, h: int) -> int:
+  divs = [k for k in range(1, d + 1) if d % k == 0]
+  return min(divs, key=lambda k: abs(k - h))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny(Config):
+  """python -m fpa_jax.train --config tiny --task text --steps 50 --workdir /tmp/fpa_tiny
+
+  Tests and smoke runs: 2 layers, d_model 32, 2 heads, 64-token sequences; compiles and runs
+  a step in seconds on CPU. Loss drops but nothing meaningful is learned.
+  """
+
+  name: str = "tiny"
+  vocab_size: int = 64
+  d_model: int = 32
+  n_layers: int = 2
+  n_heads: int = 2
+  d_ff: int = 64
+  seq_len: int = 32
+  batch_size: int = 8
+  steps: int = 20
+  lr: float = 3e-3
+  warmup_steps: int = 2
+  log_every: int = 1
+  ckpt_every: int = 10
+  small_data: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Small(Config):
+  """python -m fpa_jax.train --config small --attention fpa --task passkey --steps 2000 --workdir runs/small_fpa
+
+  CPU studies: 4 layers, d_model 128, 4 heads, 256-token sequences, batch 16 (~1M params);
+  a few hundred steps take minutes on a laptop CPU; synthetic tasks (passkey, scopes, dips) are
+  learned within a few thousand steps. Also the `experiments.bench_train` throughput config.
+  """
+
+  name: str = "small"
+  vocab_size: int = 256
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  d_ff: int = 384
+  seq_len: int = 256
+  batch_size: int = 16
+  block_size: int = 64
+  steps: int = 2000
+  lr: float = 1e-3
+  warmup_steps: int = 100
+  log_every: int = 20
+  ckpt_every: int = 500
+
+
+@dataclasses.dataclass(frozen=True)
+class Base110M(Config):
+  """python -m fpa_jax.train --config base110m --attention fpa --task text --steps 20000 --mesh data=8,model=1 --workdir runs/base_fpa
+
+  The paper's scale: d_model 768, 12 layers, 12 heads, SwiGLU 2048, vocab 32000, tied embeddings
+  (~110M parameters), 2048-token sequences, bf16 compute with fp32 params. Needs accelerators:
+  expect ~20k steps x 0.5M tokens for a meaningful text run (accelerator-days). Not run on CPU.
+  """
+
+  name: str = "base110m"
+  vocab_size: int = 32000
+  d_model: int = 768
+  n_layers: int = 12
+  n_heads: int = 12
+  d_ff: int = 2048
+  tie_embeddings: bool = True
+  seq_len: int = 2048
+  batch_size: int = 256
+  block_size: int = 256
+  dtype: str = "bfloat16"
+  tokenizer: str = "sentencepiece"
+  small_data: bool = False
+  steps: int = 20000
+  lr: float = 2e-3
+  warmup_steps: int = 1000
+  log_every: int = 50
+  ckpt_every: int = 1000
+  eval_every: int = 1000
+
+
+CONFIGS: dict[str, type[Config]] = {"tiny": Tiny, "small": Small, "base110m": Base110M}
+
+
+def get_config(name: str, **overrides: Any) -> Config:
+  """A named preset with field overrides, validated. Unknown names/fields raise ValueError."""
+  if name not in CONFIGS:
+    raise ValueError(f"unknown config {name!r}; use one of {tuple(CONFIGS)}")
+  cls = CONFIGS[name]
+  fields = {f.name for f in dataclasses.fields(cls)}
+  bad = sorted(set(overrides) - fields)
+  if bad:
+    raise ValueError(f"unknown config field(s) {bad}; valid fields: {sorted(fields)}")
+  return cls(**overrides).validate()
+
+
+def replace(config: Config, **overrides: Any) -> Config:
+  return dataclasses.replace(config, **overrides).validate()
+
+
+def parse_overrides(config_cls: type[Config], items: list[str]) -> dict[str, Any]:
+  """['lr=3e-4', 'qk_norm=true'] -> typed dict using the dataclass field types."""
+  hints = typing.get_type_hints(config_cls)
+  out: dict[str, Any] = {}
+  for item in items:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep:
+      raise ValueError(f"--set expects key=value, got {item!r}")
+    if key not in hints or key.startswith("_"):
+      raise ValueError(f"unknown config field {key!r} in --set {item!r}; valid: {sorted(f.name for f in dataclasses.fields(config_cls))}")
+    out[key] = _parse_value(hints[key], raw.strip(), key)
+  return out
+
+
+def _parse_value(tp: Any, raw: str, key: str) -> Any:
+  args = typing.get_args(tp)
+  if type(None) in args:
+    if raw.lower() in ("none", "null", ""):
+      return None
+    tp = next(a for a in args if a is not type(None))
+  try:
+    if tp is bool:
+      if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+      if raw.lower() in ("0", "false", "no", "off"):
+        return False
+      raise ValueError(raw)
+    if tp is int:
+      return int(raw)
+    if tp is float:
+      return float(raw)
+    return raw
+  except ValueError:
+    raise ValueError(f"--set {key}={raw!r}: expected {getattr(tp, '__name__', tp)}") from None

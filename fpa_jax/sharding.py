@@ -1,0 +1,147 @@
+"""Device mesh and the single logical-axis -> mesh-axis table.
+
+Parameters are annotated with *logical* axis names (the constants below) via
+`nnx.with_partitioning(init, (EMBED, HEADS, ...))` in `layers.py`; nothing else in the code base
+names a mesh axis except `RULES` (and the batch spec). Change the parallelism strategy here only.
+
+Mesh axes:
+  data   batch parallelism + FSDP (parameters' EMBED dim sharded over `data`, gathered per use)
+  model  tensor parallelism over attention heads, the MLP hidden dim and the vocabulary
+
+Multi-host: `maybe_initialize_distributed()` calls `jax.distributed.initialize()` when the
+environment describes a multi-process job (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES set, a
+multi-task SLURM allocation, or FPA_DISTRIBUTED=1 for Cloud TPU pods where JAX auto-detects).
+The mesh then spans `jax.devices()` (all hosts); each host feeds its slice of the batch via
+`jax.make_array_from_process_local_data`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+# ---- logical axis names (used in parameter annotations) ----
+BATCH = "batch"        # activations: batch
+SEQ = "seq"            # activations: sequence
+EMBED = "embed"        # d_model
+HEADS = "heads"        # attention heads
+HEAD_DIM = "head_dim"  # per-head feature dim
+MLP = "mlp"            # SwiGLU hidden dim
+VOCAB = "vocab"        # vocabulary
+
+MESH_AXES = ("data", "model")
+
+# ---- THE table: logical axis -> mesh axis (None = replicated) ----
+RULES: Mapping[str, str | None] = {
+    BATCH: "data",
+    SEQ: None,
+    EMBED: "data",     # FSDP: weights' d_model dim sharded across the data axis
+    HEADS: "model",
+    HEAD_DIM: None,
+    MLP: "model",
+    VOCAB: "model",
+}
+
+
+def maybe_initialize_distributed() -> bool:
+  """Call `jax.distributed.initialize()` iff the environment says this is a multi-process job."""
+  env = os.environ
+  multi = (
+      "JAX_COORDINATOR_ADDRESS" in env
+      or int(env.get("JAX_NUM_PROCESSES", "1")) > 1
+      or int(env.get("SLURM_NTASKS", "1")) > 1
+      or env.get("FPA_DISTRIBUTED", "0") == "1"
+  )
+  if multi:
+    jax.distributed.initialize()
+  return multi
+
+
+def parse_mesh(spec: str | None, n_devices: int | None = None) -> dict[str, int]:
+  """'data=4,model=2' -> {'data': 4, 'model': 2}. None/'' -> all devices on `data`.
+
+  Raises a ValueError saying what to change if the product does not match the device count.
+  """
+  n = jax.device_count() if n_devices is None else n_devices
+  if not spec:
+    return {"data": n, "model": 1}
+  sizes: dict[str, int] = {}
+  for part in spec.split(","):
+    name, sep, val = part.strip().partition("=")
+    if not sep or name not in MESH_AXES or not val.strip().isdigit() or int(val) < 1:
+      raise ValueError(f"bad --mesh entry {part!r} in {spec!r}: expected e.g. 'data=4,model=2' "
+                       f"with axes from {MESH_AXES} and positive sizes")
+    if name in sizes:
+      raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
+    sizes[name] = int(val)
+  sizes = {"data": sizes.get("data", 1), "model": sizes.get("model", 1)}
+  if sizes["data"] * sizes["model"] != n:
+    raise ValueError(f"--mesh {spec!r} has {sizes['data']}x{sizes['model']}="
+                     f"{sizes['data'] * sizes['model']} devices but {n} are available; "
+                     f"use sizes whose product is {n} (e.g. --mesh data={n // sizes['model'] if n % sizes['model'] == 0 else n},model="
+                     f"{sizes['model'] if n % sizes['model'] == 0 else 1})")
+  return sizes
+
+
+def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+  """A ('data', 'model') mesh from a spec string such as 'data=4,model=2' (None: pure data parallel)."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = parse_mesh(spec, len(devices))
+  # Auto axes: GSPMD propagates shardings through the model from the in/out specs we give.
+  return jax.make_mesh((sizes["data"], sizes["model"]), MESH_AXES,
+                       axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+
+
+def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
+                    mesh: jax.sharding.Mesh | None = None) -> P:
+  """Map logical axis names to a PartitionSpec via RULES.
+
+  With `shape` and `mesh`, a dim whose size the mesh axis does not divide is replicated instead
+  (e.g. 2 heads on model=4), and a mesh axis is used at most once per array.
+  """
+  if not axes:
+    return P()
+  used: set[str] = set()
+  out = []
+  for i, name in enumerate(axes):
+    if name is not None and name not in RULES:
+      raise ValueError(f"unknown logical axis {name!r}; add it to fpa_jax.sharding.RULES")
+    mesh_axis = RULES.get(name) if name is not None else None
+    if mesh_axis is not None and mesh is not None and shape is not None:
+      if shape[i] % mesh.shape[mesh_axis] != 0:
+        mesh_axis = None
+    if mesh_axis in used:
+      mesh_axis = None
+    if mesh_axis is not None:
+      used.add(mesh_axis)
+    out.append(mesh_axis)
+  return P(*out)
+
+
+def state_shardings(abstract_state, mesh: jax.sharding.Mesh):
+  """NamedSharding tree for an (abstract) nnx.State, from each Variable's `out_sharding` names."""
+
+  def one(v):
+    if isinstance(v, nnx.Variable):
+      axes = v.get_metadata().get("out_sharding")
+      shape = getattr(v.get_value(), "shape", ())
+      return v.replace(NamedSharding(mesh, logical_to_spec(axes, shape, mesh)))
+    return NamedSharding(mesh, P())
+
+  return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+  """[batch, seq] arrays: batch over the data axis."""
+  return NamedSharding(mesh, P(RULES[BATCH]))
+
+
+def shard_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+  """Host-local numpy batch -> global jax.Arrays sharded over `data` (multi-host safe)."""
+  sh = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()}

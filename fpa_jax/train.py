@@ -1,0 +1,391 @@
+"""Sharded, resumable training of the decoder LM.
+
+    python -m fpa_jax.train --config tiny --attention fpa --task text --steps 50 --workdir /tmp/run
+    python -m fpa_jax.train --config small --attention fox --task passkey --steps 2000 \
+        --workdir runs/fox --mesh data=4,model=2 --set lr=3e-4 --set grad_accum=2
+
+Rerunning a command with a larger --steps resumes from the latest checkpoint in --workdir (model,
+optimizer, step and data iterator). The cosine horizon is `lr_decay_steps` (default: --steps);
+fix it (`--set lr_decay_steps=N`) when you plan to extend a run, so the extension is exactly the
+run you would have had straight through.
+
+Outputs in the workdir: metrics.jsonl (one JSON object per logged step: step, loss, tokens_per_s,
+lr, grad_norm, ...), TensorBoard events under tb/, checkpoints/ (orbax), config.json.
+
+Design (functional NNX): the model and optimizer are created *inside* a jit whose out_shardings
+come from the parameters' logical axis names (`fpa_jax.sharding.RULES`), so nothing is ever
+materialised unsharded; `nnx.split` gives (graphdef, state) and the train step is a pure jitted
+function state -> state with explicit in/out NamedShardings and the state buffers donated.
+Multi-host: see `fpa_jax.sharding.maybe_initialize_distributed` (called by `main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fpa_jax import configs as C
+from fpa_jax import sharding as S
+from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings
+from fpa_jax.models import DecoderLM
+
+# Config fields that define the parameter shapes: a checkpoint made with different values can't resume.
+_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "attention", "qk_norm",
+                 "output_gate", "tie_embeddings", "param_dtype")
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Raised when the loss or gradient norm is NaN/inf; the last good checkpoint is kept."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+
+class SyntheticPipeline:
+  """TEST-ONLY in-memory data source (`--task synthetic`): deterministic random tokens.
+
+  Batch n is a pure function of (seed, n), so `get_state()` is just the counter. Each row holds
+  two packed segments (segment_ids 1 and 2) so the segment path is exercised.
+  """
+
+  def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0,
+               process_index: int = 0, process_count: int = 1):
+    if batch_size % process_count:
+      raise ValueError(f"batch_size {batch_size} not divisible by process_count {process_count}")
+    self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+    self.local_batch, self.process_index = batch_size // process_count, process_index
+    self.step = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([self.seed, self.step, self.process_index])
+    self.step += 1
+    b, t = self.local_batch, self.seq_len
+    # A learnable stream: each segment repeats a short random motif.
+    motif = rng.integers(1, self.vocab_size, (b, 8))
+    toks = np.tile(motif, (1, (t + 1) // 8 + 1))[:, : t + 1].astype(np.int32)
+    seg = np.where(np.arange(t) < t // 2, 1, 2).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.broadcast_to(seg, (b, t)).copy(),
+            "loss_mask": np.ones((b, t), np.float32)}
+
+  def get_state(self) -> dict:
+    return {"step": self.step}
+
+  def set_state(self, state: dict) -> None:
+    self.step = int(state["step"])
+
+
+def make_data(cfg: C.Config, split: str = "train"):
+  """The configured data pipeline (real tasks via `fpa_jax.data`, imported lazily)."""
+  pi, pc = jax.process_index(), jax.process_count()
+  if cfg.task == "synthetic":
+    return SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                             seed=cfg.seed + (0 if split == "train" else 1), process_index=pi, process_count=pc)
+  from fpa_jax.data import make_pipeline  # lazy: the trainer imports without the data package
+  return make_pipeline(cfg.task, split, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                       seed=cfg.seed, tokenizer=cfg.tokenizer, small=cfg.small_data, shuffle=(split == "train"),
+                       num_epochs=None if split == "train" else 1, process_index=pi, process_count=pc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer, state, step
+# ------------------------------------------------------------------------------------------------
+
+def lr_schedule(cfg: C.Config) -> optax.Schedule:
+  warm = min(cfg.warmup_steps, cfg.decay_steps)
+  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, max(cfg.decay_steps, warm + 1),
+                                            end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
+  """AdamW (decay on matrices only) + warmup/cosine + global-norm clipping."""
+  decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+  adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+
+
+def _init_fn(cfg: C.Config, tx) -> Callable[[], tuple]:
+  def init():
+    model = DecoderLM(cfg, rngs=nnx.Rngs(params=cfg.seed))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return init
+
+
+def create_state(cfg: C.Config, mesh: jax.sharding.Mesh, tx=None):
+  """-> (graphdef, sharded state, state shardings). Params are created shard-by-shard in a jit."""
+  tx = make_optimizer(cfg) if tx is None else tx
+  init = _init_fn(cfg, tx)
+  graphdef, abstract = nnx.split(nnx.eval_shape(init))
+  shardings = S.state_shardings(abstract, mesh)
+  state = jax.jit(lambda: nnx.state(init()), out_shardings=shardings)()
+  return graphdef, state, shardings, abstract
+
+
+def lm_loss(model: DecoderLM, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """-> (sum of masked token cross-entropies, number of target tokens)."""
+  logits = model(batch["inputs"], batch["segment_ids"])                       # [B, T, V] fp32
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
+  mask = batch["loss_mask"].astype(jnp.float32)
+  return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+class TrainStep:
+  """Builds the jitted step; `traces` counts Python traces (must stay 1: no retracing)."""
+
+  def __init__(self, cfg: C.Config, graphdef, shardings, mesh: jax.sharding.Mesh, tx):
+    self.cfg, self.graphdef, self.mesh, self.traces = cfg, graphdef, mesh, 0
+    self.schedule = lr_schedule(cfg)
+    batch_sh = {k: S.batch_sharding(mesh) for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+    rep = NamedSharding(mesh, P())
+    self.jitted = jax.jit(self._step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
+                          donate_argnums=(0,))
+    self.eval_jitted = jax.jit(self._eval, in_shardings=(shardings, batch_sh), out_shardings=rep)
+
+  def _step(self, state, batch):
+    self.traces += 1  # Python side effect: runs once per trace, never per call
+    cfg = self.cfg
+    model, opt = nnx.merge(self.graphdef, state)
+    gdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p, mb):
+      return lm_loss(nnx.merge(gdef, p, rest), mb)
+
+    a = cfg.grad_accum
+    if a == 1:
+      (loss_sum, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    else:
+      # Micro-batch k takes rows k, k+a, ...: every device keeps an equal share of each micro-batch.
+      spec = NamedSharding(self.mesh, P(None, S.RULES[S.BATCH]))
+      micro = {k: jax.lax.with_sharding_constraint(
+          jnp.swapaxes(v.reshape(v.shape[0] // a, a, *v.shape[1:]), 0, 1), spec) for k, v in batch.items()}
+
+      def body(carry, mb):
+        g_acc, l_acc, n_acc = carry
+        (l, n), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, n_acc + n), None
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      (grads, loss_sum, count), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+    denom = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)   # mean over all target tokens of the step
+    lr = self.schedule(opt.step[...])
+    opt.update(model, grads)
+    metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads), "lr": lr, "tokens": count}
+    return nnx.state((model, opt)), metrics
+
+  def _eval(self, state, batch):
+    model, _ = nnx.merge(self.graphdef, state)
+    return lm_loss(model, batch)
+
+  def __call__(self, state, batch):
+    return self.jitted(state, batch)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loop
+# ------------------------------------------------------------------------------------------------
+
+class _Logger:
+  """metrics.jsonl + TensorBoard (process 0 only)."""
+
+  def __init__(self, workdir: str):
+    self.on = jax.process_index() == 0
+    self.f = open(os.path.join(workdir, "metrics.jsonl"), "a") if self.on else None
+    self.tb = None
+    if self.on:
+      try:
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+      except ImportError:  # pragma: no cover - optional
+        self.tb = None
+
+  def write(self, record: dict) -> None:
+    if not self.on:
+      return
+    self.f.write(json.dumps(record) + "\n")
+    self.f.flush()
+    if self.tb is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)):
+          self.tb.add_scalar(k, v, record["step"])
+
+  def close(self) -> None:
+    if self.f:
+      self.f.close()
+    if self.tb is not None:
+      self.tb.close()
+
+
+def _check_resume_config(saved: dict, cfg: C.Config, directory: str) -> None:
+  diff = {k: (saved.get(k), getattr(cfg, k)) for k in _MODEL_FIELDS if k in saved and saved[k] != getattr(cfg, k)}
+  if diff:
+    raise ValueError(f"checkpoint in {directory} was made with a different model ({diff}, saved vs now); "
+                     "use a new --workdir or the original settings")
+
+
+def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh: jax.sharding.Mesh | None = None,
+          progress: bool | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """Train (or resume) `config` in `workdir`. `data`: any iterator of batch dicts with
+  get_state/set_state (default: the configured pipeline). Returns a summary dict with the final
+  `state`, `graphdef`, `history` (logged records), `traces`, `start_step`, `step`.
+  """
+  log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+  cfg = config.validate()
+  mesh = mesh if mesh is not None else S.make_mesh(cfg.mesh or None)
+  cfg.validate_mesh(dict(mesh.shape))
+  os.makedirs(workdir, exist_ok=True)
+
+  pipeline = make_data(cfg) if data is None else data
+  vocab = getattr(pipeline, "vocab_size", cfg.vocab_size)
+  if vocab != cfg.vocab_size:
+    log(f"[train] vocab_size {cfg.vocab_size} -> {vocab} (from the data pipeline)")
+    cfg = C.replace(cfg, vocab_size=vocab)
+
+  tx = make_optimizer(cfg)
+  graphdef, state, shardings, abstract = create_state(cfg, mesh, tx)
+  step_fn = TrainStep(cfg, graphdef, shardings, mesh, tx)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints)
+  start = ckpt.latest_step() or 0
+  if start:
+    del state  # restore straight into sharded buffers
+    state, data_state, saved_cfg = ckpt.restore(start, abstract_with_shardings(abstract, shardings))
+    _check_resume_config(saved_cfg, cfg, ckpt.directory)
+    pipeline.set_state(data_state)
+    log(f"[train] resumed from step {start} in {ckpt.directory}")
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(cfg.to_dict(), f, indent=1)
+
+  logger = _Logger(workdir)
+  tty = sys.stderr.isatty() if progress is None else progress
+  bar = None
+  if tty and jax.process_index() == 0:
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.steps, initial=start, dynamic_ncols=True)
+  eval_data = None
+  history: list[dict] = []
+  last_good = start
+  t_window, tok_window = time.perf_counter(), 0.0
+  step = start
+  try:
+    for step in range(start, cfg.steps):
+      batch = S.shard_batch(next(pipeline), mesh)
+      state, metrics = step_fn(state, batch)
+      m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        ckpt.wait()
+        raise NonFiniteLossError(
+            f"non-finite loss/grad at step {step + 1} (loss={m['loss']}, grad_norm={m['grad_norm']}); stopped "
+            f"without saving. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}. "
+            "Try a lower --set lr=..., a longer warmup, clip_norm>0 or dtype=float32.")
+      tok_window += cfg.batch_size * cfg.seq_len  # throughput counts every input token
+      done = step + 1
+      if done % cfg.log_every == 0 or done == cfg.steps or done == start + 1:
+        now = time.perf_counter()
+        rec = {"step": done, "loss": m["loss"], "tokens_per_s": tok_window / max(now - t_window, 1e-9),
+               "lr": m["lr"], "grad_norm": m["grad_norm"], "loss_tokens": m["tokens"]}
+        if cfg.eval_every and done % cfg.eval_every == 0:
+          eval_data, ev = _evaluate(cfg, step_fn, state, mesh, eval_data, log)
+          if ev is not None:
+            rec["eval_loss"] = ev
+        logger.write(rec)
+        history.append(rec)
+        t_window, tok_window = time.perf_counter(), 0.0
+        if bar is not None:
+          bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+      if bar is not None:
+        bar.update(1)
+      if done % cfg.ckpt_every == 0 or done == cfg.steps:
+        ckpt.save(done, state, pipeline.get_state(), cfg.to_dict())
+        last_good = done
+  finally:
+    ckpt.close()
+    logger.close()
+    if bar is not None:
+      bar.close()
+  return {"state": state, "graphdef": graphdef, "history": history, "traces": step_fn.traces,
+          "start_step": start, "step": max(step + 1, start) if cfg.steps > start else start,
+          "config": cfg, "last_checkpoint": last_good}
+
+
+def _evaluate(cfg, step_fn, state, mesh, eval_data, log):
+  """Mean validation loss over `eval_batches` batches; skipped if the task has no validation split."""
+  if eval_data is None:
+    try:
+      eval_data = make_data(cfg, "validation")
+    except Exception as e:  # noqa: BLE001 - a missing split just disables eval
+      log(f"[train] no validation split for {cfg.task!r} ({e}); eval disabled")
+      return False, None
+  if eval_data is False:
+    return False, None
+  tot, n = 0.0, 0.0
+  for _ in range(cfg.eval_batches):
+    try:
+      batch = S.shard_batch(next(eval_data), mesh)
+    except StopIteration:
+      eval_data = None  # fresh epoch next time
+      break
+    s, c = jax.device_get(step_fn.eval_jitted(state, batch))
+    tot, n = tot + float(s), n + float(c)
+  return eval_data, (tot / n if n else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> tuple[C.Config, argparse.Namespace]:
+  ap = argparse.ArgumentParser(prog="python -m fpa_jax.train", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--config", default="tiny", choices=sorted(C.CONFIGS))
+  ap.add_argument("--attention", choices=C.ATTENTIONS)
+  # "synthetic" is a hidden test-only task (deterministic in-memory tokens), not listed in --help.
+  ap.add_argument("--task", help=f"one of {C.TASKS}")
+  ap.add_argument("--steps", type=int)
+  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--mesh", help="e.g. data=4,model=2 (product = device count); default all on data")
+  ap.add_argument("--data_dir")
+  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                  help="override any config field, repeatable (e.g. --set lr=3e-4 --set dtype=bfloat16)")
+  ap.add_argument("--no_progress", action="store_true")
+  args = ap.parse_args(argv)
+  overrides = C.parse_overrides(C.CONFIGS[args.config], args.sets)
+  for key in ("attention", "task", "steps", "mesh", "data_dir"):
+    if getattr(args, key) is not None:
+      overrides[key] = getattr(args, key)
+  return C.get_config(args.config, **overrides), args
+
+
+def main(argv: list[str] | None = None) -> int:
+  S.maybe_initialize_distributed()
+  try:
+    cfg, args = parse_args(argv)
+    out = train(cfg, workdir=args.workdir, progress=False if args.no_progress else None)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except NonFiniteLossError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  h = out["history"]
+  if h:
+    print(json.dumps({"step": h[-1]["step"], "loss": h[-1]["loss"]}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,120 @@
+"""Layer, model and config tests (CPU, seconds)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fpa_jax import configs as C
+from fpa_jax import sharding as S
+from fpa_jax.layers import apply_rope, segment_positions
+from fpa_jax.models import abstract_model, build_model, count_params
+
+
+@nnx.jit
+def fwd(model, tokens, segment_ids=None):
+  return model(tokens, segment_ids=segment_ids)
+
+
+@pytest.mark.parametrize("name", sorted(C.CONFIGS))
+def test_every_config_instantiates_shapes_only(name):
+  cfg = C.get_config(name)
+  assert type(cfg).__doc__.startswith("python -m fpa_jax.train --config " + name)
+  for att in C.ATTENTIONS:
+    model = abstract_model(dataclasses.replace(cfg, attention=att))
+    n = count_params(model)
+    assert n > 0
+    if name == "base110m":
+      assert abs(n - 110e6) / 110e6 < 0.03, n
+    # every parameter carries logical axis names that the sharding table knows
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+      axes = v.get_metadata().get("out_sharding")
+      assert axes is not None and len(axes) == v.get_value().ndim, path
+      S.logical_to_spec(axes)
+
+
+@pytest.mark.parametrize("att", C.ATTENTIONS)
+def test_forward_shapes_and_segments(att):
+  cfg = C.get_config("tiny", attention=att, qk_norm=True, output_gate=True)
+  model = build_model(cfg, seed=0)
+  tok = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
+  seg = jnp.array([[1] * 8 + [2] * 8, [1] * 16])
+  logits = fwd(model, tok, seg)
+  assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(logits)))
+  # segment 2 of row 0 is independent of segment 1: changing segment 1 leaves it unchanged
+  tok2 = tok.at[0, :8].set((tok[0, :8] + 1) % cfg.vocab_size)
+  np.testing.assert_allclose(fwd(model, tok2, seg)[0, 8:], logits[0, 8:], atol=1e-5)
+  # causality: changing the last token leaves earlier logits unchanged
+  tok3 = tok.at[:, -1].set((tok[:, -1] + 1) % cfg.vocab_size)
+  np.testing.assert_allclose(fwd(model, tok3, seg)[:, :-1], logits[:, :-1], atol=1e-5)
+
+
+@pytest.mark.parametrize("att", ["stack", "fpa"])
+def test_gated_variants_start_at_fox(att):
+  """With the default init (rise and offset weights 0) stack/fpa equal FoX given FoX's weights."""
+  cfg = C.get_config("tiny", attention=att)
+  model = build_model(cfg, seed=1)
+  fox = build_model(C.replace(cfg, attention="fox"), seed=2)
+  extra = lambda path, _: any(n in path for n in ("w_r", "w_o", "b_o"))
+  shared = nnx.filter_state(nnx.state(model, nnx.Param), nnx.Not(extra))
+  nnx.update(fox, shared)
+  tok = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
+  np.testing.assert_allclose(fwd(model, tok), fwd(fox, tok), atol=2e-5)
+
+
+def test_bf16_compute_fp32_params():
+  cfg = C.get_config("tiny", dtype="bfloat16", attn_impl="quadratic")
+  model = build_model(cfg)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  logits = fwd(model, jnp.zeros((2, 8), jnp.int32))
+  assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_segment_positions_and_rope():
+  seg = jnp.array([[1, 1, 1, 2, 2, 3]])
+  np.testing.assert_array_equal(segment_positions(seg, 1, 6), [[0, 1, 2, 0, 1, 0]])
+  x = jax.random.normal(jax.random.key(0), (1, 6, 2, 8))
+  y = apply_rope(x, segment_positions(None, 1, 6), 1e4)
+  np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+  np.testing.assert_allclose(y[:, 0], x[:, 0], atol=1e-6)  # position 0 is the identity
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(d_model=30, n_heads=4), "not divisible by n_heads"),
+    (dict(attention="linear"), "unknown attention"),
+    (dict(task="wiki"), "unknown task"),
+    (dict(batch_size=6, grad_accum=4), "not divisible by grad_accum"),
+    (dict(attn_impl="quadratic", block_size=16), "block_size only applies"),
+])
+def test_bad_configs(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    C.get_config("tiny", **overrides)
+
+
+def test_unknown_config_and_field():
+  with pytest.raises(ValueError, match="unknown config"):
+    C.get_config("huge")
+  with pytest.raises(ValueError, match="unknown config field"):
+    C.get_config("tiny", d_modle=3)
+  assert C.parse_overrides(C.Tiny, ["lr=3e-4", "qk_norm=true", "rope=none"]) == {"lr": 3e-4, "qk_norm": True, "rope": None}
+
+
+def test_mesh_parsing_and_rules():
+  assert S.parse_mesh("data=4,model=2", 8) == {"data": 4, "model": 2}
+  assert S.parse_mesh(None, 8) == {"data": 8, "model": 1}
+  with pytest.raises(ValueError, match="product is 8"):
+    S.parse_mesh("data=3,model=2", 8)
+  with pytest.raises(ValueError, match="bad --mesh"):
+    S.parse_mesh("dp=8", 8)
+  mesh = S.make_mesh("data=4,model=2")
+  assert S.logical_to_spec((S.EMBED, S.HEADS, S.HEAD_DIM), (32, 2, 16), mesh) == jax.sharding.PartitionSpec("data", "model", None)
+  # a dim the mesh axis does not divide is replicated
+  assert S.logical_to_spec((S.EMBED, S.HEADS), (32, 3), mesh) == jax.sharding.PartitionSpec("data", None)
+  with pytest.raises(ValueError, match="batch_size/grad_accum"):
+    C.get_config("tiny", batch_size=6).validate_mesh({"data": 4, "model": 2})

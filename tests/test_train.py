@@ -1,0 +1,142 @@
+"""Trainer tests: sharding equivalence, exact resume in a new process, overfitting, retracing,
+non-finite guard, checkpoint atomicity, config errors before compiling (CPU, 8 simulated devices)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from fpa_jax import configs as C
+from fpa_jax import sharding as S
+from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings
+from fpa_jax.train import NonFiniteLossError, SyntheticPipeline, TrainStep, create_state, main, train
+
+from _helpers_train import FixedBatch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _params(state):
+  return {"/".join(map(str, k)): np.asarray(jax.device_get(v.get_value()))
+          for k, v in nnx.to_flat_state(state[0])}
+
+
+def test_sharded_step_matches_single_device():
+  """One step on a (data=4, model=2) mesh == one step on one device (fp32, <= 1e-5)."""
+  cfg = C.get_config("tiny", task="synthetic", grad_accum=2, n_layers=1)
+  batch = next(SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size))
+  out = {}
+  for name, mesh in [("8", S.make_mesh("data=4,model=2")), ("1", S.make_mesh(None, devices=jax.devices()[:1]))]:
+    graphdef, state, shardings, _ = create_state(cfg, mesh)
+    if name == "8":  # parameters really are sharded: wq [embed, heads, head_dim] -> (data, model, None)
+      wq = state[0]["blocks"][0]["attn"]["wq"].get_value()
+      assert wq.sharding.spec == jax.sharding.PartitionSpec("data", "model", None)
+      assert len(wq.addressable_shards) == 8 and wq.addressable_shards[0].data.shape == (8, 1, 16)
+    step = TrainStep(cfg, graphdef, shardings, mesh, None)
+    new, metrics = step(state, S.shard_batch(batch, mesh))
+    out[name] = (float(metrics["loss"]), _params(new))
+  assert abs(out["8"][0] - out["1"][0]) <= 1e-5
+  for k, v in out["1"][1].items():
+    np.testing.assert_allclose(out["8"][1][k], v, atol=1e-5, rtol=0, err_msg=k)
+
+
+def _cli(workdir, steps):
+  """Start `python -m fpa_jax.train` (tiny, test-only synthetic task) as a new process."""
+  cmd = [sys.executable, "-m", "fpa_jax.train", "--config", "tiny", "--task", "synthetic", "--steps", str(steps),
+         "--workdir", str(workdir), "--set", "lr_decay_steps=12", "--set", "ckpt_every=6", "--set", "n_layers=1", "--no_progress"]
+  return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def _wait(proc):
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  return err
+
+
+def _restore(workdir, target, step):
+  ck = Checkpointer(os.path.join(workdir, "checkpoints"))
+  state, data_state, _ = ck.restore(step, target)
+  ck.close()
+  return state, data_state
+
+
+def test_resume_in_new_process_is_exact(tmp_path):
+  """12 steps straight == 6 steps, new process, resume, 6 more: identical losses and parameters."""
+  straight, split = tmp_path / "straight", tmp_path / "split"
+  p_straight, p_first = _cli(straight, 12), _cli(split, 6)  # run concurrently
+  _wait(p_first)
+  err = _wait(_cli(split, 12))
+  assert "resumed from step 6" in err
+  _wait(p_straight)
+
+  recs = {d: [json.loads(line) for line in open(d / "metrics.jsonl")] for d in (straight, split)}
+  assert {"step", "loss", "tokens_per_s"} <= set(recs[split][0])
+  assert [r["step"] for r in recs[split]] == list(range(1, 13))
+  assert [r["loss"] for r in recs[split]] == [r["loss"] for r in recs[straight]]
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(split / "tb"))
+
+  cfg = C.get_config("tiny", task="synthetic", steps=12, lr_decay_steps=12, ckpt_every=6, n_layers=1)
+  _, _, shardings, abstract = create_state(cfg, S.make_mesh(None))
+  target = abstract_with_shardings(abstract, shardings)
+  (sa, da), (sb, db) = _restore(str(straight), target, 12), _restore(str(split), target, 12)
+  assert da == db == {"step": 12}
+  a, b = _params(sa), _params(sb)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  assert int(sb[1]["step"].get_value()) == 12
+
+  # Atomicity: a stray unfinalised tmp dir (a crash mid-save) is never picked up as a checkpoint.
+  stray = split / "checkpoints" / "18.orbax-checkpoint-tmp-1234"
+  (stray / "state").mkdir(parents=True)
+  (stray / "state" / "garbage").write_text("half-written")
+  ck = Checkpointer(split / "checkpoints")
+  assert ck.latest_step() == 12 and 18 not in ck.all_steps()
+  ck.close()
+
+
+def test_no_retracing_in_process(tmp_path):
+  cfg = C.get_config("tiny", task="synthetic", steps=5, ckpt_every=3, n_layers=1)
+  out = train(cfg, workdir=str(tmp_path), progress=False, mesh=S.make_mesh(None, devices=jax.devices()[:1]))
+  assert out["traces"] == 1 and [r["step"] for r in out["history"]] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("att", C.ATTENTIONS)
+def test_tiny_model_overfits_tiny_batch(att, tmp_path):
+  cfg = C.get_config("tiny", attention=att, task="synthetic", steps=60, lr=1e-2, warmup_steps=5,
+                     log_every=60, ckpt_every=1000, n_layers=1, batch_size=2, seq_len=16)
+  out = train(cfg, workdir=str(tmp_path), data=FixedBatch(seq_len=16, batch_size=2), progress=False,
+              mesh=S.make_mesh(None, devices=jax.devices()[:1]))
+  first, last = out["history"][0]["loss"], out["history"][-1]["loss"]
+  assert last < first / 8, (first, last)
+  assert out["traces"] == 1
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+  cfg = C.get_config("tiny", task="synthetic", steps=6, ckpt_every=1, n_layers=1)
+  with pytest.raises(NonFiniteLossError, match="non-finite loss/grad at step 3.*Last good checkpoint: step 2"):
+    train(cfg, workdir=str(tmp_path), data=FixedBatch(nan_at=3), progress=False,
+          mesh=S.make_mesh(None, devices=jax.devices()[:1]))
+  ck = Checkpointer(tmp_path / "checkpoints")
+  assert ck.latest_step() == 2
+  ck.close()
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--mesh", "data=3,model=2"], "product is 8"),
+    (["--mesh", "data=8", "--set", "batch_size=4"], "not divisible by the data axis"),
+    (["--set", "d_model=33"], "not divisible by n_heads"),
+    (["--task", "wiki"], "unknown task"),
+    (["--set", "lr=fast"], "expected float"),
+])
+def test_cli_bad_config_fails_before_compiling(args, match, tmp_path, capsys):
+  assert main(["--config", "tiny", "--workdir", str(tmp_path), "--task", "synthetic", *args]) == 2
+  assert match in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "checkpoints")
