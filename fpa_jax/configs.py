@@ -19,6 +19,7 @@ offset lets each key choose how deep a dip must be before it is forgotten.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import Any
 
@@ -125,6 +126,8 @@ class Config:
         raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
     if self.batch_size % self.grad_accum:
       raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+    if not re.fullmatch(r"bytes|spm(:\d+)?", self.tokenizer):
+      raise ValueError(f"unknown tokenizer {self.tokenizer!r}; use 'bytes', 'spm' or 'spm:N' (see fpa_jax.data)")
     if self.block_size < 0:
       raise ValueError(f"block_size must be >= 0 (0 = default), got {self.block_size}")
     if self.block_size and self.attn_impl != "chunked":
@@ -218,7 +221,7 @@ class Base110M(Config):
   batch_size: int = 256
   block_size: int = 256
   dtype: str = "bfloat16"
-  tokenizer: str = "sentencepiece"
+  tokenizer: str = "spm:32000"  # SentencePiece trained offline on fpa_text
   small_data: bool = False
   steps: int = 20000
   lr: float = 2e-3

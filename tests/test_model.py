@@ -36,6 +36,9 @@ def test_every_config_instantiates_shapes_only(name):
       axes = v.get_metadata().get("out_sharding")
       assert axes is not None and len(axes) == v.get_value().ndim, path
       S.logical_to_spec(axes)
+  # the tokenizer name is one the data package accepts (configs only regex-check it)
+  from fpa_jax.data.tokenizers import parse_tokenizer_name
+  parse_tokenizer_name(cfg.tokenizer)
 
 
 @pytest.mark.parametrize("att", C.ATTENTIONS)
@@ -91,6 +94,7 @@ def test_segment_positions_and_rope():
     (dict(task="wiki"), "unknown task"),
     (dict(batch_size=6, grad_accum=4), "not divisible by grad_accum"),
     (dict(attn_impl="quadratic", block_size=16), "block_size only applies"),
+    (dict(tokenizer="sentencepiece"), "unknown tokenizer"),
 ])
 def test_bad_configs(overrides, match):
   with pytest.raises(ValueError, match=match):
