@@ -76,10 +76,15 @@ def matmul_gflops(n=2048, repeats=5):
   return 2 * n ** 3 / _time(f.lower(a, a).compile(), (a, a), repeats) / 1e9
 
 
-def run(seq_lens, repeats, block_size, mem_budget_gib):
+def run(seq_lens, repeats, block_size, mem_budget_gib, only=None):
   rows = []
   budget = mem_budget_gib * 2 ** 30
   methods = _methods(block_size)
+  if only:
+    unknown = sorted(set(only) - set(methods))
+    if unknown:
+      raise ValueError(f"unknown method(s) {unknown}; choose from {sorted(methods)}")
+    methods = {k: v for k, v in methods.items() if k in only}
   todo = [(t, m) for t in seq_lens for m in methods]
   for t, name in tqdm(todo, desc="bench_attention", unit="cfg"):
     fn, max_t = methods[name]
@@ -192,6 +197,8 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--block-size", type=int, default=None)
   p.add_argument("--mem-budget-gib", type=float, default=6.0)
+  p.add_argument("--methods", type=lambda s: s.split(","), default=None,
+                 help="comma-separated subset of methods (default: all)")
   p.add_argument("--out-dir", default="results")
   a = p.parse_args(argv)
   seq_lens = [512, 1024] if a.quick else a.seq_lens
@@ -202,7 +209,7 @@ def main(argv=None):
       "matmul_gflops": matmul_gflops(),
       "command": "python -m experiments.bench_attention " + " ".join(argv if argv is not None else os.sys.argv[1:]),
   }
-  result["rows"] = run(seq_lens, a.repeats, a.block_size, a.mem_budget_gib)
+  result["rows"] = run(seq_lens, a.repeats, a.block_size, a.mem_budget_gib, a.methods)
   result["targets"] = targets(result["rows"])
   out = Path(a.out_dir)
   out.mkdir(parents=True, exist_ok=True)

@@ -129,11 +129,15 @@ class FirstPassageAttention(nnx.Module):
       self.w_o = _param(rngs, normal(cfg.offset_init_std), (d, h), (EMBED, HEADS), pdt)
       self.b_o = _param(rngs, constant(cfg.offset_bias_init), (h,), (HEADS,), pdt)
 
+  def log_forget(self, x: jax.Array) -> jax.Array:
+    """FoX's log forget gate: x [B, T, D] -> [B, T, H] fp32, <= 0."""
+    return jax.nn.log_sigmoid(x.astype(F32) @ self.w_f[...].astype(F32) + self.b_f[...].astype(F32))
+
   def gate(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> (field, level), each [B, T, H] fp32."""
     cfg = self.cfg
     x32 = x.astype(F32)
-    delta = jax.nn.log_sigmoid(x32 @ self.w_f[...].astype(F32) + self.b_f[...].astype(F32))   # [B, T, H] <= 0
+    delta = self.log_forget(x32)                                                               # [B, T, H] <= 0
     if cfg.attention in ("stack", "fpa"):
       delta = delta + cfg.rise_scale * jnp.tanh(x32 @ self.w_r[...].astype(F32))
     field = jnp.cumsum(delta, axis=1)                                                          # [B, T, H]
@@ -159,8 +163,7 @@ class FirstPassageAttention(nnx.Module):
     if cfg.attention == "fox":
       # FoX: field == level == cumsum(delta); the FoX kernel tiles c_i - c_j directly (cheaper,
       # mathematically identical to fpa_attention(field, field)) -- the honest cost baseline.
-      log_f = jax.nn.log_sigmoid(x.astype(F32) @ self.w_f[...].astype(F32) + self.b_f[...].astype(F32))
-      o = ops.fox_attention(q, k, v, log_f, **kw)
+      o = ops.fox_attention(q, k, v, self.log_forget(x), **kw)
     elif cfg.attention in ("stack", "fpa"):
       field, level = self.gate(x)
       o = ops.fpa_attention(q, k, v, field, level, **kw)

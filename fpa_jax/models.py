@@ -11,6 +11,8 @@ Shape legend: B batch, T sequence, D d_model, V vocab.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -72,12 +74,6 @@ def abstract_model(config: Config) -> DecoderLM:
 
 
 def count_params(model_or_state) -> int:
+  """Number of parameters of a model (concrete or abstract) or of a Param state."""
   state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
-  return sum(int(jnp.size(x)) if not hasattr(x, "shape") else int(_prod(x.shape)) for x in jax.tree.leaves(state))
-
-
-def _prod(shape) -> int:
-  n = 1
-  for s in shape:
-    n *= int(s)
-  return n
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(state))

@@ -65,15 +65,17 @@ def main(argv=None) -> int:
       print(f"   {attention}: already trained to step {out['step']} in {wd} (use a larger --steps)")
       continue
     last = h[-1]
-    summary[attention] = {"step": last["step"], "loss": last["loss"], "eval_loss": last.get("eval_loss"),
+    summary[attention] = {"step": last["step"], "first_loss": h[0]["loss"], "loss": last["loss"],
+                          "eval_loss": last.get("eval_loss"),
                           "tokens_per_s": last["tokens_per_s"], "workdir": wd}
   if summary:
-    print("\n   attention | step | train loss | val loss | val bits/byte | tokens/s")
+    print("\n   attention | step | train loss (first -> last) | val loss | val bits/byte | tokens/s")
     for k, s in summary.items():
       ev = s["eval_loss"]
       bpb = "—" if ev is None else f"{ev / math.log(2):.3f}"
       evs = "—" if ev is None else f"{ev:.3f}"
-      print(f"   {k:9s} | {s['step']:4d} | {s['loss']:10.3f} | {evs:>8s} | {bpb:>13s} | {s['tokens_per_s']:8.0f}")
+      print(f"   {k:9s} | {s['step']:4d} | {s['first_loss']:12.3f} -> {s['loss']:6.3f} | {evs:>8s} | {bpb:>13s} | "
+            f"{s['tokens_per_s']:8.0f}")
     os.makedirs(a.workdir, exist_ok=True)
     with open(os.path.join(a.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)

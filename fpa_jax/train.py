@@ -96,8 +96,11 @@ def make_data(cfg: C.Config, split: str = "train"):
   if cfg.task == "synthetic":
     return SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                              seed=cfg.seed + (0 if split == "train" else 1), process_index=pi, process_count=pc)
+  if cfg.batch_size % pc:
+    raise ValueError(f"batch_size={cfg.batch_size} (global) is not divisible by the {pc} processes")
   from fpa_jax.data import make_pipeline  # lazy: the trainer imports without the data package
-  return make_pipeline(cfg.task, split, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+  # The pipeline's batch is per process; cfg.batch_size is global.
+  return make_pipeline(cfg.task, split, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size // pc,
                        seed=cfg.seed, tokenizer=cfg.tokenizer, small=cfg.small_data, shuffle=(split == "train"),
                        num_epochs=None if split == "train" else 1, process_index=pi, process_count=pc)
 
@@ -323,6 +326,14 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
           "config": cfg, "last_checkpoint": last_good}
 
 
+def _pad_rows(batch: dict, rows: int) -> dict:
+  """Pad a final partial eval batch with all-masked rows, so its shape (and the jit) stays fixed."""
+  n = len(batch["inputs"])
+  if n == rows:
+    return batch
+  return {k: np.concatenate([v, np.zeros((rows - n,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+
+
 def _evaluate(cfg, step_fn, state, mesh, eval_data, log):
   """Mean validation loss over `eval_batches` batches; skipped if the task has no validation split."""
   if eval_data is None:
@@ -336,7 +347,7 @@ def _evaluate(cfg, step_fn, state, mesh, eval_data, log):
   tot, n = 0.0, 0.0
   for _ in range(cfg.eval_batches):
     try:
-      batch = S.shard_batch(next(eval_data), mesh)
+      batch = S.shard_batch(_pad_rows(next(eval_data), cfg.batch_size // jax.process_count()), mesh)
     except StopIteration:
       eval_data = None  # fresh epoch next time
       break

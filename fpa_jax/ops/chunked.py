@@ -45,21 +45,13 @@ def _blocks(x, nb, blk):
   return x.reshape(x.shape[:2] + (nb, blk) + x.shape[3:])
 
 
-def _sum_to(x, shape):
-  """Sum a broadcast result back to `shape` (the transpose of broadcasting)."""
-  axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
-  return x.sum(axes, keepdims=True) if axes else x
-
-
 @jax.custom_vjp
 def _fpa_bias(lvl, suffix, prefix, r):
-  """-relu(level_j - min(S_j, R, C_i)) where every key precedes its query's (sub-)block.
+  """-relu(level_j - min(S_j, R, C_i)) on an off-diagonal tile.
 
-  All arguments broadcast against each other to the tile: key-side `lvl`, `suffix` vary along the
-  key axes, `prefix` along the query axes, `r` per (sub-)block pair. Off-diagonal tiles pass
-  [B, H, 1, bk], [B, H, 1, bk], [B, H, bq, 1], [B, H, 1, 1]; diagonal tiles the 4-D sub-block
-  layout. With A = min(S_j, R) the bias is
-  -max(relu(level_j - A), level_j - C_i): two elementwise passes per tile.
+  lvl, suffix: [B, H, 1, bk] (keys); prefix: [B, H, bq, 1] (queries); r: [B, H, 1, 1] (the tile's
+  R[I, J]) -> [B, H, bq, bk]. With A_j = min(S_j, R) the bias is -max(relu(level_j - A_j),
+  level_j - C_i): two elementwise passes, fused into the logits.
   """
   a = jnp.minimum(suffix, r)
   return -jnp.maximum(jax.nn.relu(lvl - a), lvl - prefix)
@@ -71,20 +63,19 @@ def _fpa_bias_fwd(lvl, suffix, prefix, r):
 
 def _fpa_bias_bwd(res, g):
   # Hand-written pullback: autodiff of min/relu evaluates tie-splitting selects on every tile
-  # element, which made this the backward pass's bottleneck. Subgradient at ties: the key side
-  # A wins over C_i, and S_j over R (any choice is valid; ties have measure zero for
-  # continuous fields). Tile-sized work: two selects and the reductions.
+  # element, which made this the backward pass's bottleneck. Here: one compare per element per
+  # route, key-only conditions applied after the column sums. Subgradient at ties: the key side
+  # A_j wins over C_i, and S_j over R (any choice is valid; ties have measure zero for
+  # continuous fields).
   lvl, suffix, prefix, r = res
   a = jnp.minimum(suffix, r)
-  # The penalty is level_j - A where A <= C_i and level_j > A ...
-  g_a = jnp.where((a <= prefix) & (lvl > a), g, 0.0)
-  # ... and level_j - C_i where C_i < min(A, level_j).
+  # The penalty is level_j - A_j where C_i >= A_j and level_j > A_j ...
+  d_a = jnp.where(lvl > a, jnp.where(prefix >= a, g, 0.0).sum(-2, keepdims=True), 0.0)
+  # ... and level_j - C_i where C_i < min(A_j, level_j).
   g_c = jnp.where(prefix < jnp.minimum(a, lvl), g, 0.0)
-  d_a = _sum_to(g_a, a.shape)
   to_s = suffix <= r
-  return (-(_sum_to(d_a, lvl.shape) + _sum_to(g_c, lvl.shape)),
-          _sum_to(jnp.where(to_s, d_a, 0.0), suffix.shape), _sum_to(g_c, prefix.shape),
-          _sum_to(jnp.where(to_s, 0.0, d_a), r.shape))
+  return (-(d_a + g_c.sum(-2, keepdims=True)), jnp.where(to_s, d_a, 0.0), g_c.sum(-1, keepdims=True),
+          jnp.where(to_s, 0.0, d_a).sum(-1, keepdims=True))
 
 
 _fpa_bias.defvjp(_fpa_bias_fwd, _fpa_bias_bwd)

@@ -1,0 +1,39 @@
+"""Benchmark and README tooling: tiny real runs, so the scripts cannot rot silently."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import bench_attention, update_readme
+
+
+def test_bench_attention_tiny_run_writes_results(tmp_path):
+  bench_attention.main(["--seq-lens", "32", "--repeats", "1", "--methods", "fpa_chunked,fox_chunked,xla_dense_softmax",
+                        "--out-dir", str(tmp_path)])
+  res = json.loads((tmp_path / "bench_attention.json").read_text())
+  assert {r["method"] for r in res["rows"]} == {"fpa_chunked", "fox_chunked", "xla_dense_softmax"}
+  for r in res["rows"]:
+    assert r["fwd_s"] > 0 and r["fwdbwd_s"] > 0 and r["fwdbwd_temp_bytes"] is not None
+  assert res["matmul_gflops"] > 0
+  md = (tmp_path / "bench_attention.md").read_text()
+  assert "| fpa_chunked | 32 |" in md and (tmp_path / "bench_attention.png").stat().st_size > 0
+
+
+def test_bench_targets_are_ratios_of_measured_rows():
+  rows = [{"method": "fpa_chunked", "T": 4096, "fwdbwd_s": 2.0, "fwd_s": 1.0},
+          {"method": "xla_dense_softmax", "T": 4096, "fwdbwd_s": 4.0, "fwd_s": 1.0},
+          {"method": "fox_chunked", "T": 4096, "fwdbwd_s": 1.0},
+          {"method": "fpa_chunked", "T": 16384, "fwdbwd_temp_bytes": 16384 * 16384 * 4 // 8}]
+  t = bench_attention.targets(rows)
+  assert t["fpa_chunked_fwdbwd_over_xla_dense_T4096"] == {"measured": 0.5, "target_max": 1.0, "met": True}
+  assert t["fpa_chunked_fwdbwd_over_fox_chunked_T4096"]["met"] is False  # 2.0 > 1.25
+  assert t["fpa_chunked_fwdbwd_temp_over_dense_TxT_fp32_T16384"]["measured"] == 1 / 8
+
+
+def test_update_readme_fills_marked_blocks(tmp_path):
+  (tmp_path / "results").mkdir()
+  (tmp_path / "results" / "x.md").write_text("| a | 1 |\n")
+  text = "head\n<!-- results/x.md -->\nstale\n<!-- end results/x.md -->\n<!-- results/y.md -->\n<!-- end results/y.md -->\n"
+  out = update_readme.render(text, tmp_path)
+  assert "| a | 1 |" in out and "stale" not in out and "not yet generated" in out
+  assert update_readme.render(out, tmp_path) == out  # idempotent
