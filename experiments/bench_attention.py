@@ -194,7 +194,7 @@ def main(argv=None):
   p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")],
                  default=[512, 1024, 2048, 4096, 8192, 16384])
   p.add_argument("--quick", action="store_true", help="T = 512, 1024 only")
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--block-size", type=int, default=None)
   p.add_argument("--mem-budget-gib", type=float, default=6.0)
   p.add_argument("--methods", type=lambda s: s.split(","), default=None,

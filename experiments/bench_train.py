@@ -79,11 +79,30 @@ def main(argv=None) -> dict:
     print(f"FPA / FoX throughput: {out['fpa_over_fox']:.3f} (target >= 0.9)")
   if "softmax" in results and "fox" in results:
     out["fox_over_softmax"] = results["fox"]["tokens_per_s"] / results["softmax"]["tokens_per_s"]
+  out["command"] = "python -m experiments.bench_train " + " ".join(argv if argv is not None else os.sys.argv[1:])
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
-  print(f"wrote {args.out}")
+  md = os.path.splitext(args.out)[0] + ".md"
+  with open(md, "w") as f:
+    f.write(markdown(out))
+  print(f"wrote {args.out} and {md}")
   return out
+
+
+def markdown(out: dict) -> str:
+  """The results as a README table."""
+  cfg = C.get_config(out["config"], **out["overrides"])
+  lines = [f"`{out['command'].strip()}`: config `{out['config']}` (d_model {cfg.d_model}, {cfg.n_layers} layers, "
+           f"{cfg.n_heads} heads, seq {cfg.seq_len}, batch {cfg.batch_size}, block {cfg.block_size or 'default'}), "
+           f"{out['devices']} {out['backend']} device(s), jax {out['jax']}, median of {out['steps']} steps.", "",
+           "| attention | tokens/s | step ms (median) | compile s |", "|---|---:|---:|---:|"]
+  for att, r in out["results"].items():
+    lines.append(f"| {att} | {r['tokens_per_s']:.0f} | {r['step_s_median'] * 1e3:.1f} | {r['compile_s']:.1f} |")
+  if "fpa_over_fox" in out:
+    ratio = out["fpa_over_fox"]
+    lines += ["", f"FPA / FoX throughput: **{ratio:.3f}** (target ≥ 0.9: {'met' if ratio >= 0.9 else 'not met'})."]
+  return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -9,13 +9,15 @@ the rest of J after j, the whole blocks strictly between, and the start of I up 
       C_i     = min of the field in I up to and incl. i   (query-only, per token)
 
 so an off-diagonal tile's bias is -relu(level_j - min(S_j, R[I, J], C_i)): O(block^2) elementwise
-work like FoX's c_i - c_j. Diagonal tiles use an in-tile associative scan.
+work like FoX's c_i - c_j. Diagonal tiles use an in-tile associative min-scan down each column.
 
 Gradients. S, C and R are computed *outside* the custom VJP by plain differentiable JAX; the core
 treats them as inputs. In the backward pass each tile re-computes its bias under `jax.vjp` and
-pulls the softmax cotangent back to (S, C, R, level); JAX autodiff then routes those through the
-min-scans to the field. Nothing T x T is ever stored: the forward keeps out and logsumexp, the
-backward recomputes tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local).
+pulls the softmax cotangent back to (S, C, R, level) or, on the diagonal, to (level, field); JAX
+autodiff then routes S, C, R through the min-scans to the field. Both tile biases carry
+hand-written pullbacks (`_fpa_bias`, `_diag_bias`): autodiff of min/relu and of the scan was the
+backward pass's bottleneck. Nothing T x T is ever stored: the forward keeps out and logsumexp,
+the backward recomputes tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local).
 """
 
 from __future__ import annotations
