@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -207,7 +208,7 @@ def main(argv=None):
       "machine": f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}",
       "block_size": block_for(max(seq_lens), a.block_size),
       "matmul_gflops": matmul_gflops(),
-      "command": "python -m experiments.bench_attention " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+      "command": "python -m experiments.bench_attention " + " ".join(argv if argv is not None else sys.argv[1:]),
   }
   result["rows"] = run(seq_lens, a.repeats, a.block_size, a.mem_budget_gib, a.methods)
   result["targets"] = targets(result["rows"])

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -79,7 +80,7 @@ def main(argv=None) -> dict:
     print(f"FPA / FoX throughput: {out['fpa_over_fox']:.3f} (target >= 0.9)")
   if "softmax" in results and "fox" in results:
     out["fox_over_softmax"] = results["fox"]["tokens_per_s"] / results["softmax"]["tokens_per_s"]
-  out["command"] = "python -m experiments.bench_train " + " ".join(argv if argv is not None else os.sys.argv[1:])
+  out["command"] = "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)

@@ -175,7 +175,8 @@ class FpaText(_FpaBuilder):
     def _split_generators(self, dl_manager):
         c = self.builder_config
         root, files = text.corpus_files(c.source, c.small)
-        readable = [f for f in files if text.read_utf8(os.path.join(root, f)) is not None]
+        texts = {f: text.read_utf8(os.path.join(root, f)) for f in files}  # read once, reused below
+        readable = [f for f in files if texts[f] is not None]
         splits = text.split_files(readable, seed=c.seed)
         # The manifest lands in the versioned data dir, next to the records it describes.
         man = text.manifest(root, readable, splits)
@@ -185,13 +186,12 @@ class FpaText(_FpaBuilder):
         with open(path, "w") as f:
             json.dump(man, f, indent=1)
         by_path = {e["path"]: e for e in man["files"]}
-        return {s: self._generate_examples(root, fs, by_path) for s, fs in splits.items()}
+        return {s: self._generate_examples(fs, texts, by_path) for s, fs in splits.items()}
 
-    def _generate_examples(self, root, files, by_path):
+    def _generate_examples(self, files, texts, by_path):
         for f in files:
             e = by_path[f]
-            yield f, {"text": text.read_utf8(os.path.join(root, f)), "path": f,
-                      "sha256": e["sha256"], "size": e["size"]}
+            yield f, {"text": texts[f], "path": f, "sha256": e["sha256"], "size": e["size"]}
 
 
 BUILDERS = {"scopes": FpaScopes, "dips": FpaDips, "passkey": FpaPasskey, "text": FpaText}

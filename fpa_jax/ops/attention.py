@@ -40,13 +40,11 @@ def fpa_attention(q, k, v, field, level, *, impl="chunked", scale=None, segment_
   Returns:
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
   """
-  _v.check_impl(impl)
+  _v.check_impl(impl, block_size)
   b, t, h, d = _v.check_qkv(q, k, v)
   _v.check_gate("field", field, (b, t, h))
   _v.check_gate("level", level, (b, t, h))
   _v.check_segment_ids(segment_ids, (b, t))
-  if block_size is not None and impl != "chunked":
-    raise ValueError(f"block_size only applies to impl='chunked', got impl={impl!r}")
   scale = _v.default_scale(scale, d)
   if impl == "quadratic":
     bias = -first_passage_penalty(_bht(field), _bht(level))
@@ -69,12 +67,10 @@ def fox_attention(q, k, v, log_fgate, *, impl="chunked", scale=None, segment_ids
     log_fgate: [batch, seq, heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)).
     Others as in `fpa_attention`.
   """
-  _v.check_impl(impl)
+  _v.check_impl(impl, block_size)
   b, t, h, d = _v.check_qkv(q, k, v)
   _v.check_gate("log_fgate", log_fgate, (b, t, h))
   _v.check_segment_ids(segment_ids, (b, t))
-  if block_size is not None and impl != "chunked":
-    raise ValueError(f"block_size only applies to impl='chunked', got impl={impl!r}")
   c = jnp.cumsum(log_fgate.astype(_v.STATS_DTYPE), axis=1)
   if impl == "chunked":
     return _chunked.chunked_attention(q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d),

@@ -11,12 +11,14 @@ STATS_DTYPE = jnp.float32
 
 
 def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.floating)
+  return jnp.issubdtype(x.dtype, jnp.floating)  # callers check the shape first: x is an array
 
 
-def check_impl(impl: str, allowed=IMPLS) -> None:
-  if impl not in allowed:
-    raise ValueError(f"impl must be one of {allowed}, got {impl!r}")
+def check_impl(impl: str, block_size=None) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if block_size is not None and impl != "chunked":
+    raise ValueError(f"block_size only applies to impl='chunked', got impl={impl!r}")
 
 
 def check_qkv(q, k, v) -> tuple[int, int, int, int]:
