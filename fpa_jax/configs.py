@@ -6,14 +6,23 @@
 Every field can be overridden on the command line with `--set key=value` (parsed with the field's
 type) and the most common ones have their own flags (`--attention`, `--task`, `--steps`, `--mesh`).
 
-Gate parameterisation (see `layers.FirstPassageAttention`), per head h and token t:
-    fox   : delta_t = log sigmoid(w_f.x_t + b_f)                      (<= 0, FoX)
-    stack : delta_t = log sigmoid(w_f.x_t + b_f) + rise_scale * tanh(w_r.x_t)
-    fpa   : as stack, and level_j = field_j + (w_o.x_j + b_o)
-    field = cumsum(delta) in fp32; level = field unless `fpa`.
-With the default init (w_r = 0, w_o = 0, b_o = 0) stack and fpa start *exactly* at FoX; the rise
-term lets the field go up (by at most rise_scale per token, so the field never explodes) and the
-offset lets each key choose how deep a dip must be before it is forgotten.
+Gate parameterisation (`fpa_jax.gates`), per head h and token t, from linear read-outs of x_t:
+    field_t = cumsum(increment)_t + absolute_t,        level_t = field_t + offset_t
+    fox   : increment = log sigmoid(w_f.x + b_f)              (<= 0: FoX; field = level, monotone)
+    stack : increment = step_scale * (w_s.x + b_s)            (free sign: a shared walk)
+    fpa   : as stack, + absolute = absolute_scale * (w_a.x + b_a), offset = offset_scale * (w_o.x + b_o)
+    `gate_forget=True` adds FoX's log-sigmoid term to the stack/fpa increment (FoX as a start).
+
+Why these defaults (issue 11's single-head studies, reproduced by `experiments.live_sets`):
+- Free-sign increments, not "log sigmoid + bounded rise": a log-sigmoid term is strictly negative,
+  so every token lowers the field a little and old live keys never get the weight of new ones;
+  a nested-scope walk needs increments that are exactly 0 on content tokens, +/- on brackets.
+- An absolute term: a cumulative field alone cannot say "this dip reaches value v" whatever came
+  before, which the general case (levels set per key, dips set per token) needs.
+- Scales of 10 with zero-initialised weights: the read-outs start at 0 (no penalty: attention
+  starts as NoPE, which trains as well as FoX at our scale) and Adam moves them ~10x faster than a
+  unit-scale weight, so penalties of tens of nats (hard forgetting) are reachable in a few hundred
+  steps. Weights initialised at 0 still get gradient (d/dw of a linear read-out is x).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any
 
 ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
 GATED = ("fpa", "stack", "fox")
+GATE_TERMS = ("forget", "step", "absolute", "offset")
 TASKS = ("text", "passkey", "scopes", "dips")
 TEST_TASKS = ("synthetic",)  # test-only in-memory source, see train.SyntheticPipeline
 ATTN_IMPLS = ("chunked", "quadratic", "recurrent")
@@ -52,12 +62,18 @@ class Config:
   tie_embeddings: bool = False
   norm_eps: float = 1e-6
   init_std: float = 0.02
-  # gate parameterisation / init (see module docstring); exposed for ablations
-  gate_init_std: float = 0.02   # w_f ~ N(0, std) (FoX's init)
-  gate_bias_init: float = 0.0   # b_f (FoX's init: 0)
-  rise_scale: float = 1.0       # max upward field step per token for stack/fpa
-  rise_init_std: float = 0.0    # w_r init std; 0 -> stack/fpa start exactly at FoX
-  offset_init_std: float = 0.0  # fpa level-offset weight init std; 0 -> level = field at init
+  # gate parameterisation / init (see module docstring and fpa_jax.gates); exposed for ablations
+  gate_init_std: float = 0.02   # fox forget term: w_f ~ N(0, std) (FoX's init)
+  gate_bias_init: float = 0.0   # fox forget term: b_f (FoX's init: 0)
+  gate_forget: bool = False     # stack/fpa: add FoX's log-sigmoid term to the increment
+  gate_terms_override: str = "" # ablations: comma-separated read-outs from GATE_TERMS, replacing the default
+  step_scale: float = 10.0      # stack/fpa increment = step_scale * (w_s.x + b_s)
+  step_init_std: float = 0.0
+  step_bias_init: float = 0.0
+  absolute_scale: float = 10.0  # fpa: field += absolute_scale * (w_a.x + b_a)
+  absolute_init_std: float = 0.0
+  offset_scale: float = 10.0    # fpa: level = field + offset_scale * (w_o.x + b_o)
+  offset_init_std: float = 0.0
   offset_bias_init: float = 0.0
   dtype: str = "float32"        # compute dtype (bfloat16 for speed); params stay param_dtype
   param_dtype: str = "float32"
@@ -102,6 +118,15 @@ class Config:
     return (self.attention == "softmax") if self.rope is None else bool(self.rope)
 
   @property
+  def gate_terms(self) -> tuple[str, ...]:
+    """The read-outs of this attention's gate (`fpa_jax.gates`); () for softmax / nope."""
+    if self.gate_terms_override and self.attention in GATED:
+      return tuple(self.gate_terms_override.split(","))
+    forget = ("forget",) if self.gate_forget else ()
+    return {"fox": ("forget",), "stack": forget + ("step",),
+            "fpa": forget + ("step", "absolute", "offset")}.get(self.attention, ())
+
+  @property
   def decay_steps(self) -> int:
     return self.lr_decay_steps or self.steps
 
@@ -128,6 +153,10 @@ class Config:
       raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
     if not re.fullmatch(r"bytes|spm(:\d+)?", self.tokenizer):
       raise ValueError(f"unknown tokenizer {self.tokenizer!r}; use 'bytes', 'spm' or 'spm:N' (see fpa_jax.data)")
+    bad_terms = set(self.gate_terms) - set(GATE_TERMS)
+    if bad_terms or (self.attention in GATED and not self.gate_terms):
+      raise ValueError(f"gate_terms_override={self.gate_terms_override!r}: use a comma-separated subset of "
+                       f"{GATE_TERMS}, e.g. 'step,offset'")
     if self.block_size < 0:
       raise ValueError(f"block_size must be >= 0 (0 = default), got {self.block_size}")
     if self.block_size and self.attn_impl != "chunked":

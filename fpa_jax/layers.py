@@ -14,6 +14,7 @@ from flax import nnx
 
 from fpa_jax import ops
 from fpa_jax.configs import Config
+from fpa_jax.gates import Gate, field_level
 from fpa_jax.sharding import EMBED, HEAD_DIM, HEADS, MLP
 
 F32 = jnp.float32
@@ -26,10 +27,6 @@ def _init(init, axes):
 
 def normal(std):
   return nnx.initializers.normal(std)
-
-
-def constant(c):
-  return nnx.initializers.constant(c)
 
 
 def _param(rngs, init, shape, axes, dtype):
@@ -90,19 +87,16 @@ class SwiGLU(nnx.Module):
 class FirstPassageAttention(nnx.Module):
   """Multi-head causal attention with a first-passage forget gate (one code path for all types).
 
-  Per head, from the block input x_t (fp32):
-      fox    delta_t = log sigmoid(w_f.x_t + b_f)                         field = cumsum(delta)
-      stack  delta_t = log sigmoid(w_f.x_t + b_f) + rise_scale * tanh(w_r.x_t)
-      fpa    as stack, level_j = field_j + w_o.x_j + b_o                   (else level = field)
-      softmax / nope: no gate (zero log-gate), RoPE for softmax.
-  Attention logits get -relu(level_j - min(field_{j+1..i})) (`ops.fpa_attention`); for a monotone
-  field (fox) that is exactly FoX's sum of log forget gates.
+  The gate (`fpa_jax.gates.Gate`, None for softmax / nope) turns the block input into the field and
+  key levels; logits get -relu(level_j - min(field_{j+1..i})) (`ops.fpa_attention`). For `fox` the
+  field is monotone and the FoX kernel computes the same penalty as a sum of log forget gates.
 
-  Why this parameterisation: the FoX term keeps FoX's init (w_f ~ N(0, 0.02), b_f = 0) so all
-  gated variants start at the FoX limit (w_r = 0, w_o = 0 at init; both still receive gradient
-  because d tanh(u.x)/du = x at u = 0). The upward step is bounded by rise_scale per token, the
-  field stays O(T) like FoX's and fp32 cumsums are well conditioned; the offset is an unbounded
-  linear read-out because a key's level is a per-key threshold, not an accumulated quantity.
+  Two modes, one set of projections:
+    layer(x, segment_ids)                      parallel: x [B, T, D] -> [B, T, D] (the chunked kernel)
+    layer(x, positions=p, cache=c, attend=f)   cached: `f(c, q, k, v, field, level, cum) -> (o, c')`
+        does the attention against a cache (prefill or one decode step; `fpa_jax.inference`), the
+        layer returns (y [B, T, D], c'). `c.carry` [B, H] is the gate's running field sum before
+        x; cum [B, T, H] the running sum through each token.
   """
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
@@ -115,63 +109,62 @@ class FirstPassageAttention(nnx.Module):
     self.wk = _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
     self.wv = _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
     self.wo = _param(rngs, normal(out_std), (h, k, d), (HEADS, HEAD_DIM, EMBED), pdt)
-    if cfg.qk_norm:
-      self.q_norm = RMSNorm(k, eps=cfg.norm_eps, axis_name=HEAD_DIM, param_dtype=pdt, rngs=rngs)
-      self.k_norm = RMSNorm(k, eps=cfg.norm_eps, axis_name=HEAD_DIM, param_dtype=pdt, rngs=rngs)
-    if cfg.output_gate:
-      self.wg = _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
-    if cfg.attention in ("fox", "stack", "fpa"):
-      self.w_f = _param(rngs, normal(cfg.gate_init_std), (d, h), (EMBED, HEADS), pdt)
-      self.b_f = _param(rngs, constant(cfg.gate_bias_init), (h,), (HEADS,), pdt)
-    if cfg.attention in ("stack", "fpa"):
-      self.w_r = _param(rngs, normal(cfg.rise_init_std), (d, h), (EMBED, HEADS), pdt)
-    if cfg.attention == "fpa":
-      self.w_o = _param(rngs, normal(cfg.offset_init_std), (d, h), (EMBED, HEADS), pdt)
-      self.b_o = _param(rngs, constant(cfg.offset_bias_init), (h,), (HEADS,), pdt)
+    # Optional parts are one assignment each (None is a static attribute in NNX).
+    mk_norm = lambda: RMSNorm(k, eps=cfg.norm_eps, axis_name=HEAD_DIM, param_dtype=pdt, rngs=rngs)
+    self.q_norm: RMSNorm | None = mk_norm() if cfg.qk_norm else None
+    self.k_norm: RMSNorm | None = mk_norm() if cfg.qk_norm else None
+    self.wg: nnx.Param | None = (_param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
+                                 if cfg.output_gate else None)
+    self.gate: Gate | None = Gate(cfg, rngs=rngs) if cfg.gate_terms else None
 
-  def log_forget(self, x: jax.Array) -> jax.Array:
-    """FoX's log forget gate: x [B, T, D] -> [B, T, H] fp32, <= 0."""
-    return jax.nn.log_sigmoid(x.astype(F32) @ self.w_f[...].astype(F32) + self.b_f[...].astype(F32))
-
-  def gate(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [B, T, D] -> (field, level), each [B, T, H] fp32."""
-    cfg = self.cfg
-    x32 = x.astype(F32)
-    delta = self.log_forget(x32)                                                               # [B, T, H] <= 0
-    if cfg.attention in ("stack", "fpa"):
-      delta = delta + cfg.rise_scale * jnp.tanh(x32 @ self.w_r[...].astype(F32))
-    field = jnp.cumsum(delta, axis=1)                                                          # [B, T, H]
-    level = field
-    if cfg.attention == "fpa":
-      level = field + x32 @ self.w_o[...].astype(F32) + self.b_o[...].astype(F32)
-    return field, level
-
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D], positions [B, T] -> q, k, v [B, T, H, K] (QK-norm and RoPE applied)."""
     cfg, dt = self.cfg, self.dtype
-    b, t, _ = x.shape
-    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))              # [B, T, H, K]
-    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))              # [B, T, H, K]
-    v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))              # [B, T, H, K]
-    if cfg.qk_norm:
+    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+    if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     if cfg.use_rope:
-      pos = segment_positions(segment_ids, b, t) if positions is None else positions
-      q, k = apply_rope(q, pos, cfg.rope_theta), apply_rope(k, pos, cfg.rope_theta)
+      q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+    return q, k, v
+
+  def field_level(self, x: jax.Array, carry: jax.Array | None = None):
+    """x [B, T, D] -> (field, level, cum) [B, T, H] fp32 (`gates.field_level`); zeros without a gate."""
+    if self.gate is None:
+      z = jnp.zeros(x.shape[:2] + (self.cfg.n_heads,), F32)
+      return z, z, z
+    return field_level(self.gate.parts(x), carry)
+
+  def output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+    """o [B, T, H, K] (attention output), x [B, T, D] (block input) -> [B, T, D]."""
+    dt = self.dtype
+    o = o.astype(dt)
+    if self.wg is not None:
+      o = o * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.wg[...].astype(dt)))
+    return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt))
+
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               *, cache=None, attend=None):
+    cfg = self.cfg
+    b, t, _ = x.shape
+    pos = segment_positions(segment_ids, b, t) if positions is None else positions
+    q, k, v = self.project(x, pos)                                           # [B, T, H, K]
+    if cache is not None:
+      field, level, cum = self.field_level(x, cache.carry)
+      o, cache = attend(cache, q, k, v, field, level, cum)
+      return self.output(o, x), cache
     kw = dict(impl=cfg.attn_impl, segment_ids=segment_ids,
               block_size=(cfg.block_size or None) if cfg.attn_impl == "chunked" else None)
-    if cfg.attention == "fox":
-      # FoX: field == level == cumsum(delta); the FoX kernel tiles c_i - c_j directly (cheaper,
-      # mathematically identical to fpa_attention(field, field)) -- the honest cost baseline.
-      o = ops.fox_attention(q, k, v, self.log_forget(x), **kw)
-    elif cfg.attention in ("stack", "fpa"):
-      field, level = self.gate(x)
-      o = ops.fpa_attention(q, k, v, field, level, **kw)
-    else:
+    if self.gate is None:
       # softmax / nope: the same tiled kernel with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost).
       o = ops.fox_attention(q, k, v, jnp.zeros((b, t, cfg.n_heads), F32), **kw)
-    o = o.astype(dt)                                                         # [B, T, H, K]
-    if cfg.output_gate:
-      o = o * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.wg[...].astype(dt)))
-    return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt))           # [B, T, D]
+    elif self.gate.is_fox:
+      # field == level == cumsum(log forget): the FoX kernel tiles c_i - c_j directly (cheaper,
+      # mathematically identical to fpa_attention(field, field)): the honest cost baseline.
+      o = ops.fox_attention(q, k, v, self.gate.parts(x).increment, **kw)
+    else:
+      field, level = self.gate(x)
+      o = ops.fpa_attention(q, k, v, field, level, **kw)
+    return self.output(o, x)                                                 # [B, T, D]

@@ -34,9 +34,15 @@ class Block(nnx.Module):
                       out_std=cfg.init_std / (2 * cfg.n_layers) ** 0.5,
                       dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    x = x + self.attn(self.attn_norm(x), segment_ids)                        # [B, T, D]
-    return x + self.mlp(self.mlp_norm(x))                                    # [B, T, D]
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               *, cache=None, attend=None):
+    """x [B, T, D] -> [B, T, D]; with a cache (see `FirstPassageAttention`) -> (x, cache)."""
+    h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, attend=attend)
+    if cache is not None:
+      h, cache = h
+    x = x + h                                                                # [B, T, D]
+    x = x + self.mlp(self.mlp_norm(x))
+    return x if cache is None else (x, cache)
 
 
 class DecoderLM(nnx.Module):
@@ -53,11 +59,27 @@ class DecoderLM(nnx.Module):
     if not cfg.tie_embeddings:
       self.head = _param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), pdt)
 
-  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    """tokens int [B, T] (+ segment_ids int [B, T]) -> logits fp32 [B, T, V]."""
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               *, caches=None, attend=None):
+    """tokens int [B, T] (+ segment_ids int [B, T]) -> logits fp32 [B, T, V].
+
+    Cached mode (`fpa_jax.inference`): `caches` is a sequence of per-layer caches, `attend` the
+    function that attends against one (see `FirstPassageAttention`), `positions` [B, T] the tokens'
+    positions; returns (logits, new caches).
+    """
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)        # [B, T, D]
+    if caches is not None:
+      new = []
+      for block, cache in zip(self.blocks, caches, strict=True):
+        x, cache = block(x, segment_ids, positions, cache=cache, attend=attend)
+        new.append(cache)
+      return self.logits(x), tuple(new)
     for block in self.blocks:
-      x = block(x, segment_ids)
+      x = block(x, segment_ids, positions)
+    return self.logits(x)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """Final norm and output head: [B, T, D] -> fp32 [B, T, V]."""
     x = self.final_norm(x)
     w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]     # [D, V]
     return (x @ w.astype(self.dtype)).astype(F32)                            # [B, T, V]

@@ -58,15 +58,30 @@ def test_forward_shapes_and_segments(att):
   np.testing.assert_allclose(fwd(model, tok3, seg)[:, :-1], logits[:, :-1], atol=1e-5)
 
 
+def _copy_shared(src, dst, extra: tuple[str, ...]):
+  """Copy src's parameters into dst, except those whose path names one of `extra`."""
+  is_extra = lambda path, _: any(n in path for n in extra)
+  nnx.update(dst, nnx.filter_state(nnx.state(src, nnx.Param), nnx.Not(is_extra)))
+
+
 @pytest.mark.parametrize("att", ["stack", "fpa"])
-def test_gated_variants_start_at_fox(att):
-  """With the default init (rise and offset weights 0) stack/fpa equal FoX given FoX's weights."""
+def test_gated_variants_start_without_penalty(att):
+  """Default init (zero read-outs): stack/fpa start as NoPE (field = level = 0) with NoPE's weights."""
   cfg = C.get_config("tiny", attention=att)
   model = build_model(cfg, seed=1)
+  nope = build_model(C.replace(cfg, attention="nope"), seed=2)
+  _copy_shared(model, nope, ("gate",))
+  tok = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
+  np.testing.assert_allclose(fwd(model, tok), fwd(nope, tok), atol=2e-5)
+
+
+@pytest.mark.parametrize("att", ["stack", "fpa"])
+def test_gated_variants_with_forget_term_start_at_fox(att):
+  """`gate_forget=True`: stack/fpa equal FoX given FoX's weights (FoX as a starting point)."""
+  cfg = C.get_config("tiny", attention=att, gate_forget=True)
+  model = build_model(cfg, seed=1)
   fox = build_model(C.replace(cfg, attention="fox"), seed=2)
-  extra = lambda path, _: any(n in path for n in ("w_r", "w_o", "b_o"))
-  shared = nnx.filter_state(nnx.state(model, nnx.Param), nnx.Not(extra))
-  nnx.update(fox, shared)
+  _copy_shared(model, fox, ("step", "absolute", "offset"))
   tok = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
   np.testing.assert_allclose(fwd(model, tok), fwd(fox, tok), atol=2e-5)
 

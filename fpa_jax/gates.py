@@ -1,0 +1,107 @@
+"""Gates: NNX modules that turn the attention block input into the field and the key levels.
+
+One definition serves the parallel path (a cumsum over the sequence) and decoding (a carried
+running sum), so training and inference can never disagree about what the field is.
+
+Per head h, token t, block input x_t (fp32), a gate has up to four linear read-outs:
+
+    forget    f_t = log sigmoid(w_f.x_t + b_f)                 (<= 0: FoX's log forget gate)
+    step      s_t = step_scale * (w_s.x_t + b_s)               (free sign: the walk's increment)
+    absolute  a_t = absolute_scale * (w_a.x_t + b_a)           (a non-accumulated part of the field)
+    offset    o_t = offset_scale * (w_o.x_t + b_o)             (a key's own level above the field)
+
+    field_t = sum_{s <= t} (f_s + s_s) + a_t,       level_t = field_t + o_t
+
+Which read-outs a gate has is `Config.gate_terms` (fox: forget; stack: step; fpa: step, absolute,
+offset). `GateParts` holds the per-token terms; `field_level` does the (carried) sum.
+Shape legend: B batch, T sequence, D d_model, H heads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fpa_jax.configs import Config
+from fpa_jax.sharding import EMBED, HEADS
+
+F32 = jnp.float32
+
+
+class GateParts(NamedTuple):
+  """Per-token gate terms, each [B, T, H] fp32 or None (absent = 0)."""
+  increment: jax.Array          # forget + step: what the field accumulates
+  absolute: jax.Array | None
+  offset: jax.Array | None
+
+
+class LinearReadout(nnx.Module):
+  """scale * (x @ w + b): [B, T, D] -> [B, T, H] fp32. `w` [D, H], `b` [H]."""
+
+  def __init__(self, d: int, h: int, *, scale: float, init_std: float, bias_init: float, param_dtype,
+               rngs: nnx.Rngs):
+    part = lambda init, axes: nnx.with_partitioning(init, axes, eager_sharding=False)
+    self.scale = float(scale)
+    self.w = nnx.Param(part(nnx.initializers.normal(init_std), (EMBED, HEADS))(rngs.params(), (d, h), param_dtype))
+    self.b = nnx.Param(part(nnx.initializers.constant(bias_init), (HEADS,))(rngs.params(), (h,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.scale * (x.astype(F32) @ self.w[...].astype(F32) + self.b[...].astype(F32))
+
+
+class Gate(nnx.Module):
+  """The gate of one attention layer; optional read-outs are None when the variant lacks them."""
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    terms = cfg.gate_terms
+    d, h, pdt = cfg.d_model, cfg.n_heads, jnp.dtype(cfg.param_dtype)
+    mk = lambda scale, std, bias: LinearReadout(d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt,
+                                                rngs=rngs)
+    self.forget: LinearReadout | None = (mk(1.0, cfg.gate_init_std, cfg.gate_bias_init)
+                                         if "forget" in terms else None)
+    self.step: LinearReadout | None = (mk(cfg.step_scale, cfg.step_init_std, cfg.step_bias_init)
+                                       if "step" in terms else None)
+    self.absolute: LinearReadout | None = (mk(cfg.absolute_scale, cfg.absolute_init_std, 0.0)
+                                           if "absolute" in terms else None)
+    self.offset: LinearReadout | None = (mk(cfg.offset_scale, cfg.offset_init_std, cfg.offset_bias_init)
+                                         if "offset" in terms else None)
+
+  @property
+  def is_fox(self) -> bool:
+    """Field == level == cumsum of a log forget gate: the monotone special case (FoX kernel)."""
+    return self.step is None and self.absolute is None and self.offset is None
+
+  def parts(self, x: jax.Array) -> GateParts:
+    """x [B, T, D] -> per-token terms; pointwise in t, so decoding calls it on one token."""
+    inc = 0.0
+    if self.forget is not None:
+      inc = jax.nn.log_sigmoid(self.forget(x))
+    if self.step is not None:
+      inc = inc + self.step(x)
+    return GateParts(increment=jnp.asarray(inc, F32),
+                     absolute=None if self.absolute is None else self.absolute(x),
+                     offset=None if self.offset is None else self.offset(x))
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, D] -> (field, level), each [B, T, H] fp32 (the parallel path)."""
+    field, level, _ = field_level(self.parts(x))
+    return field, level
+
+
+def field_level(parts: GateParts, carry: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(field, level, cum) [B, T, H] from gate terms [B, T, H] and the running sum before them.
+
+  carry: [B, H] sum of increments over the tokens already seen (None = 0, a fresh sequence);
+  cum[:, t] is the running sum through token t (the carry after it).
+  The penalty only depends on differences of field and level values, so the carry's absolute value
+  never matters (packed segments may share one cumsum).
+  """
+  cum = jnp.cumsum(parts.increment, axis=1)                                  # [B, T, H]
+  if carry is not None:
+    cum = cum + carry[:, None, :]
+  field = cum if parts.absolute is None else cum + parts.absolute
+  level = field if parts.offset is None else field + parts.offset
+  return field, level, cum

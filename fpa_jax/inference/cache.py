@@ -1,0 +1,229 @@
+"""The first-passage KV cache of one attention layer, and attention against it.
+
+Shape legend: B batch, S cache slots, H heads, K head dim, T tokens of a call.
+
+A slot holds one key of one (row, head): its k, v, level, and the running min of the field since it
+was written (its first-passage state). Slots are reused once their key is evicted, so the cache has
+a fixed capacity and static shapes; a whole generation compiles once. `decode_attend` is one token,
+`prefill_attend` a whole prompt through the parallel (chunked) kernel. Both are pure functions with
+the `attend(cache, q, k, v, field, level, cum) -> (out, cache)` signature the layer calls.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fpa_jax import ops
+from fpa_jax.inference.policies import Policy
+
+F32 = jnp.float32
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+class LayerCache(NamedTuple):
+  """Per-layer decode state.
+
+  k, v:      [B, S, H, K] cached keys / values (compute dtype).
+  level:     [B, S, H] fp32 key levels.
+  run_min:   [B, S, H] fp32 min of the field over (key, now]; +inf right after a key is written.
+  pos:       [B, S, H] int32 position of the key in its row (-1: the slot never held a key of the
+             current sequence).
+  alive:     [B, S, H] bool: the slot's key is attended to (False once evicted).
+  score:     [B, S, H] fp32 attention mass the key received so far (h2o).
+  carry:     [B, H] fp32 the gate's running sum of field increments.
+  threshold: [H] fp32 eviction threshold on the penalty (+inf: never by threshold).
+  lost:      [B, H] fp32 at the last step, the full-cache attention mass of the evicted keys
+             (only when the cache never reuses slots: `measure=True` in `decode_attend`).
+  overflow:  [B, H] bool a thresholded policy had to evict below its threshold (cache full).
+  """
+  k: jax.Array
+  v: jax.Array
+  level: jax.Array
+  run_min: jax.Array
+  pos: jax.Array
+  alive: jax.Array
+  score: jax.Array
+  carry: jax.Array
+  threshold: jax.Array
+  lost: jax.Array
+  overflow: jax.Array
+
+  @property
+  def penalty(self) -> jax.Array:
+    """[B, S, H] current first-passage penalty of each slot's key (0 on empty slots)."""
+    return jnp.where(self.pos >= 0, jax.nn.relu(self.level - self.run_min), 0.0)
+
+
+def init_cache(batch: int, slots: int, heads: int, head_dim: int, *, dtype=F32, threshold=None) -> LayerCache:
+  bsh = (batch, slots, heads)
+  thr = jnp.full((heads,), jnp.inf, F32) if threshold is None else jnp.asarray(threshold, F32).reshape(heads)
+  return LayerCache(
+      k=jnp.zeros(bsh + (head_dim,), dtype), v=jnp.zeros(bsh + (head_dim,), dtype),
+      level=jnp.zeros(bsh, F32), run_min=jnp.full(bsh, jnp.inf, F32), pos=jnp.full(bsh, -1, jnp.int32),
+      alive=jnp.zeros(bsh, bool), score=jnp.zeros(bsh, F32), carry=jnp.zeros((batch, heads), F32),
+      threshold=thr, lost=jnp.zeros((batch, heads), F32), overflow=jnp.zeros((batch, heads), bool))
+
+
+def reset_rows(cache: LayerCache, rows: jax.Array) -> LayerCache:
+  """Empty the cache of the rows where `rows` [B] is True (a new sequence starts there)."""
+  r = rows[:, None, None]
+  return cache._replace(pos=jnp.where(r, -1, cache.pos), alive=jnp.where(r, False, cache.alive),
+                        run_min=jnp.where(r, jnp.inf, cache.run_min), score=jnp.where(r, 0.0, cache.score),
+                        carry=jnp.where(rows[:, None], 0.0, cache.carry))
+
+
+# ------------------------------------------------------------------------------------------------
+# Which key goes
+# ------------------------------------------------------------------------------------------------
+
+def _argmax_lex(primary, secondary, mask, axis=1):
+  """Index of the max of `primary`, ties broken by the max of `secondary`, among `mask`."""
+  p = jnp.where(mask, primary, -jnp.inf)
+  best = jnp.max(p, axis=axis, keepdims=True)
+  s = jnp.where(mask & (p == best), secondary, -_BIG)
+  return jnp.argmax(s, axis=axis)
+
+
+def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, now: jax.Array) -> jax.Array:
+  """[B, H] slot of the key to evict from a full (row, head); `now` [B] is the current position."""
+  older = -cache.pos  # larger = older
+  if policy.name == "window" or policy.name == "full":
+    return _argmax_lex(jnp.zeros_like(pen), older, alive)
+  if policy.name == "sink_window":
+    mask = alive & (cache.pos >= policy.n_sink)
+    return _argmax_lex(jnp.zeros_like(pen), older, jnp.where(jnp.any(mask, 1, keepdims=True), mask, alive))
+  if policy.name == "h2o":
+    recent = policy.capacity // 2
+    mask = alive & (cache.pos <= (now[:, None, None] - recent))
+    mask = jnp.where(jnp.any(mask, 1, keepdims=True), mask, alive)
+    return _argmax_lex(-cache.score, older, mask)
+  return _argmax_lex(pen, older, alive)  # fpa_budget (and thresholded policies on overflow)
+
+
+def _scatter(x, slot, val):
+  """x [B, S, H, ...] with x[b, slot[b, h], h] = val[b, h]."""
+  b, _, h = x.shape[:3]
+  bi = jnp.arange(b)[:, None]
+  hi = jnp.arange(h)[None, :]
+  return x.at[bi, slot, hi].set(val.astype(x.dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# One token
+# ------------------------------------------------------------------------------------------------
+
+def decode_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Policy, scale: float,
+                  positions: jax.Array, step: jax.Array | None = None, measure: bool = False):
+  """One token per row against the cache: update first-passage state, evict, insert, attend.
+
+  Args:
+    q, k, v: [B, 1, H, K]; field, level, cum: [B, 1, H] (cum: the gate's running sum through it).
+    positions: [B] the token's position in its row. step: [] slot to write when `measure`.
+    measure: never reuse a slot (slot = `step`; capacity >= sequence), keep evicted keys' data
+      and report in `cache.lost` the full-cache attention mass the evicted keys would get.
+  Returns:
+    (out [B, 1, H, K], new cache).
+  """
+  f, l = field[:, 0].astype(F32), level[:, 0].astype(F32)                # [B, H]
+  occupied = cache.pos >= 0
+  run_min = jnp.where(occupied, jnp.minimum(cache.run_min, f[:, None, :]), jnp.inf)
+  cache = cache._replace(run_min=run_min)
+  pen = cache.penalty                                                    # [B, S, H]
+  alive = cache.alive
+  if policy.thresholded:
+    alive = alive & (pen < cache.threshold)
+  # Room for the new key: capacity eviction when this (row, head) already holds `capacity` keys.
+  full = jnp.sum(alive, axis=1) >= policy.capacity                       # [B, H]
+  out_slot = victim(policy, cache, pen, alive, positions)                # [B, H]
+  s_idx = jnp.arange(alive.shape[1])[None, :, None]
+  alive = alive & ~(full[:, None, :] & (s_idx == out_slot[:, None, :]))
+  overflow = cache.overflow | (full if policy.thresholded else False)
+  if measure:
+    slot = jnp.broadcast_to(step, full.shape).astype(jnp.int32)
+  else:
+    slot = jnp.argmin(alive, axis=1).astype(jnp.int32)                   # first free slot
+  cache = cache._replace(
+      k=_scatter(cache.k, slot, k[:, 0]), v=_scatter(cache.v, slot, v[:, 0]),
+      level=_scatter(cache.level, slot, l), run_min=_scatter(cache.run_min, slot, jnp.full_like(l, jnp.inf)),
+      pos=_scatter(cache.pos, slot, jnp.broadcast_to(positions[:, None], l.shape)),
+      alive=_scatter(alive, slot, jnp.ones_like(full)), score=_scatter(cache.score, slot, jnp.zeros_like(l)),
+      carry=cum[:, 0].astype(F32), overflow=overflow)
+  s = jnp.einsum("bhk,bshk->bhs", q[:, 0], cache.k, preferred_element_type=F32) * scale
+  logits = s - cache.penalty.transpose(0, 2, 1)                          # [B, H, S]
+  live = cache.alive.transpose(0, 2, 1)
+  p = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
+  out = jnp.einsum("bhs,bshk->bhk", p.astype(cache.v.dtype), cache.v, preferred_element_type=F32)
+  lost = cache.lost
+  if measure:
+    seen = (cache.pos >= 0).transpose(0, 2, 1)
+    p_full = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+    lost = jnp.sum(jnp.where(seen & ~live, p_full, 0.0), axis=-1)
+  cache = cache._replace(score=cache.score + p.transpose(0, 2, 1), lost=lost)
+  return out.astype(q.dtype)[:, None], cache
+
+
+# ------------------------------------------------------------------------------------------------
+# A whole prompt
+# ------------------------------------------------------------------------------------------------
+
+def _keep_order(policy: Policy, pen, pos, valid, thr):
+  """[B, T, H] -> slot order (most wanted first) and whether each token is kept at all."""
+  keep = valid
+  if policy.thresholded:
+    keep = keep & (pen < thr)
+  if policy.name in ("window", "full"):
+    primary = jnp.zeros_like(pen)
+  elif policy.name == "sink_window":
+    primary = (pos < policy.n_sink).astype(F32)
+  else:  # fpa_budget, thresholded: smallest penalty first
+    primary = -pen
+  # Sort by (kept, primary, newer) descending; lax.sort is ascending over its keys.
+  t_idx = jnp.broadcast_to(jnp.arange(pen.shape[1])[None, :, None], pen.shape)
+  _, _, _, order = jax.lax.sort((~keep, -primary, -pos, t_idx), dimension=1, num_keys=3)
+  return order, keep
+
+
+def prefill_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Policy, scale: float,
+                   lengths: jax.Array, block_size: int | None = None):
+  """A right-padded prompt through the chunked kernel, then the cache built from it directly.
+
+  A key's running min after a prompt of length L is min(field_{j+1..L-1}), a reverse cumulative
+  min, so no decode steps are needed. Then the policy picks which keys to keep (the prompt's own
+  attention above used every key: see `generate(prefill=...)`). h2o needs per-key attention mass
+  and is prefilled by decode steps instead.
+
+  Args:
+    q, k, v: [B, T, H, K]; field, level, cum: [B, T, H] (cum: the gate's running sums);
+    lengths: [B] prompt length of each row (1 <= L <= T), right padding.
+  """
+  b, t, h, _ = q.shape
+  out = ops.fpa_attention(q, k, v, field, level, scale=scale, block_size=block_size)
+  t_idx = jnp.arange(t)[None, :, None]
+  valid = t_idx < lengths[:, None, None]                                 # [B, T, 1]
+  f = jnp.where(valid, field.astype(F32), jnp.inf)
+  rmin = jax.lax.cummin(f, axis=1, reverse=True)                         # min over [j, L)
+  run_min = jnp.concatenate([rmin[:, 1:], jnp.full((b, 1, h), jnp.inf, F32)], axis=1)  # over (j, L)
+  pen = jax.nn.relu(level.astype(F32) - run_min)
+  pos = jnp.broadcast_to(t_idx, (b, t, h)).astype(jnp.int32)
+  valid = jnp.broadcast_to(valid, (b, t, h))
+  order, keep = _keep_order(policy, pen, pos, valid, cache.threshold)
+  s = cache.k.shape[1]
+  if t < s:  # fewer tokens than slots: pad the candidates with never-kept entries
+    pad = lambda x, c: jnp.concatenate([x, jnp.full((b, s - t) + x.shape[2:], c, x.dtype)], axis=1)
+    order = jnp.concatenate([order, jnp.broadcast_to(jnp.arange(t, s)[None, :, None], (b, s - t, h))], 1)
+    k, v, level, run_min, pos, keep = (pad(k, 0), pad(v, 0), pad(level.astype(F32), 0), pad(run_min, jnp.inf),
+                                       pad(pos, -1), pad(keep, False))
+  idx = order[:, :s]                                                     # [B, S, H]
+  take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 3 else idx[..., None], axis=1)
+  kept = take(keep)
+  last = jnp.take_along_axis(cum.astype(F32), (lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, H]
+  cache = cache._replace(
+      k=take(k).astype(cache.k.dtype), v=take(v).astype(cache.v.dtype), level=take(level.astype(F32)),
+      run_min=take(run_min), pos=jnp.where(kept, take(pos), -1), alive=kept,
+      score=jnp.zeros_like(cache.score), carry=last,
+      overflow=cache.overflow | (policy.thresholded & (jnp.sum(keep, 1) > s)))
+  return out, cache
+

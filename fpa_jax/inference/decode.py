@@ -1,0 +1,274 @@
+"""Decoding a `DecoderLM` with a first-passage KV cache: `cached_logits` (studies) and `generate`.
+
+Shape legend: B batch, T tokens, P prompt length, N new tokens, V vocab, L layers, H heads.
+
+Both build one jitted program per (model structure, policy, shapes): the per-token step is traced
+once and run by `jax.lax.scan`, so a whole generation compiles once. Model weights are passed as
+NNX state, never baked into the program.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend, reset_rows
+from fpa_jax.inference.policies import Policy, logit_bound, make_policy, tolerance_threshold
+from fpa_jax.models import DecoderLM
+
+TRACES = {"cached_logits": 0, "generate": 0}   # Python traces of each program (tests: no retracing)
+
+
+# ------------------------------------------------------------------------------------------------
+# Caches
+# ------------------------------------------------------------------------------------------------
+
+def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
+  """Per layer, U [H]: a bound on |scale q.k| from the parameters (`policies.logit_bound`)."""
+  cfg = model.cfg
+  out = []
+  for blk in model.blocks:
+    a = blk.attn
+    out.append(logit_bound(blk.attn_norm.scale[...], a.wq[...], a.wk[...], scale=cfg.head_dim ** -0.5,
+                           q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
+                           k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...]))
+  return out
+
+
+def init_caches(model: DecoderLM, batch: int, policy: Policy, n_keys: int, slots: int | None = None
+                ) -> tuple[LayerCache, ...]:
+  """One empty `LayerCache` per layer with the policy's thresholds.
+
+  n_keys: the most keys a sequence can have (the N in the `fpa` tolerance threshold).
+  slots: default `policy.capacity`; `cached_logits` measures with one slot per token.
+  """
+  cfg = model.cfg
+  if policy.name == "fpa":
+    thresholds = [tolerance_threshold(u, n_keys, policy.tolerance) for u in layer_logit_bounds(model)]
+  elif policy.name == "fpa_threshold":
+    thresholds = [jnp.full((cfg.n_heads,), policy.threshold, jnp.float32)] * cfg.n_layers
+  else:
+    thresholds = [None] * cfg.n_layers
+  return tuple(init_cache(batch, slots or policy.capacity, cfg.n_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype),
+                          threshold=thr) for thr in thresholds)
+
+
+def _select_rows(rows: jax.Array, new: LayerCache, old: LayerCache) -> LayerCache:
+  """Per row b: new if rows[b] else old (the threshold [H] is shared)."""
+  pick = lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o)
+  return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f != "threshold"})
+
+
+def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
+  """One token per row: tokens, positions [B] -> (logits [B, V], caches)."""
+  attend = functools.partial(decode_attend, policy=policy, scale=model.cfg.head_dim ** -0.5, positions=positions,
+                             step=step, measure=measure)
+  logits, caches = model(tokens[:, None], positions=positions[:, None], caches=caches, attend=attend)
+  return logits[:, 0], caches
+
+
+def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
+  """(max keys held by any (layer, row, head), mean keys held) [], fp32."""
+  held = jnp.stack([jnp.sum(c.alive, axis=1) for c in caches]).astype(jnp.float32)   # [L, B, H]
+  return jnp.max(held), held
+
+
+# ------------------------------------------------------------------------------------------------
+# cached_logits
+# ------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
+def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Policy):
+  TRACES["cached_logits"] += 1
+  model = nnx.merge(graphdef, state)
+  b, t = tokens.shape
+  caches = init_caches(model, b, policy, t, slots=t)
+
+  def body(carry, xs):
+    caches, prev_seg, prev_pos = carry
+    tok, seg, step = xs
+    new_seq = seg != prev_seg
+    caches = tuple(reset_rows(c, new_seq) for c in caches)
+    pos = jnp.where(new_seq, 0, prev_pos + 1)
+    logits, caches = _step(model, caches, tok, pos, policy, step=step, measure=True)
+    peak, held = _occupancy(caches)
+    kept = jnp.mean(held / (pos + 1).astype(jnp.float32)[None, :, None])
+    lost = jnp.max(jnp.stack([c.lost for c in caches]))
+    overflow = jnp.any(jnp.stack([c.overflow for c in caches]))
+    return (caches, seg, pos), (logits, peak, kept, lost, overflow)
+
+  init = (caches, jnp.full((b,), -1, jnp.int32), jnp.full((b,), -1, jnp.int32))
+  xs = (tokens.T, segment_ids.T, jnp.arange(t, dtype=jnp.int32))
+  _, (logits, peak, kept, lost, overflow) = jax.lax.scan(body, init, xs)
+  return jnp.swapaxes(logits, 0, 1), {"peak": peak, "kept": kept, "lost": lost, "overflow": overflow}
+
+
+def cached_logits(model: DecoderLM, tokens, *, policy: str = "full", budget: float | int | None = None,
+                  tolerance: float | None = None, threshold: float | None = None,
+                  segment_ids=None) -> tuple[jax.Array, dict[str, Any]]:
+  """Decode every token of `tokens` [B, T] through the cache under a policy (no prefill), for studies.
+
+  Evicted keys stay in memory (slots are not reused) only so that the attention mass they would
+  have received can be measured; what each query attends to is exactly what a reused-slot cache of
+  the policy's capacity gives (`generate`). Packed rows: `segment_ids` [B, T] restarts the cache
+  (and positions) wherever the segment id changes.
+
+  Returns:
+    logits [B, T, V] fp32 and stats: `cache_fraction` (peak keys held by any layer, row and head /
+    T), `kept_fraction_mean` (mean over steps, layers, rows, heads of kept / seen),
+    `lost_mass_max` (max over steps, layers, rows, heads of the full-cache attention mass on
+    evicted keys), `overflow` (a thresholded policy ran out of capacity), `policy`.
+  """
+  tokens = _check_tokens(tokens, model)
+  b, t = tokens.shape
+  pol = make_policy(policy, t, budget=budget, tolerance=tolerance, threshold=threshold)
+  seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+  if seg.shape != (b, t):
+    raise ValueError(f"segment_ids must have the tokens' shape {(b, t)}, got {seg.shape}")
+  graphdef, state = nnx.split(model)
+  logits, s = _cached_logits_program(graphdef, state, tokens, seg, policy=pol)
+  s = jax.device_get(s)
+  stats = {"policy": pol.name, "capacity": pol.capacity, "cache_fraction": float(np.max(s["peak"])) / t,
+           "kept_fraction_mean": float(np.mean(s["kept"])), "lost_mass_max": float(np.max(s["lost"])),
+           "overflow": bool(np.any(s["overflow"]))}
+  return logits, stats
+
+
+# ------------------------------------------------------------------------------------------------
+# generate
+# ------------------------------------------------------------------------------------------------
+
+def _sample(logits, key, temperature: float, top_k: int | None):
+  """logits [B, V] -> tokens [B] int32 (greedy at temperature 0)."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_k is not None:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_new", "temperature", "top_k", "prefill",
+                                             "n_keys"))
+def _generate_program(graphdef, state, prompt, lengths, key, *, policy: Policy, max_new: int, temperature: float,
+                      top_k: int | None, prefill: str, n_keys: int):
+  TRACES["generate"] += 1
+  model = nnx.merge(graphdef, state)
+  b, p = prompt.shape
+  caches = init_caches(model, b, policy, n_keys)
+  if prefill == "parallel":
+    attend = functools.partial(prefill_attend, policy=policy, scale=model.cfg.head_dim ** -0.5, lengths=lengths,
+                               block_size=model.cfg.block_size or None)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, caches = model(prompt, positions=positions, caches=caches, attend=attend)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, V]
+    peak0, _ = _occupancy(caches)
+  else:  # token by token under the policy; rows past their prompt keep their state
+
+    def feed(carry, xs):
+      caches, last, peak = carry
+      tok, t = xs
+      active = t < lengths
+      logits, new = _step(model, caches, tok, jnp.full((b,), t, jnp.int32), policy)
+      caches = tuple(_select_rows(active, n, o) for n, o in zip(new, caches))
+      last = jnp.where(active[:, None], logits, last)
+      return (caches, last, jnp.maximum(peak, _occupancy(caches)[0])), None
+
+    init = (caches, jnp.zeros((b, model.cfg.vocab_size), jnp.float32), jnp.float32(0))
+    (caches, last, peak0), _ = jax.lax.scan(feed, init, (prompt.T, jnp.arange(p, dtype=jnp.int32)))
+
+  keys = jax.random.split(key, max_new)
+  first = _sample(last, keys[0], temperature, top_k)
+
+  def body(carry, xs):
+    caches, tok, pos, peak = carry
+    k = xs
+    logits, caches = _step(model, caches, tok, pos, policy)
+    nxt = _sample(logits, k, temperature, top_k)
+    return (caches, nxt, pos + 1, jnp.maximum(peak, _occupancy(caches)[0])), nxt
+
+  (caches, _, _, peak), rest = jax.lax.scan(body, (caches, first, lengths, peak0), keys[1:])
+  tokens = jnp.concatenate([first[:, None], rest.T], axis=1)                             # [B, N]
+  overflow = jnp.any(jnp.stack([c.overflow for c in caches]))
+  return tokens, {"peak": peak, "overflow": overflow}
+
+
+def generate(model: DecoderLM, prompt_tokens, max_new_tokens: int, *, lengths=None, policy: str = "full",
+             budget: float | int | None = None, tolerance: float | None = None, threshold: float | None = None,
+             temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
+             prefill: Literal["parallel", "decode"] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+  """Generate `max_new_tokens` after each prompt with a KV cache under an eviction policy.
+
+  Args:
+    prompt_tokens: int [B, P] right-padded prompts (with `lengths` [B]), or a list of token lists
+      of different lengths (padded here).
+    policy, budget, tolerance, threshold: see `fpa_jax.inference.policies`; a float budget is a
+      fraction of P + max_new_tokens, an int a key count.
+    temperature: 0 = greedy; top_k: sample among the k most likely.
+    prefill: "parallel" (default; h2o: "decode") runs the prompt through the chunked kernel, every
+      prompt token attending to every earlier one, then keeps what the policy keeps; "decode" feeds
+      the prompt token by token under the policy, so no query ever sees more than the budget.
+  Returns:
+    (tokens int32 [B, N], stats: `cache_fraction` = peak keys held by any layer, row and head /
+    (P + N), `capacity`, `overflow`, `policy`, `prefill`).
+  """
+  prompt, lengths = _pad_prompts(prompt_tokens, lengths, model)
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if top_k is not None and not 1 <= top_k <= model.cfg.vocab_size:
+    raise ValueError(f"top_k must be in [1, vocab_size={model.cfg.vocab_size}], got {top_k}")
+  b, p = prompt.shape
+  n_keys = p + max_new_tokens
+  pol = make_policy(policy, n_keys, budget=budget, tolerance=tolerance, threshold=threshold)
+  prefill = prefill or ("decode" if pol.name == "h2o" else "parallel")
+  if prefill not in ("parallel", "decode"):
+    raise ValueError(f"prefill must be 'parallel' or 'decode', got {prefill!r}")
+  if prefill == "parallel" and pol.name == "h2o":
+    raise ValueError("h2o ranks keys by the attention they received: use prefill='decode'")
+  graphdef, state = nnx.split(model)
+  tokens, s = _generate_program(graphdef, state, prompt, lengths, jax.random.key(seed), policy=pol,
+                                max_new=max_new_tokens, temperature=float(temperature), top_k=top_k, prefill=prefill,
+                                n_keys=n_keys)
+  s = jax.device_get(s)
+  return np.asarray(tokens), {"policy": pol.name, "prefill": prefill, "capacity": pol.capacity,
+                              "cache_fraction": float(s["peak"]) / n_keys, "overflow": bool(s["overflow"])}
+
+
+# ------------------------------------------------------------------------------------------------
+# Input checks
+# ------------------------------------------------------------------------------------------------
+
+def _check_tokens(tokens, model: DecoderLM) -> jax.Array:
+  tokens = jnp.asarray(tokens)
+  if tokens.ndim != 2 or tokens.shape[1] < 1:
+    raise ValueError(f"tokens must be int [batch, seq] with seq >= 1, got shape {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+  lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+  if lo < 0 or hi >= model.cfg.vocab_size:
+    raise ValueError(f"token ids must be in [0, vocab_size={model.cfg.vocab_size}), got [{lo}, {hi}]")
+  return tokens.astype(jnp.int32)
+
+
+def _pad_prompts(prompt_tokens, lengths, model: DecoderLM) -> tuple[jax.Array, jax.Array]:
+  if isinstance(prompt_tokens, (list, tuple)) and prompt_tokens and isinstance(prompt_tokens[0], (list, tuple, np.ndarray)):
+    if lengths is not None:
+      raise ValueError("pass lengths only with a padded [batch, prompt] array, not with a list of prompts")
+    rows: Sequence = [np.asarray(r, np.int64).reshape(-1) for r in prompt_tokens]
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    prompt_tokens = np.stack([np.pad(r, (0, width - len(r))) for r in rows])
+  prompt = _check_tokens(prompt_tokens, model)
+  b, p = prompt.shape
+  lengths = np.full((b,), p) if lengths is None else np.asarray(lengths)
+  if lengths.shape != (b,) or np.any(lengths < 1) or np.any(lengths > p):
+    raise ValueError(f"lengths must be [batch]={b} values in [1, {p}], got {lengths.tolist()}")
+  return prompt, jnp.asarray(lengths, jnp.int32)
