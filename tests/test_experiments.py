@@ -37,3 +37,15 @@ def test_update_readme_fills_marked_blocks(tmp_path):
   out = update_readme.render(text, tmp_path)
   assert "| a | 1 |" in out and "stale" not in out and "not yet generated" in out
   assert update_readme.render(out, tmp_path) == out  # idempotent
+
+
+def test_bench_decode_tiny_run_writes_results(tmp_path):
+  from experiments import bench_decode
+  out = bench_decode.main(["--config", "tiny", "--quick", "--batch", "2",
+                           "--out", str(tmp_path / "bench_decode")])
+  rows = out["rows"]
+  assert set(rows) == {f"{m}x/{p}" for m in (1, 2) for p in ("full", "fpa_budget", "window")}
+  assert rows["2x/fpa_budget"]["capacity"] == 20 and rows["2x/full"]["capacity"] == 80   # 25% of 64 + 16
+  assert 0.2 < rows["2x/fpa_budget"]["cache_bytes_over_full"] < 0.3
+  assert all(r["decode_ms_per_token"] > 0 for r in rows.values())
+  assert "| 2x (64) | fpa_budget | 20 |" in (tmp_path / "bench_decode.md").read_text()
