@@ -49,3 +49,22 @@ def test_bench_decode_tiny_run_writes_results(tmp_path):
   assert 0.2 < rows["2x/fpa_budget"]["cache_bytes_over_full"] < 0.3
   assert all(r["decode_ms_per_token"] > 0 for r in rows.values())
   assert "| 2x (64) | fpa_budget | 20 |" in (tmp_path / "bench_decode.md").read_text()
+
+
+def test_kv_compression_tiny_run(tmp_path):
+  """Train-free smoke run on a 1-step model: every requested cell written, reruns skip them."""
+  from experiments import kv_compression
+  from fpa_jax import configs as C
+  from fpa_jax.train import train
+  cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=1, ckpt_every=1, vocab_size=259)
+  train(cfg, workdir=str(tmp_path / "run"), progress=False, log=lambda s: None)
+  (tmp_path / "passkey.json").write_text(json.dumps({"train_length": 40, "fpa": {"workdir": str(tmp_path / "run")}}))
+  args = ["--passkey-results", str(tmp_path / "passkey.json"), "--depths", "50", "--n", "2", "--policies", "full",
+          "fpa", "window", "--budgets", "0.25", "--out-dir", str(tmp_path)]
+  res = kv_compression.main(args)
+  assert set(res["cells"]) == {"fpa/full", "fpa/fpa", "fpa/window"}
+  assert res["cells"]["fpa/window"]["0.25"]["cache_fraction"] <= 0.26
+  assert res["cells"]["fpa/full"]["1"]["n"] == 2
+  assert "| fpa |" in (tmp_path / "kv_compression.md").read_text()
+  again = kv_compression.main(args)          # nothing left to do: same cells, same numbers
+  assert again["cells"] == res["cells"]
