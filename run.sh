@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ] || ! cmp -s requirements.txt .venv/.requirements.st
 fi
 cmd=${1:-}; shift || true
 case "$cmd" in
-  quickstart) exec .venv/bin/python -m fpa_jax.quickstart "$@" ;;
+  quickstart) exec .venv/bin/python -m experiments.quickstart "$@" ;;
   test) exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" ;;
   *) echo "usage: bash run.sh {quickstart|test} [args]" >&2; exit 2 ;;
 esac

@@ -19,10 +19,14 @@ Why these defaults (issue 11's single-head studies, reproduced by `experiments.l
   a nested-scope walk needs increments that are exactly 0 on content tokens, +/- on brackets.
 - An absolute term: a cumulative field alone cannot say "this dip reaches value v" whatever came
   before, which the general case (levels set per key, dips set per token) needs.
-- Scales of 10 with zero-initialised weights: the read-outs start at 0 (no penalty: attention
-  starts as NoPE, which trains as well as FoX at our scale) and Adam moves them ~10x faster than a
+- Scales of 10 with zero-initialised weights: Adam moves the read-outs ~10x faster than a
   unit-scale weight, so penalties of tens of nats (hard forgetting) are reachable in a few hundred
-  steps. Weights initialised at 0 still get gradient (d/dw of a linear read-out is x).
+  steps, and the field starts as a straight line.
+- A small negative step bias (-1e-3, i.e. -0.01 nats per token): with an all-zero gate the field
+  is flat, every penalty is relu(0) and relu'(0) = 0, so no gradient ever reaches the gate (it
+  stays NoPE forever). A gentle downward slope makes every off-diagonal penalty positive, so the
+  step, absolute and offset read-outs all get gradient from the first step, at a recency prior
+  far weaker than FoX's init (log sigmoid(0) = -0.69 nats per token).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ class Config:
   gate_terms_override: str = "" # ablations: comma-separated read-outs from GATE_TERMS, replacing the default
   step_scale: float = 10.0      # stack/fpa increment = step_scale * (w_s.x + b_s)
   step_init_std: float = 0.0
-  step_bias_init: float = 0.0
+  step_bias_init: float = -1e-3 # < 0: a live gate at init (see module docstring)
   absolute_scale: float = 10.0  # fpa: field += absolute_scale * (w_a.x + b_a)
   absolute_init_std: float = 0.0
   offset_scale: float = 10.0    # fpa: level = field + offset_scale * (w_o.x + b_o)

@@ -65,9 +65,9 @@ def _copy_shared(src, dst, extra: tuple[str, ...]):
 
 
 @pytest.mark.parametrize("att", ["stack", "fpa"])
-def test_gated_variants_start_without_penalty(att):
-  """Default init (zero read-outs): stack/fpa start as NoPE (field = level = 0) with NoPE's weights."""
-  cfg = C.get_config("tiny", attention=att)
+def test_gated_variants_with_a_flat_gate_are_nope(att):
+  """Zero read-outs and no step bias: field = level = 0, so stack/fpa equal NoPE with its weights."""
+  cfg = C.get_config("tiny", attention=att, step_bias_init=0.0)
   model = build_model(cfg, seed=1)
   nope = build_model(C.replace(cfg, attention="nope"), seed=2)
   _copy_shared(model, nope, ("gate",))
@@ -76,9 +76,21 @@ def test_gated_variants_start_without_penalty(att):
 
 
 @pytest.mark.parametrize("att", ["stack", "fpa"])
+def test_default_gate_gets_gradient_at_init(att):
+  """A flat field makes every penalty relu(0), whose derivative is 0: the default step bias must
+  tilt the field so that every gate read-out (but the absolute bias, a global shift) learns."""
+  model = build_model(C.get_config("tiny", attention=att), seed=0)
+  tok = jax.random.randint(jax.random.key(0), (2, 24), 0, model.cfg.vocab_size)
+  grads = nnx.grad(lambda m: jnp.mean(m(tok) ** 2))(model)
+  flat = {"/".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(nnx.state(grads))}
+  gate = {k: float(jnp.max(jnp.abs(v))) for k, v in flat.items() if "/gate/" in k and not k.endswith("absolute/b")}
+  assert gate and all(g > 1e-7 for g in gate.values()), gate
+
+
+@pytest.mark.parametrize("att", ["stack", "fpa"])
 def test_gated_variants_with_forget_term_start_at_fox(att):
   """`gate_forget=True`: stack/fpa equal FoX given FoX's weights (FoX as a starting point)."""
-  cfg = C.get_config("tiny", attention=att, gate_forget=True)
+  cfg = C.get_config("tiny", attention=att, gate_forget=True, step_bias_init=0.0)
   model = build_model(cfg, seed=1)
   fox = build_model(C.replace(cfg, attention="fox"), seed=2)
   _copy_shared(model, fox, ("step", "absolute", "offset"))

@@ -1,10 +1,10 @@
-"""The README's first command (`bash run.sh quickstart` = `python -m fpa_jax.quickstart`)."""
+"""The README's first command (`bash run.sh quickstart` = `python -m experiments.quickstart`)."""
 
 from __future__ import annotations
 
 import json
 
-from fpa_jax import quickstart
+from experiments import quickstart
 
 
 def test_bracket_demo_live_keys_form_a_stack():
@@ -15,10 +15,26 @@ def test_bracket_demo_live_keys_form_a_stack():
   assert lines[13].endswith("live keys x...........)y")
 
 
+def test_scopes_lm_data_resumes_exactly():
+  a = quickstart.ScopesLM(seq_len=32, batch_size=2)
+  next(a)
+  state = a.get_state()
+  want = next(a)
+  b = quickstart.ScopesLM(seq_len=32, batch_size=2)
+  b.set_state(state)
+  got = next(b)
+  assert all((want[k] == got[k]).all() for k in want)
+  assert want["inputs"].shape == (2, 32) and want["loss_mask"].max() == 4.0   # answers weighted
+
+
 def test_quickstart_smoke(tmp_path):
-  wd = tmp_path / "qs"
-  assert quickstart.main(["--steps", "2", "--attention", "fpa", "--workdir", str(wd),
-                          "--data-dir", str(tmp_path / "data")]) == 0
-  summary = json.loads((wd / "summary.json").read_text())
-  assert summary["fpa"]["step"] == 2 and summary["fpa"]["eval_loss"] is not None
-  assert (wd / "fpa" / "metrics.jsonl").exists()
+  out = tmp_path / "results"
+  assert quickstart.main(["--small", "--out", str(out), "--workdir", str(tmp_path / "runs")]) == 0
+  summary = json.loads((out / "summary.json").read_text())
+  assert set(summary["live_sets"]) >= {"fpa", "stack", "fox", "softmax"}
+  policies = [r["policy"] for r in summary["decode"]]
+  assert policies[0] == "full" and "fpa_budget 25%" in policies
+  full = summary["decode"][0]
+  assert full["cache_fraction"] == 1.0 and full["lost_mass_max"] == 0.0
+  assert (out / "live_sets.md").exists() and (out / "decode.md").exists()
+  assert (tmp_path / "runs" / "fpa_scopes_lm" / "metrics.jsonl").exists()
