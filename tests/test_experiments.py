@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from experiments import bench_attention, update_readme
+from experiments import bench_attention, report
 
 
 def test_bench_attention_tiny_run_writes_results(tmp_path):
@@ -30,13 +30,24 @@ def test_bench_targets_are_ratios_of_measured_rows():
   assert t["fpa_chunked_fwdbwd_temp_over_dense_TxT_fp32_T16384"]["measured"] == 1 / 8
 
 
+def test_report_claims_table_reads_results(tmp_path):
+  (tmp_path / "results").mkdir()
+  (tmp_path / "results" / "scopes.json").write_text(json.dumps(
+      {"fpa": {"seeds": 5, "successes": 5}, "fox": {"seeds": 5, "successes": 0}, "meta": {}}))
+  (tmp_path / "results" / "perplexity.json").write_text(json.dumps(
+      {"fpa": {"bpb": [2.0, 2.2]}, "fox": {"bpb": [2.0, 2.0]}, "meta": {}}))
+  md = report.claims_table(tmp_path)
+  assert "fpa 5/5, fox 0/5" in md and "fpa / fox = 1.050" in md
+  assert "not run yet (`python -m experiments.passkey`)" in md
+
+
 def test_update_readme_fills_marked_blocks(tmp_path):
   (tmp_path / "results").mkdir()
   (tmp_path / "results" / "x.md").write_text("| a | 1 |\n")
   text = "head\n<!-- results/x.md -->\nstale\n<!-- end results/x.md -->\n<!-- results/y.md -->\n<!-- end results/y.md -->\n"
-  out = update_readme.render(text, tmp_path)
+  out = report.render(text, tmp_path)
   assert "| a | 1 |" in out and "stale" not in out and "not yet generated" in out
-  assert update_readme.render(out, tmp_path) == out  # idempotent
+  assert report.render(out, tmp_path) == out  # idempotent
 
 
 def test_bench_decode_tiny_run_writes_results(tmp_path):
