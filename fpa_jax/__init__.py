@@ -1,3 +1,12 @@
-"""fpa_jax: First Passage Attention in JAX / Flax NNX."""
+"""fpa_jax: First Passage Attention in JAX / Flax NNX.
+
+Shape legend (the whole package; docstrings use these letters):
+  B  batch                      T  sequence (tokens of a call)      S  KV-cache slots
+  H  attention heads            K  head dim (q, k, v per head)      D  d_model
+  F  MLP hidden dim             V  vocabulary                        L  layers
+  P  prompt length              N  new tokens
+The ops take the layout of `jax.nn.dot_product_attention`: q, k, v [B, T, H, K]; per-token gates
+(field, level, log forget) [B, T, H]; segment_ids [B, T].
+"""
 
 __version__ = "0.1.0"
