@@ -3,8 +3,8 @@
 Shape legend (the whole package; docstrings use these letters):
   B  batch                      T  sequence (tokens of a call)      S  KV-cache slots
   H  attention heads            K  head dim (q, k, v per head)      D  d_model
-  F  MLP hidden dim             V  vocabulary                        L  layers
-  P  prompt length              N  new tokens
+  F  MLP hidden dim             V  vocabulary                        L  layers                     P  prompt length                    N  new tokens
+  Kv value head dim (= K unless v differs)
 The ops take the layout of `jax.nn.dot_product_attention`: q, k, v [B, T, H, K]; per-token gates
 (field, level, log forget) [B, T, H]; segment_ids [B, T].
 """

@@ -79,7 +79,7 @@ def fox_attention(q, k, v, log_fgate, *, impl="chunked", scale=None, segment_ids
 
 
 def softmax_attention(q, k, v, *, scale=None, segment_ids=None):
-  """Plain causal softmax attention (quadratic reference). [B, T, H, D] -> [B, T, H, Dv]."""
+  """Plain causal softmax attention (quadratic reference). [B, T, H, K] -> [B, T, H, Kv]."""
   b, t, h, d = _v.check_qkv(q, k, v)
   _v.check_segment_ids(segment_ids, (b, t))
   bias = jnp.zeros((b, h, t, t), _v.STATS_DTYPE)

@@ -193,12 +193,12 @@ def _pair(pst, i, j):
 
 
 def _tile(x, i, blk):
-  """Rows [i * blk, (i + 1) * blk) of a [B, T, H, D] array (no transposed copies of q/k/v)."""
+  """Rows [i * blk, (i + 1) * blk) of a [B, T, H, K] array (no transposed copies of q/k/v)."""
   return jax.lax.dynamic_slice_in_dim(x, i * blk, blk, axis=1)
 
 
 def _logits(q, k, bias, scale, seg, i, j, causal):
-  """q: [B, bq, H, D], k: [B, bk, H, D], bias: [B, H, bq, bk] -> masked logits [B, H, bq, bk]."""
+  """q: [B, bq, H, K], k: [B, bk, H, K], bias: [B, H, bq, bk] -> masked logits [B, H, bq, bk]."""
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) * scale + bias
   mask = None
   if causal:
@@ -216,7 +216,7 @@ def _core(gate, scale, blk, q, k, v, kst, qst, pst, seg):
 
 
 def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg):
-  """q, k: [B, Tp, H, D], v: [B, Tp, H, Dv] -> (o [B, Tp, H, Dv], logsumexp [B, H, nb, blk])."""
+  """q, k: [B, Tp, H, K], v: [B, Tp, H, Kv] -> (o [B, Tp, H, Kv], logsumexp [B, H, nb, blk])."""
   b, tp, h, _ = q.shape
   nb = tp // blk
 
@@ -242,7 +242,7 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg):
       return m_new, l, acc
 
     m, l, acc = jax.lax.fori_loop(0, i, kv_block, (m, l, acc))
-    o_i = jnp.swapaxes(acc / l[..., None], 1, 2).astype(q.dtype)  # [B, bq, H, Dv]
+    o_i = jnp.swapaxes(acc / l[..., None], 1, 2).astype(q.dtype)  # [B, bq, H, Kv]
     o_buf = jax.lax.dynamic_update_slice_in_dim(o_buf, o_i, i * blk, 1)
     lse_buf = jax.lax.dynamic_update_index_in_dim(lse_buf, m + jnp.log(l), i, 2)
     return o_buf, lse_buf
@@ -323,7 +323,7 @@ def block_for(t: int, block_size: int | None) -> int:
 
 
 def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None):
-  """Tiled causal attention with a gate bias. q, k: [B, T, H, D], v: [B, T, H, Dv] -> [B, T, H, Dv].
+  """Tiled causal attention with a gate bias. q, k: [B, T, H, K], v: [B, T, H, Kv] -> [B, T, H, Kv].
 
   `gate` is an `FPAGate` or `FoXGate`. Any T: the sequence is padded to a multiple of the block
   at the end, where causality alone keeps padding out of every real query.

@@ -12,12 +12,12 @@ def masked_softmax_attention(q, k, v, bias, *, scale, segment_ids=None):
   """softmax(scale * q k^T + bias) v over causal, same-segment keys.
 
   Args:
-    q, k: [B, T, H, D]; v: [B, T, H, Dv].
+    q, k: [B, T, H, K]; v: [B, T, H, Kv].
     bias: [B, H, T, T] fp32 additive logit bias (query i, key j); may hold +-inf above the
       diagonal, which the causal mask overrides.
     segment_ids: optional [B, T] int.
   Returns:
-    [B, T, H, Dv] in q's dtype.
+    [B, T, H, Kv] in q's dtype.
   """
   t = q.shape[1]
   s = jnp.einsum("bihd,bjhd->bhij", q, k, preferred_element_type=STATS_DTYPE) * scale

@@ -20,7 +20,7 @@ from fpa_jax.ops.validate import STATS_DTYPE
 class FPACache(NamedTuple):
   """Per-sequence decode state. Slots [0, length) are filled.
 
-  k: [B, S, H, D], v: [B, S, H, Dv] cached keys / values (S = capacity).
+  k: [B, S, H, K], v: [B, S, H, Kv] cached keys / values (S = capacity).
   level: [B, S, H] fp32 key levels.
   run_min: [B, S, H] fp32 min of the field over (j, now]; +inf right after key j is written.
   segment: [B, S] int32 segment id of each key (-1 for empty slots).
@@ -57,9 +57,9 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
 
   Args:
     cache: FPACache with length < capacity.
-    q, k: [B, H, D]; v: [B, H, Dv]; field, level: [B, H]; segment: optional [B] int.
+    q, k: [B, H, K]; v: [B, H, Kv]; field, level: [B, H]; segment: optional [B] int.
   Returns:
-    (out [B, H, Dv] in q's dtype, new cache).
+    (out [B, H, Kv] in q's dtype, new cache).
   """
   b = q.shape[0]
   seg = jnp.zeros((b,), jnp.int32) if segment is None else segment.astype(jnp.int32)
@@ -85,7 +85,7 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
 
 
 def recurrent_attention(q, k, v, field, level, *, scale, segment_ids=None):
-  """Causal FPA by scanning `decode_step` over time. [B, T, H, D] -> [B, T, H, Dv].
+  """Causal FPA by scanning `decode_step` over time. [B, T, H, K] -> [B, T, H, Kv].
 
   O(T) state per step, O(T^2) total work. Differentiable (scan autodiff, each step rematerialised).
   """

@@ -42,8 +42,8 @@ def penalty_np(field, level):
 def _attend_np(q, k, v, bias_fn, scale, segment_ids):
   """Loop attention: out[b, i, h] = sum_j softmax_j(scale q.k + bias_fn(b, h)[i, j]) v[b, j, h].
 
-  q, k: [B, T, H, D]; v: [B, T, H, Dv]; bias_fn(b, h) -> [T, T] additive bias (j <= i used).
-  Returns [B, T, H, Dv] float64.
+  q, k: [B, T, H, K]; v: [B, T, H, Kv]; bias_fn(b, h) -> [T, T] additive bias (j <= i used).
+  Returns [B, T, H, Kv] float64.
   """
   q = np.asarray(q, np.float64)
   k = np.asarray(k, np.float64)
@@ -78,10 +78,10 @@ def fpa_attention_np(q, k, v, field, level, scale=None, segment_ids=None):
   """First Passage Attention, float64 loops.
 
   Args:
-    q, k: [B, T, H, D]; v: [B, T, H, Dv]; field, level: [B, T, H];
+    q, k: [B, T, H, K]; v: [B, T, H, Kv]; field, level: [B, T, H];
     scale: default D ** -0.5; segment_ids: optional [B, T] ints (any order).
   Returns:
-    [B, T, H, Dv] float64.
+    [B, T, H, Kv] float64.
   """
   field = np.asarray(field, np.float64)
   level = np.asarray(level, np.float64)
@@ -92,7 +92,7 @@ def fox_attention_np(q, k, v, log_fgate, scale=None, segment_ids=None):
   """Forgetting Attention with the cumsum-difference bias c_i - c_j, c = cumsum(log_fgate).
 
   Written independently of the first-passage penalty. log_fgate: [B, T, H]; others as in
-  `fpa_attention_np`. Returns [B, T, H, Dv] float64.
+  `fpa_attention_np`. Returns [B, T, H, Kv] float64.
   """
   lf = np.asarray(log_fgate, np.float64)
   bsz, t, heads = lf.shape
