@@ -188,6 +188,18 @@ def test_logit_bound_holds_on_random_inputs():
 # ------------------------------------------------------------------------------------------------ generate
 
 
+def _greedy_reference(m, prompt, n):
+  """Explicit greedy loop on the parallel model (right-padded to one length: one compile)."""
+  graphdef, state = nnx.split(m)
+  fwd = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+  toks = list(map(int, prompt))
+  for _ in range(n):
+    x = np.zeros((1, len(prompt) + n), np.int32)
+    x[0, :len(toks)] = toks
+    toks.append(int(np.argmax(np.asarray(fwd(state, x))[0, len(toks) - 1])))
+  return np.asarray(toks[len(prompt):])
+
+
 @pytest.mark.parametrize("att", ["fpa", "fox", "softmax"])
 def test_generate_greedy_equals_parallel_argmax(att):
   m = _model(att)
@@ -198,10 +210,7 @@ def test_generate_greedy_equals_parallel_argmax(att):
   generate(m, prompts, 6)
   assert D.TRACES["generate"] == before + 1       # and none when called again
   for p, row in zip(prompts, out):
-    cur = np.asarray(p)[None]
-    for _ in range(6):
-      cur = np.concatenate([cur, np.argmax(np.asarray(m(jnp.asarray(cur)))[:, -1:], -1)], 1)
-    np.testing.assert_array_equal(row, cur[0, len(p):])
+    np.testing.assert_array_equal(row, _greedy_reference(m, p, 6))
   out2, _ = generate(m, prompts, 6, prefill="decode")
   np.testing.assert_array_equal(out2, out)
   assert stats["cache_fraction"] <= 1.0
@@ -232,9 +241,10 @@ def test_parallel_prefill_keeps_the_same_keys_as_decode():
     lengths = jnp.array([16, 11])
     attend = functools.partial(K.prefill_attend, policy=pol, scale=m.cfg.head_dim ** -0.5, lengths=lengths)
     _, par = m(prompt, positions=jnp.broadcast_to(jnp.arange(16), (2, 16)), caches=caches, attend=attend)
+    step = jax.jit(lambda state, c, tok, t: D._step(nnx.merge(graphdef, state), c, tok, jnp.full((2,), t), pol)[1])
     dec = D.init_caches(m, 2, pol, 17)
     for t in range(16):
-      _, new = D._step(m, dec, prompt[:, t], jnp.full((2,), t), pol)
+      new = step(state, dec, prompt[:, t], t)
       dec = tuple(D._select_rows(t < lengths, n, o) for n, o in zip(new, dec))
     key_set = lambda c: [[sorted(np.asarray(c.pos[b, :, h])[np.asarray(c.alive[b, :, h])].tolist())
                           for h in range(c.pos.shape[2])] for b in range(2)]
@@ -268,23 +278,28 @@ def test_clear_errors():
     load_model("/nonexistent/run")
 
 
-def test_load_model_round_trip(tmp_path):
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """A 2-step `tiny` fpa run with a byte vocabulary: (workdir, trainer summary)."""
   from fpa_jax.train import train
-  cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=2, ckpt_every=2)
-  out = train(cfg, workdir=str(tmp_path), progress=False, log=lambda s: None)
-  model, cfg2 = load_model(tmp_path)
-  assert cfg2 == out["config"]
+  wd = tmp_path_factory.mktemp("run")
+  cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=2, ckpt_every=2, vocab_size=259)
+  return wd, train(cfg, workdir=str(wd), progress=False, log=lambda s: None)
+
+
+def test_load_model_round_trip(trained_run):
+  wd, out = trained_run
+  model, cfg = load_model(wd)
+  assert cfg == out["config"]
   trained, _ = nnx.merge(out["graphdef"], out["state"])
   tok = _tokens(2, 12, cfg.vocab_size)
   np.testing.assert_allclose(model(tok), trained(tok), atol=1e-6)
 
 
-def test_generate_cli(tmp_path, capsys):
+def test_generate_cli(trained_run, tmp_path, capsys):
   from fpa_jax import generate as cli
-  from fpa_jax.train import train
-  cfg = C.get_config("tiny", attention="stack", task="synthetic", steps=1, ckpt_every=1, vocab_size=259)
-  train(cfg, workdir=str(tmp_path), progress=False, log=lambda s: None)
-  rc = cli.main(["--workdir", str(tmp_path), "--prompt", "ab", "--max_new_tokens", "3", "--policy", "fpa_budget",
+  wd, _ = trained_run
+  rc = cli.main(["--workdir", str(wd), "--prompt", "ab", "--max_new_tokens", "3", "--policy", "fpa_budget",
                  "--budget", "0.5"])
   out = capsys.readouterr().out.splitlines()
   assert rc == 0 and out[0].startswith("ab") and '"policy": "fpa_budget"' in out[-1]
