@@ -8,10 +8,15 @@ Mesh axes:
   data   batch parallelism + FSDP (parameters' EMBED dim sharded over `data`, gathered per use)
   model  tensor parallelism over attention heads, the MLP hidden dim and the vocabulary
 
-Multi-host: `maybe_initialize_distributed()` calls `jax.distributed.initialize()` when the
-environment describes a multi-process job (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES set, a
-multi-task SLURM allocation, or FPA_DISTRIBUTED=1 for Cloud TPU pods where JAX auto-detects).
-The mesh then spans `jax.devices()` (all hosts); each host feeds its slice of the batch via
+Multi-process / multi-host: `maybe_initialize_distributed()` (called by `fpa_jax.train.main`)
+calls `jax.distributed.initialize(...)` when the environment describes a multi-process job:
+  JAX_COORDINATOR_ADDRESS  host:port of process 0's coordinator service (e.g. 10.0.0.1:1234)
+  JAX_NUM_PROCESSES        number of processes in the job
+  JAX_PROCESS_ID           this process's index, 0 .. JAX_NUM_PROCESSES-1
+Set all three (or none: setting only some is an error). Without them, a multi-task SLURM allocation
+(SLURM_NTASKS > 1) or FPA_DISTRIBUTED=1 (Cloud TPU pods) lets JAX auto-detect the cluster. On CPU,
+cross-process collectives use gloo (`jax_cpu_collectives_implementation`). The mesh then spans
+`jax.devices()` (all hosts); each host feeds its slice of the batch via
 `jax.make_array_from_process_local_data`.
 """
 
@@ -48,18 +53,45 @@ RULES: Mapping[str, str | None] = {
 }
 
 
+_DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def distributed_args(env: Mapping[str, str] | None = None) -> dict | None:
+  """`jax.distributed.initialize` kwargs from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+  JAX_PROCESS_ID; None if none is set. Raises a ValueError if only some are set or one is malformed."""
+  env = os.environ if env is None else env
+  given = {k: env[k] for k in _DIST_VARS if env.get(k, "") != ""}
+  if not given or given == {"JAX_NUM_PROCESSES": "1"}:
+    return None
+  missing = [k for k in _DIST_VARS if k not in given]
+  if missing:
+    raise ValueError(f"multi-process launch: {sorted(given)} set but {missing} not; set all of {_DIST_VARS} "
+                     "(e.g. JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0)")
+  try:
+    n, pid = int(given["JAX_NUM_PROCESSES"]), int(given["JAX_PROCESS_ID"])
+  except ValueError:
+    raise ValueError(f"JAX_NUM_PROCESSES / JAX_PROCESS_ID must be integers, got {given}") from None
+  if n < 1 or not 0 <= pid < n:
+    raise ValueError(f"need JAX_NUM_PROCESSES >= 1 and 0 <= JAX_PROCESS_ID < JAX_NUM_PROCESSES, got {given}")
+  return {"coordinator_address": given["JAX_COORDINATOR_ADDRESS"], "num_processes": n, "process_id": pid}
+
+
 def maybe_initialize_distributed() -> bool:
-  """Call `jax.distributed.initialize()` iff the environment says this is a multi-process job."""
+  """Call `jax.distributed.initialize` iff the environment says this is a multi-process job (see the
+  module docstring); must run before anything touches a JAX backend. Returns whether it did."""
   env = os.environ
-  multi = (
-      "JAX_COORDINATOR_ADDRESS" in env
-      or int(env.get("JAX_NUM_PROCESSES", "1")) > 1
-      or int(env.get("SLURM_NTASKS", "1")) > 1
-      or env.get("FPA_DISTRIBUTED", "0") == "1"
-  )
-  if multi:
-    jax.distributed.initialize()
-  return multi
+  kwargs = distributed_args(env)
+  auto = int(env.get("SLURM_NTASKS", "1")) > 1 or env.get("FPA_DISTRIBUTED", "0") == "1"
+  if kwargs is None and not auto:
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  platforms = env.get("JAX_PLATFORMS", "") or (jax.config.jax_platforms or "")
+  if not platforms or "cpu" in platforms.split(","):
+    # CPU devices talk across processes through gloo (must be set before the backend starts).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**(kwargs or {}))
+  return True
 
 
 def parse_mesh(spec: str | None, n_devices: int | None = None) -> dict[str, int]:

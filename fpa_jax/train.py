@@ -2,7 +2,7 @@
 
     python -m fpa_jax.train --config tiny --attention fpa --task text --steps 50 --workdir /tmp/run
     python -m fpa_jax.train --config small --attention fox --task passkey --steps 2000 \
-        --workdir runs/fox --mesh data=4,model=2 --set lr=3e-4 --set grad_accum=2
+        --workdir runs/fox --mesh data=4,model=2 --set lr=3e-4 --set grad_accum=2 [--profile_steps 10:12]
 
 Rerunning a command with a larger --steps resumes from the latest checkpoint in --workdir (model,
 optimizer, step and data iterator). The cosine horizon is `lr_decay_steps` (default: --steps);
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
-from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings
+from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
 from fpa_jax.models import DecoderLM
 
 # Config fields that define the parameter shapes: a checkpoint made with different values can't resume.
@@ -187,9 +186,15 @@ class TrainStep:
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)   # mean over all target tokens of the step
     lr = self.schedule(opt.step[...])
+    loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
     opt.update(model, grads)
-    metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads), "lr": lr, "tokens": count}
-    return nnx.state((model, opt)), metrics
+    # Non-finite guard on device: a bad step leaves the whole state (params, moments, step) as it
+    # was; the loop sees `nonfinite` at its next host sync and stops (no host sync per step).
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), nnx.state((model, opt)), state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": count,
+               "nonfinite": jnp.logical_not(ok).astype(jnp.int32)}
+    return new_state, metrics
 
   def _eval(self, state, batch):
     model, _ = nnx.merge(self.graphdef, state)
@@ -242,10 +247,16 @@ def _check_resume_config(saved: dict, cfg: C.Config, directory: str) -> None:
 
 
 def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh: jax.sharding.Mesh | None = None,
-          progress: bool | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+          progress: bool | None = None, log: Callable[[str], None] | None = None,
+          profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
   """Train (or resume) `config` in `workdir`. `data`: any iterator of batch dicts with
   get_state/set_state (default: the configured pipeline). Returns a summary dict with the final
   `state`, `graphdef`, `history` (logged records), `traces`, `start_step`, `step`.
+
+  Metrics stay on device between log / checkpoint steps (no per-step host sync). A step with a
+  non-finite loss or gradient norm is skipped on device; the next log / checkpoint step raises
+  NonFiniteLossError without saving, so the last checkpoint predates the first bad step.
+  `profile_steps=(A, B)`: a `jax.profiler` trace of steps A..B in <workdir>/profile.
   """
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   cfg = config.validate()
@@ -268,7 +279,7 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
     del state  # restore straight into sharded buffers
     state, data_state, saved_cfg = ckpt.restore(start, abstract_with_shardings(abstract, shardings))
     _check_resume_config(saved_cfg, cfg, ckpt.directory)
-    pipeline.set_state(data_state)
+    pipeline.set_state(own_process_state(data_state))  # raises if the process count changed
     log(f"[train] resumed from step {start} in {ckpt.directory}")
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -285,38 +296,56 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
   last_good = start
   t_window, tok_window = time.perf_counter(), 0.0
   step = start
+  pending: list[tuple[int, dict]] = []  # (step, on-device metrics) since the last host sync
+  prof = _Profiler(profile_steps, os.path.join(workdir, "profile"), log)
   try:
     for step in range(start, cfg.steps):
+      done = step + 1
+      prof.before(done)
       batch = S.shard_batch(next(pipeline), mesh)
       state, metrics = step_fn(state, batch)
-      m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+      pending.append((done, metrics))
+      prof.after(done, state)
+      tok_window += cfg.batch_size * cfg.seq_len  # throughput counts every input token
+      if bar is not None:
+        bar.update(1)
+      is_log = done % cfg.log_every == 0 or done == cfg.steps or done == start + 1
+      is_ckpt = done % cfg.ckpt_every == 0 or done == cfg.steps
+      if not (is_log or is_ckpt):
+        continue  # metrics stay on device: no host sync between log / checkpoint steps
+      with jax.transfer_guard_device_to_host("allow"):  # the loop's only metric transfer
+        m = _fetch_metrics(pending)
+      pending = []
+      bad = [d for d, mm in m if mm["nonfinite"]]
+      if bad:
+        first = dict(m)[bad[0]]
         ckpt.wait()
         raise NonFiniteLossError(
-            f"non-finite loss/grad at step {step + 1} (loss={m['loss']}, grad_norm={m['grad_norm']}); stopped "
-            f"without saving. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}. "
+            f"non-finite loss/grad at step {bad[0]} (loss={first['loss']}, grad_norm={first['grad_norm']}); "
+            f"{len(bad)} bad step(s) skipped on device, stopped without saving. Last good checkpoint: "
+            f"step {ckpt.latest_step()} in {ckpt.directory}. "
             "Try a lower --set lr=..., a longer warmup, clip_norm>0 or dtype=float32.")
-      tok_window += cfg.batch_size * cfg.seq_len  # throughput counts every input token
-      done = step + 1
-      if done % cfg.log_every == 0 or done == cfg.steps or done == start + 1:
+      if is_log:
+        last = m[-1][1]
         now = time.perf_counter()
-        rec = {"step": done, "loss": m["loss"], "tokens_per_s": tok_window / max(now - t_window, 1e-9),
-               "lr": m["lr"], "grad_norm": m["grad_norm"], "loss_tokens": m["tokens"]}
+        rec = {"step": done, "loss": last["loss"], "tokens_per_s": tok_window / max(now - t_window, 1e-9),
+               "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_tokens": last["tokens"]}
         if cfg.eval_every and done % cfg.eval_every == 0:
-          eval_data, ev = _evaluate(cfg, step_fn, state, mesh, eval_data, log)
+          with jax.transfer_guard_device_to_host("allow"):
+            eval_data, ev = _evaluate(cfg, step_fn, state, mesh, eval_data, log)
           if ev is not None:
             rec["eval_loss"] = ev
         logger.write(rec)
         history.append(rec)
         t_window, tok_window = time.perf_counter(), 0.0
         if bar is not None:
-          bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-      if bar is not None:
-        bar.update(1)
-      if done % cfg.ckpt_every == 0 or done == cfg.steps:
-        ckpt.save(done, state, pipeline.get_state(), cfg.to_dict())
+          bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+      if is_ckpt:  # only reached when every step since the last sync was finite
+        with jax.transfer_guard_device_to_host("allow"):
+          ckpt.save(done, state, pipeline.get_state(), cfg.to_dict())
         last_good = done
   finally:
+    prof.close()
     ckpt.close()
     logger.close()
     if bar is not None:
@@ -324,6 +353,47 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
   return {"state": state, "graphdef": graphdef, "history": history, "traces": step_fn.traces,
           "start_step": start, "step": max(step + 1, start) if cfg.steps > start else start,
           "config": cfg, "last_checkpoint": last_good}
+
+
+def _fetch_metrics(pending: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+  """One device->host transfer of the metrics of the steps since the last sync -> python scalars."""
+  host = jax.device_get([m for _, m in pending])
+  return [(d, {k: (int(v) if k == "nonfinite" else float(v)) for k, v in h.items()})
+          for (d, _), h in zip(pending, host)]
+
+
+class _Profiler:
+  """`jax.profiler` trace of steps A..B (1-based, inclusive, as in metrics.jsonl) into `logdir`."""
+
+  def __init__(self, steps: tuple[int, int] | None, logdir: str, log):
+    self.steps, self.logdir, self.log, self.on = steps, logdir, log, False
+
+  def before(self, done: int) -> None:
+    if self.steps and self.steps[0] <= done <= self.steps[1] and not self.on:  # also mid-range on resume
+      os.makedirs(self.logdir, exist_ok=True)
+      jax.profiler.start_trace(self.logdir)
+      self.on = True
+
+  def after(self, done: int, state) -> None:
+    if self.on and done >= self.steps[1]:
+      jax.block_until_ready(state)  # the traced steps' device work ends inside the trace
+      self.close()
+
+  def close(self) -> None:
+    if self.on:
+      jax.profiler.stop_trace()
+      self.on = False
+      self.log(f"[train] profile of steps {self.steps[0]}:{self.steps[1]} written to {self.logdir}")
+
+
+def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
+  """'A:B' -> (A, B) with 1 <= A <= B; None/'' -> None."""
+  if not spec:
+    return None
+  a, sep, b = spec.partition(":")
+  if not sep or not a.strip().isdigit() or not b.strip().isdigit() or not 1 <= int(a) <= int(b):
+    raise ValueError(f"--profile_steps {spec!r}: expected A:B with 1 <= A <= B (steps as in metrics.jsonl)")
+  return int(a), int(b)
 
 
 def _pad_rows(batch: dict, rows: int) -> dict:
@@ -373,6 +443,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[C.Config, argparse.Namesp
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                   help="override any config field, repeatable (e.g. --set lr=3e-4 --set dtype=bfloat16)")
   ap.add_argument("--no_progress", action="store_true")
+  ap.add_argument("--profile_steps", metavar="A:B",
+                  help="write a jax.profiler trace of steps A..B (1-based, inclusive) to <workdir>/profile")
   args = ap.parse_args(argv)
   overrides = C.parse_overrides(C.CONFIGS[args.config], args.sets)
   for key in ("attention", "task", "steps", "mesh", "data_dir"):
@@ -382,10 +454,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[C.Config, argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> int:
-  S.maybe_initialize_distributed()
   try:
+    S.maybe_initialize_distributed()  # ValueError if the JAX_* launch variables are incomplete
     cfg, args = parse_args(argv)
-    out = train(cfg, workdir=args.workdir, progress=False if args.no_progress else None)
+    out = train(cfg, workdir=args.workdir, progress=False if args.no_progress else None,
+                profile_steps=parse_profile_steps(args.profile_steps))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -36,3 +36,49 @@ class FixedBatch:
 
   def set_state(self, state):
     self.n = int(state["n"])
+
+
+class ProcessTaggedSynthetic:
+  """SyntheticPipeline whose state names its process: restoring another process's state fails."""
+
+  def __init__(self, cfg, process_index: int, process_count: int):
+    from fpa_jax.train import SyntheticPipeline
+    self.pi = process_index
+    self.p = SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                               seed=cfg.seed, process_index=process_index, process_count=process_count)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self.p)
+
+  def get_state(self):
+    return {"step": self.p.step, "process": self.pi}
+
+  def set_state(self, state):
+    if state["process"] != self.pi:
+      raise ValueError(f"process {self.pi} got the data state of process {state['process']}")
+    self.p.set_state(state)
+
+
+class GlobalSynthetic:
+  """One process reading the global batch of `process_count` ProcessTaggedSynthetic hosts (rows in
+  process order), so a single-process run sees what a multi-process run sees."""
+
+  def __init__(self, cfg, process_count: int):
+    self.parts = [ProcessTaggedSynthetic(cfg, i, process_count) for i in range(process_count)]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    bs = [next(p) for p in self.parts]
+    return {k: np.concatenate([b[k] for b in bs]) for k in bs[0]}
+
+  def get_state(self):
+    return {"parts": [p.get_state() for p in self.parts]}
+
+  def set_state(self, state):
+    for p, s in zip(self.parts, state["parts"]):
+      p.set_state(s)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
-from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings
+from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
 from fpa_jax.train import NonFiniteLossError, SyntheticPipeline, TrainStep, create_state, main, train
 
 from _helpers_train import FixedBatch
@@ -140,3 +140,103 @@ def test_cli_bad_config_fails_before_compiling(args, match, tmp_path, capsys):
   assert main(["--config", "tiny", "--workdir", str(tmp_path), "--task", "synthetic", *args]) == 2
   assert match in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_distributed_env_vars(monkeypatch):
+  """JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID reach jax.distributed.initialize."""
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS", "FPA_DISTRIBUTED"):
+    monkeypatch.delenv(k, raising=False)
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  assert S.maybe_initialize_distributed() is False and calls == []
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+  assert S.maybe_initialize_distributed() is False  # one process: nothing to do
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+  with pytest.raises(ValueError, match=r"\['JAX_PROCESS_ID'\] not"):
+    S.maybe_initialize_distributed()
+  monkeypatch.setenv("JAX_PROCESS_ID", "2")
+  with pytest.raises(ValueError, match="JAX_PROCESS_ID < JAX_NUM_PROCESSES"):
+    S.maybe_initialize_distributed()
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  assert S.maybe_initialize_distributed() is True
+  assert calls == [{"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 1}]
+  assert jax.config.jax_cpu_collectives_implementation == "gloo"
+
+
+def test_data_state_saved_per_process_and_old_checkpoints_restore(tmp_path):
+  import orbax.checkpoint as ocp
+  mesh = S.make_mesh(None, devices=jax.devices()[:1])
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {"w": jax.device_put(np.arange(4, dtype=np.float32), sh)}
+  target = {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=sh)}
+  ck = Checkpointer(tmp_path / "new", async_save=False)
+  ck.save(1, state, {"n": 5}, {"c": 1})
+  ck.wait()
+  with open(tmp_path / "new" / "1" / "data" / "metadata") as f:
+    assert json.load(f) == {"per_process": {"0": {"n": 5}}}
+  _, data_state, _ = ck.restore(1, target)
+  ck.close()
+  assert data_state == {"n": 5}
+  # A checkpoint written the old way (one bare JSON state) still restores.
+  mgr = ocp.CheckpointManager(tmp_path / "old", item_names=("state", "data", "config"))
+  mgr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"n": 7}),
+                                      config=ocp.args.JsonSave({"c": 1})))
+  mgr.wait_until_finished()
+  mgr.close()
+  ck = Checkpointer(tmp_path / "old")
+  restored, data_state, _ = ck.restore(3, target)
+  ck.close()
+  assert data_state == {"n": 7}
+  np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4))
+  # Written by 2 processes, read by 1: model-only loads work, resuming the data state is refused.
+  two = {"per_process": {"0": {"n": 1}, "1": {"n": 2}}}
+  assert own_process_state(two, strict=False) == two
+  with pytest.raises(ValueError, match="2 processes but this job has 1"):
+    own_process_state(two)
+
+
+def test_no_host_transfer_between_log_steps(tmp_path, monkeypatch):
+  """Metrics stay on device: every device->host read of a jax.Array (float(), np.asarray,
+  device_get) is recorded with the step in flight; reads happen at log / checkpoint steps only.
+  (The transfer guard enforces the same on accelerators; on CPU it does not fire.)"""
+  import fpa_jax.train as T
+  from jax._src import array as jarray
+  cur, reads, fetched = [0], set(), []
+  A = jarray.ArrayImpl
+  value, to_array, to_float = A._value, A.__array__, A.__float__
+  monkeypatch.setattr(A, "_value", property(lambda self: (reads.add(cur[0]), value.fget(self))[1]))
+  monkeypatch.setattr(A, "__array__", lambda self, *a, **k: (reads.add(cur[0]), to_array(self, *a, **k))[1])
+  monkeypatch.setattr(A, "__float__", lambda self: (reads.add(cur[0]), to_float(self))[1])
+  real_get, real_shard, real_fetch = jax.device_get, T.S.shard_batch, T._fetch_metrics
+  monkeypatch.setattr(jax, "device_get", lambda x: (reads.add(cur[0]), real_get(x))[1])
+  monkeypatch.setattr(T.S, "shard_batch", lambda b, m: (cur.__setitem__(0, cur[0] + 1), real_shard(b, m))[1])
+  monkeypatch.setattr(T, "_fetch_metrics", lambda pending: fetched.append([d for d, _ in pending]) or real_fetch(pending))
+  cfg = C.get_config("tiny", task="synthetic", steps=7, log_every=3, ckpt_every=100, n_layers=1)
+  with jax.transfer_guard_device_to_host("disallow_explicit"):
+    out = train(cfg, workdir=str(tmp_path), progress=False, mesh=S.make_mesh(None, devices=jax.devices()[:1]))
+  assert fetched == [[1], [2, 3], [4, 5, 6], [7]]
+  assert reads - {0} <= {1, 3, 6, 7}, sorted(reads)  # 0: before the first step (init, restore)
+  assert {1, 3, 6, 7} <= reads  # the counters do see the log-step reads
+  assert [r["step"] for r in out["history"]] == [1, 3, 6, 7] and out["traces"] == 1
+
+
+def test_nonfinite_step_is_skipped_and_stops_within_log_every(tmp_path):
+  """First bad step 5: no checkpoint after it (last good: 3), stopped at the next sync (step 6)."""
+  cfg = C.get_config("tiny", task="synthetic", steps=20, log_every=4, ckpt_every=3, n_layers=1)
+  data = FixedBatch(nan_at=5)
+  with pytest.raises(NonFiniteLossError, match="non-finite loss/grad at step 5.*Last good checkpoint: step 3"):
+    train(cfg, workdir=str(tmp_path), data=data, progress=False, mesh=S.make_mesh(None, devices=jax.devices()[:1]))
+  assert data.n == 6
+  ck = Checkpointer(tmp_path / "checkpoints")
+  assert ck.latest_step() == 3
+  ck.close()
+
+
+def test_cli_profile_steps_writes_trace(tmp_path):
+  assert main(["--config", "tiny", "--task", "synthetic", "--steps", "3", "--workdir", str(tmp_path),
+               "--set", "n_layers=1", "--no_progress", "--profile_steps", "2:3"]) == 0
+  files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "profile") for f in fs]
+  assert files and any(os.path.getsize(f) > 0 for f in files), files
+  assert main(["--config", "tiny", "--workdir", str(tmp_path / "x"), "--profile_steps", "3:2"]) == 2
