@@ -7,6 +7,14 @@
 Each attention type gets the same model/batch/mesh; the jitted train step (forward, backward,
 AdamW update) is compiled and warmed up first, then timed over --steps steps with a
 block_until_ready per step. Reports median tokens/s and the FPA/FoX ratio (target >= 0.9).
+
+    python -m experiments.bench_train --memory        # writes results/bench_train_memory.{json,md}
+
+--memory only compiles (never runs) the `base110m` train step (2 layers, seq 2048, global batch 8
+unless --set says otherwise) on 8 simulated CPU devices and reports XLA's per-device compiled
+memory (`.lower().compile().memory_analysis()`) on one device, data=8 and data=4,model=2, with the
+model's activation sharding constraints and without them (the step traced with no mesh in
+context, where `fpa_jax.sharding.constrain` is a no-op: the layout before the constraints).
 """
 
 from __future__ import annotations
@@ -23,7 +31,12 @@ import jax
 
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
-from fpa_jax.train import SyntheticPipeline, TrainStep, create_state
+from fpa_jax.checkpoint import abstract_with_shardings
+from fpa_jax.train import SyntheticPipeline, TrainStep, _init_fn, create_state, make_optimizer
+
+MEMORY_MESHES = ("single", "data=8", "data=4,model=2")  # "single": one device (data=1, model=1)
+MEMORY_DEFAULTS = {"n_layers": 2, "seq_len": 2048, "batch_size": 8}
+GIB = 2.0 ** 30
 
 
 def bench_one(cfg: C.Config, mesh, steps: int, warmup: int) -> dict:
@@ -50,6 +63,99 @@ def bench_one(cfg: C.Config, mesh, steps: int, warmup: int) -> dict:
           "compile_s": compile_s, "final_loss": float(m["loss"]), "traces": step.traces}
 
 
+def compile_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
+  """The compiled (never run) train step of `cfg` on `mesh`, from abstract state and batch.
+
+  constrained=False traces the step with no mesh in context, so the model's activation
+  constraints are no-ops (only the step's in/out shardings pin anything)."""
+  from flax import nnx
+
+  tx = make_optimizer(cfg)
+  graphdef, abstract = nnx.split(nnx.eval_shape(_init_fn(cfg, tx)))
+  shardings = S.state_shardings(abstract, mesh)
+  step = TrainStep(cfg, graphdef, shardings, mesh, tx)
+  state = abstract_with_shardings(abstract, shardings)
+  bt = (cfg.batch_size, cfg.seq_len)
+  sh = S.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct(bt, dt, sharding=sh) for k, dt in
+           (("inputs", "int32"), ("targets", "int32"), ("segment_ids", "int32"), ("loss_mask", "float32"))}
+  lowered = step.jitted.lower(state, batch) if constrained else step.jitted.jitted.lower(state, batch)
+  return lowered.compile()
+
+
+def memory_one(cfg: C.Config, mesh, constrained: bool) -> dict:
+  t0 = time.perf_counter()
+  compiled = compile_train_step(cfg, mesh, constrained=constrained)
+  secs = time.perf_counter() - t0
+  m = compiled.memory_analysis()
+  return {"temp_gib": m.temp_size_in_bytes / GIB, "argument_gib": m.argument_size_in_bytes / GIB,
+          "output_gib": m.output_size_in_bytes / GIB, "alias_gib": m.alias_size_in_bytes / GIB,
+          "compile_s": secs}
+
+
+def _ensure_cpu_devices(n: int) -> None:
+  """Simulate n CPU devices if the backend is not up yet (XLA_FLAGS may already ask for them)."""
+  from jax._src import xla_bridge
+  if not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", n)
+  if jax.device_count() < n:
+    raise SystemExit(f"--memory needs {n} devices, have {jax.device_count()}: run it in a fresh process "
+                     f"or with XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+
+
+def memory_main(args, argv) -> dict:
+  """--memory: per-device compiled memory of the train step on 1 device, data=8, data=4,model=2."""
+  _ensure_cpu_devices(8)
+  config = "base110m" if args.config_given is None else args.config_given
+  overrides = {**MEMORY_DEFAULTS, **C.parse_overrides(C.CONFIGS[config], args.sets)}
+  att = args.attention[0] if args.attention_given else "fpa"
+  cfg = C.get_config(config, **{**overrides, "attention": att, "task": "synthetic"})
+  rows = []
+  for spec in MEMORY_MESHES:
+    mesh = (S.make_mesh("data=1,model=1", devices=jax.devices()[:1]) if spec == "single"
+            else S.make_mesh(spec, devices=jax.devices()[:8]))
+    cfg.validate_mesh(dict(mesh.shape))
+    row = {"mesh": spec, "devices": mesh.size}
+    for constrained in (False, True):
+      r = memory_one(cfg, mesh, constrained)
+      row["constrained" if constrained else "unconstrained"] = r
+      print(f"{spec:16s} {'with' if constrained else 'without'} activation constraints: temp "
+            f"{r['temp_gib']:.2f} GiB/device (args {r['argument_gib']:.2f}, compile {r['compile_s']:.0f} s)", flush=True)
+    rows.append(row)
+  single = rows[0]["constrained"]["temp_gib"]
+  for row in rows:
+    row["temp_single_over_this"] = single / row["constrained"]["temp_gib"]
+  out = {"config": config, "overrides": overrides, "attention": att, "backend": jax.default_backend(),
+         "jax": jax.__version__, "host": platform.node(), "rows": rows,
+         "command": "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])}
+  path = args.out if args.out_given else "results/bench_train_memory.json"
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  md = os.path.splitext(path)[0] + ".md"
+  with open(md, "w") as f:
+    f.write(memory_markdown(out))
+  print(f"wrote {path} and {md}")
+  return out
+
+
+def memory_markdown(out: dict) -> str:
+  """The --memory results as a README table."""
+  o = out["overrides"]
+  lines = [f"`{out['command'].strip()}`: config `{out['config']}` ({out['attention']}, {o['n_layers']} layers, "
+           f"seq {o['seq_len']}, global batch {o['batch_size']}), train step compiled (not run) on simulated "
+           f"{out['backend']} devices, jax {out['jax']}. Per-device XLA `memory_analysis()`; \"without\" = the "
+           "same step traced with no mesh in context (activation constraints off, the layout before them).", "",
+           "| mesh | devices | temp GiB/device without | temp GiB/device with | args GiB/device | "
+           "one device temp / this temp |", "|---|---:|---:|---:|---:|---:|"]
+  for r in out["rows"]:
+    name = "one device (data=1)" if r["mesh"] == "single" else r["mesh"]
+    lines.append(f"| {name} | {r['devices']} | {r['unconstrained']['temp_gib']:.2f} | "
+                 f"{r['constrained']['temp_gib']:.2f} | {r['constrained']['argument_gib']:.2f} | "
+                 f"{r['temp_single_over_this']:.1f}x |")
+  return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--config", default="small", choices=sorted(C.CONFIGS))
@@ -60,7 +166,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--mesh", default=None)
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
   ap.add_argument("--out", default="results/bench_train.json")
+  ap.add_argument("--memory", action="store_true",
+                  help="compile only: per-device memory of base110m (2 layers, seq 2048, batch 8) on 1 device, "
+                       "data=8 and data=4,model=2 -> results/bench_train_memory.{json,md}")
+  raw = list(sys.argv[1:] if argv is None else argv)
   args = ap.parse_args(argv)
+  if args.memory:
+    given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in raw)
+    args.config_given = args.config if given("--config") else None
+    args.attention_given, args.out_given = given("--attention"), given("--out")
+    return memory_main(args, argv)
   if args.quick:
     args.steps, args.warmup = 5, 1
   overrides = C.parse_overrides(C.CONFIGS[args.config], args.sets)

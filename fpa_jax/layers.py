@@ -3,7 +3,8 @@
 Shape legend: B batch, T sequence, D d_model, H heads, K head_dim, F MLP hidden.
 Parameters are fp32 (`param_dtype`) and cast to the compute `dtype` at use; norms, the gate and
 the field are always computed in fp32. Every parameter carries logical axis names
-(`fpa_jax.sharding`) so the trainer can shard it without this module knowing the mesh.
+(`fpa_jax.sharding`) so the trainer can shard it without this module knowing the mesh; activations
+are pinned with `constrain(x, BTHK)` etc. (no-ops unless the caller set a mesh).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 from fpa_jax import ops
 from fpa_jax.configs import Config
 from fpa_jax.gates import Gate, field_level
-from fpa_jax.sharding import EMBED, HEAD_DIM, HEADS, MLP
+from fpa_jax.sharding import BTD, BTF, BTH, BTHK, EMBED, HEAD_DIM, HEADS, MLP, constrain
 
 F32 = jnp.float32
 
@@ -79,8 +80,8 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.dtype
-    g = x @ self.w_gate[...].astype(dt)                                      # [B, T, F]
-    u = x @ self.w_up[...].astype(dt)                                        # [B, T, F]
+    g = constrain(x @ self.w_gate[...].astype(dt), BTF)                     # [B, T, F]
+    u = constrain(x @ self.w_up[...].astype(dt), BTF)                       # [B, T, F]
     return (jax.nn.silu(g) * u) @ self.w_down[...].astype(dt)                # [B, T, D]
 
 
@@ -127,22 +128,22 @@ class FirstPassageAttention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     if cfg.use_rope:
       q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
-    return q, k, v
+    return constrain(q, BTHK), constrain(k, BTHK), constrain(v, BTHK)
 
   def field_level(self, x: jax.Array, carry: jax.Array | None = None):
     """x [B, T, D] -> (field, level, cum) [B, T, H] fp32 (`gates.field_level`); zeros without a gate."""
     if self.gate is None:
       z = jnp.zeros(x.shape[:2] + (self.cfg.n_heads,), F32)
       return z, z, z
-    return field_level(self.gate.parts(x), carry)
+    return tuple(constrain(a, BTH) for a in field_level(self.gate.parts(x), carry))
 
   def output(self, o: jax.Array, x: jax.Array) -> jax.Array:
     """o [B, T, H, K] (attention output), x [B, T, D] (block input) -> [B, T, D]."""
     dt = self.dtype
-    o = o.astype(dt)
+    o = constrain(o.astype(dt), BTHK)
     if self.wg is not None:
       o = o * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.wg[...].astype(dt)))
-    return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt))
+    return constrain(jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt)), BTD)
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                *, cache=None, attend=None):
@@ -163,8 +164,8 @@ class FirstPassageAttention(nnx.Module):
     elif self.gate.is_fox:
       # field == level == cumsum(log forget): the FoX kernel tiles c_i - c_j directly (cheaper,
       # mathematically identical to fpa_attention(field, field)): the honest cost baseline.
-      o = ops.fox_attention(q, k, v, self.gate.parts(x).increment, **kw)
+      o = ops.fox_attention(q, k, v, constrain(self.gate.parts(x).increment, BTH), **kw)
     else:
       field, level = self.gate(x)
-      o = ops.fpa_attention(q, k, v, field, level, **kw)
+      o = ops.fpa_attention(q, k, v, constrain(field, BTH), constrain(level, BTH), **kw)
     return self.output(o, x)                                                 # [B, T, D]

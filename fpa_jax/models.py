@@ -7,6 +7,8 @@
     logits = model(tokens, segment_ids=seg)      # packed sequences: no attention across segments
 
 Shape legend: B batch, T sequence, D d_model, V vocab.
+Activations are pinned to the mesh in context (`jax.set_mesh`) at block boundaries and on the
+logits via `fpa_jax.sharding.constrain`; without a mesh these are no-ops.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from flax import nnx
 
 from fpa_jax.configs import Config
 from fpa_jax.layers import F32, FirstPassageAttention, RMSNorm, SwiGLU, _param, normal
-from fpa_jax.sharding import EMBED, VOCAB
+from fpa_jax.sharding import BTD, BTV, EMBED, VOCAB, constrain
 
 
 class Block(nnx.Module):
@@ -37,11 +39,12 @@ class Block(nnx.Module):
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                *, cache=None, attend=None):
     """x [B, T, D] -> [B, T, D]; with a cache (see `FirstPassageAttention`) -> (x, cache)."""
+    x = constrain(x, BTD)  # block boundary: batch over `data` under the trainer's mesh
     h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, attend=attend)
     if cache is not None:
       h, cache = h
-    x = x + h                                                                # [B, T, D]
-    x = x + self.mlp(self.mlp_norm(x))
+    x = constrain(x + h, BTD)                                                # [B, T, D]
+    x = constrain(x + self.mlp(self.mlp_norm(x)), BTD)
     return x if cache is None else (x, cache)
 
 
@@ -67,7 +70,7 @@ class DecoderLM(nnx.Module):
     function that attends against one (see `FirstPassageAttention`), `positions` [B, T] the tokens'
     positions; returns (logits, new caches).
     """
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)        # [B, T, D]
+    x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype), BTD)  # [B, T, D]
     if caches is not None:
       new = []
       for block, cache in zip(self.blocks, caches, strict=True):
@@ -82,7 +85,7 @@ class DecoderLM(nnx.Module):
     """Final norm and output head: [B, T, D] -> fp32 [B, T, V]."""
     x = self.final_norm(x)
     w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]     # [D, V]
-    return (x @ w.astype(self.dtype)).astype(F32)                            # [B, T, V]
+    return constrain((x @ w.astype(self.dtype)).astype(F32), BTV)           # [B, T, V]
 
 
 def build_model(config: Config, seed: int = 0) -> DecoderLM:

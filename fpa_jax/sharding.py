@@ -1,8 +1,15 @@
 """Device mesh and the single logical-axis -> mesh-axis table.
 
-Parameters are annotated with *logical* axis names (the constants below) via
-`nnx.with_partitioning(init, (EMBED, HEADS, ...))` in `layers.py`; nothing else in the code base
-names a mesh axis except `RULES` (and the batch spec). Change the parallelism strategy here only.
+Parameters are annotated with *logical* axis names (the weight constants below) via
+`nnx.with_partitioning(init, (EMBED, HEADS, ...))` in `layers.py`; activations are pinned with
+`constrain(x, (ACT_BATCH, ACT_SEQ, ...))` at block boundaries, on q/k/v before the attention kernel
+and on the logits. Weight and activation names are separate because they shard differently: a
+weight's d_model dim is FSDP-sharded over `data`, an activation's batch dim is (and its d_model dim
+is not). Nothing else in the code base names a mesh axis except `RULES` (and the batch spec).
+Change the parallelism strategy here only.
+
+`constrain` is a no-op unless a mesh is in context (`jax.set_mesh(mesh)`, which the trainer's
+step enters), so plain single-device calls such as `model(tokens)` are unchanged.
 
 Mesh axes:
   data   batch parallelism + FSDP (parameters' EMBED dim sharded over `data`, gathered per use)
@@ -30,27 +37,49 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-# ---- logical axis names (used in parameter annotations) ----
-BATCH = "batch"        # activations: batch
-SEQ = "seq"            # activations: sequence
+# ---- logical axis names of parameters (weights) ----
 EMBED = "embed"        # d_model
 HEADS = "heads"        # attention heads
 HEAD_DIM = "head_dim"  # per-head feature dim
 MLP = "mlp"            # SwiGLU hidden dim
 VOCAB = "vocab"        # vocabulary
 
+# ---- logical axis names of activations (`constrain`, input batches) ----
+ACT_BATCH = "act_batch"        # batch
+ACT_SEQ = "act_seq"            # sequence
+ACT_EMBED = "act_embed"        # d_model of the residual stream
+ACT_HEADS = "act_heads"        # attention heads (q/k/v, field, level)
+ACT_HEAD_DIM = "act_head_dim"  # per-head feature dim
+ACT_MLP = "act_mlp"            # SwiGLU hidden dim
+ACT_VOCAB = "act_vocab"        # logits' vocabulary dim
+BATCH, SEQ = ACT_BATCH, ACT_SEQ  # older names of the two activation-only axes
+
 MESH_AXES = ("data", "model")
 
 # ---- THE table: logical axis -> mesh axis (None = replicated) ----
 RULES: Mapping[str, str | None] = {
-    BATCH: "data",
-    SEQ: None,
-    EMBED: "data",     # FSDP: weights' d_model dim sharded across the data axis
+    # weights
+    EMBED: "data",         # FSDP: weights' d_model dim sharded across the data axis
     HEADS: "model",
     HEAD_DIM: None,
     MLP: "model",
     VOCAB: "model",
+    # activations
+    ACT_BATCH: "data",     # data parallelism: each device holds its rows of every activation
+    ACT_SEQ: None,
+    ACT_EMBED: None,       # the residual stream is whole per device (weights are gathered instead)
+    ACT_HEADS: "model",    # tensor parallelism
+    ACT_HEAD_DIM: None,
+    ACT_MLP: "model",
+    ACT_VOCAB: "model",
 }
+
+# Common activation layouts.
+BTD = (ACT_BATCH, ACT_SEQ, ACT_EMBED)                # residual stream [B, T, D]
+BTHK = (ACT_BATCH, ACT_SEQ, ACT_HEADS, ACT_HEAD_DIM)  # q, k, v, attention output [B, T, H, K]
+BTH = (ACT_BATCH, ACT_SEQ, ACT_HEADS)                # field, level, log forget gate [B, T, H]
+BTF = (ACT_BATCH, ACT_SEQ, ACT_MLP)                  # SwiGLU hidden [B, T, F]
+BTV = (ACT_BATCH, ACT_SEQ, ACT_VOCAB)                # logits [B, T, V]
 
 
 _DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -130,7 +159,7 @@ def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = No
 
 
 def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
-                    mesh: jax.sharding.Mesh | None = None) -> P:
+                    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> P:
   """Map logical axis names to a PartitionSpec via RULES.
 
   With `shape` and `mesh`, a dim whose size the mesh axis does not divide is replicated instead
@@ -144,8 +173,10 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int] | No
     if name is not None and name not in RULES:
       raise ValueError(f"unknown logical axis {name!r}; add it to fpa_jax.sharding.RULES")
     mesh_axis = RULES.get(name) if name is not None else None
-    if mesh_axis is not None and mesh is not None and shape is not None:
-      if shape[i] % mesh.shape[mesh_axis] != 0:
+    if mesh_axis is not None and mesh is not None:
+      if mesh_axis not in mesh.shape or mesh_axis in getattr(mesh, "manual_axes", ()):
+        mesh_axis = None  # a mesh without that axis (e.g. no `model`), or inside shard_map over it
+      elif shape is not None and shape[i] % mesh.shape[mesh_axis] != 0:
         mesh_axis = None
     if mesh_axis in used:
       mesh_axis = None
@@ -177,3 +208,19 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dic
   """Host-local numpy batch -> global jax.Arrays sharded over `data` (multi-host safe)."""
   sh = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()}
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """Pin activation `x` to the sharding its logical `axes` map to (RULES) on the mesh in context.
+
+  No mesh in context (`jax.set_mesh`): returns x unchanged, so single-device calls, tests and
+  inference need no mesh. A dim the mesh axis does not divide (e.g. batch 1 on data=8 while
+  decoding) stays replicated. Under the trainer's mesh this stops XLA from gathering whole-batch
+  activations where it should gather FSDP-sharded weights.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.are_all_axes_manual:
+    return x
+  if len(axes) != x.ndim:
+    raise ValueError(f"constrain: {len(axes)} logical axes {tuple(axes)} for an array of shape {x.shape}")
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)))

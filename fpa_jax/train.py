@@ -146,6 +146,21 @@ def lm_loss(model: DecoderLM, batch: dict) -> tuple[jax.Array, jax.Array]:
   return jnp.sum(ce * mask), jnp.sum(mask)
 
 
+class _UnderMesh:
+  """A jitted function called, traced and lowered with `mesh` in context (`jax.set_mesh`)."""
+
+  def __init__(self, jitted, mesh: jax.sharding.Mesh):
+    self.jitted, self.mesh = jitted, mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
+
+
 class TrainStep:
   """Builds the jitted step; `traces` counts Python traces (must stay 1: no retracing)."""
 
@@ -154,9 +169,11 @@ class TrainStep:
     self.schedule = lr_schedule(cfg)
     batch_sh = {k: S.batch_sharding(mesh) for k in ("inputs", "targets", "segment_ids", "loss_mask")}
     rep = NamedSharding(mesh, P())
-    self.jitted = jax.jit(self._step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
-                          donate_argnums=(0,))
-    self.eval_jitted = jax.jit(self._eval, in_shardings=(shardings, batch_sh), out_shardings=rep)
+    # Both run under `jax.set_mesh(mesh)`, so the model's activation constraints
+    # (`fpa_jax.sharding.constrain`) shard the batch over `data` (they are no-ops without a mesh).
+    self.jitted = _UnderMesh(jax.jit(self._step, in_shardings=(shardings, batch_sh),
+                                     out_shardings=(shardings, rep), donate_argnums=(0,)), mesh)
+    self.eval_jitted = _UnderMesh(jax.jit(self._eval, in_shardings=(shardings, batch_sh), out_shardings=rep), mesh)
 
   def _step(self, state, batch):
     self.traces += 1  # Python side effect: runs once per trace, never per call

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -43,8 +44,7 @@ def test_sharded_step_matches_single_device():
     new, metrics = step(state, S.shard_batch(batch, mesh))
     out[name] = (float(metrics["loss"]), _params(new))
   assert abs(out["8"][0] - out["1"][0]) <= 1e-5
-  for k, v in out["1"][1].items():
-    np.testing.assert_allclose(out["8"][1][k], v, atol=1e-5, rtol=0, err_msg=k)
+  chex.assert_trees_all_close(out["8"][1], out["1"][1], atol=1e-5, rtol=0)
 
 
 def _cli(workdir, steps):
@@ -88,9 +88,7 @@ def test_resume_in_new_process_is_exact(tmp_path):
   target = abstract_with_shardings(abstract, shardings)
   (sa, da), (sb, db) = _restore(str(straight), target, 12), _restore(str(split), target, 12)
   assert da == db == {"step": 12}
-  a, b = _params(sa), _params(sb)
-  for k in a:
-    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  chex.assert_trees_all_equal(_params(sa), _params(sb))
   assert int(sb[1]["step"].get_value()) == 12
 
   # Atomicity: a stray unfinalised tmp dir (a crash mid-save) is never picked up as a checkpoint.

@@ -1,10 +1,10 @@
 """Pure-function attention ops (no Flax). See `attention.py` for the public API."""
 
-from fpa_jax.ops.attention import IMPLS, fox_attention, fpa_attention, softmax_attention
+from fpa_jax.ops.attention import IMPLS, Implementation, fox_attention, fpa_attention, softmax_attention
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.recurrent import FPACache, cache_penalty, decode_step, init_cache
 
 __all__ = [
-    "IMPLS", "fpa_attention", "fox_attention", "softmax_attention", "first_passage_penalty",
+    "IMPLS", "Implementation", "fpa_attention", "fox_attention", "softmax_attention", "first_passage_penalty",
     "FPACache", "init_cache", "decode_step", "cache_penalty",
 ]

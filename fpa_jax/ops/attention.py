@@ -15,14 +15,17 @@ from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.quadratic import masked_softmax_attention
 from fpa_jax.ops.recurrent import recurrent_attention
 
-IMPLS = _v.IMPLS
+Implementation = _v.Implementation  # Literal["quadratic", "chunked", "recurrent"]
+IMPLS = _v.IMPLS                    # the same names as a tuple (typing.get_args(Implementation))
 
 
-def _bht(x):  # [B, T, H] -> [B, H, T] fp32
+def _bht(x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, H, T] fp32
   return jnp.swapaxes(x, 1, 2).astype(_v.STATS_DTYPE)
 
 
-def fpa_attention(q, k, v, field, level, *, impl="chunked", scale=None, segment_ids=None, block_size=None):
+def fpa_attention(q: jax.Array, k: jax.Array, v: jax.Array, field: jax.Array, level: jax.Array, *,
+                  impl: Implementation = "chunked", scale: float | None = None,
+                  segment_ids: jax.Array | None = None, block_size: int | None = None) -> jax.Array:
   """First Passage Attention.
 
       out_i = sum_j softmax_j(scale * q_i.k_j - relu(level_j - min(field_{j+1..i}))) v_j,  j <= i
@@ -56,7 +59,9 @@ def fpa_attention(q, k, v, field, level, *, impl="chunked", scale=None, segment_
                                     segment_ids=segment_ids, block_size=block_size)
 
 
-def fox_attention(q, k, v, log_fgate, *, impl="chunked", scale=None, segment_ids=None, block_size=None):
+def fox_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array, *,
+                  impl: Implementation = "chunked", scale: float | None = None,
+                  segment_ids: jax.Array | None = None, block_size: int | None = None) -> jax.Array:
   """Forgetting Attention (FoX): logit_ij = scale * q_i.k_j + sum_{s=j+1..i} log_fgate_s.
 
   `quadratic` and `recurrent` go through the exact FPA special case field = level =
@@ -78,7 +83,8 @@ def fox_attention(q, k, v, log_fgate, *, impl="chunked", scale=None, segment_ids
   return fpa_attention(q, k, v, c, c, impl=impl, scale=scale, segment_ids=segment_ids)
 
 
-def softmax_attention(q, k, v, *, scale=None, segment_ids=None):
+def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
   """Plain causal softmax attention (quadratic reference). [B, T, H, K] -> [B, T, H, Kv]."""
   b, t, h, d = _v.check_qkv(q, k, v)
   _v.check_segment_ids(segment_ids, (b, t))

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import jax.numpy as jnp
 
-IMPLS = ("quadratic", "chunked", "recurrent")
+# The one definition of the implementation names (typed as `jax.nn.dot_product_attention` types
+# its `implementation`); IMPLS is derived from it for runtime checks and listings.
+Implementation = Literal["quadratic", "chunked", "recurrent"]
+IMPLS: tuple[str, ...] = get_args(Implementation)
 
 # Field, levels, penalties and softmax statistics are always fp32, whatever q/k/v are.
 STATS_DTYPE = jnp.float32
@@ -14,7 +19,7 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating)  # callers check the shape first: x is an array
 
 
-def check_impl(impl: str, block_size=None) -> None:
+def check_impl(impl: Implementation, block_size: int | None = None) -> None:
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if block_size is not None and impl != "chunked":
