@@ -149,3 +149,16 @@ def test_mesh_parsing_and_rules():
   assert S.logical_to_spec((S.EMBED, S.HEADS), (32, 3), mesh) == jax.sharding.PartitionSpec("data", None)
   with pytest.raises(ValueError, match="batch_size/grad_accum"):
     C.get_config("tiny", batch_size=6).validate_mesh({"data": 4, "model": 2})
+
+
+@pytest.mark.parametrize("name", sorted(C.CONFIGS))
+def test_config_docstring_launch_command_parses(name):
+  """The launch command in each preset's docstring is a valid `fpa_jax.train` command line."""
+  import shlex
+
+  from fpa_jax.train import parse_args
+  line = C.CONFIGS[name].__doc__.strip().splitlines()[0]
+  argv = shlex.split(line)
+  assert argv[:3] == ["python", "-m", "fpa_jax.train"], line
+  cfg, _ = parse_args(argv[3:])
+  assert cfg.name == name
