@@ -64,6 +64,18 @@ def _select_rows(rows: jax.Array, new: LayerCache, old: LayerCache) -> LayerCach
   return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f != "threshold"})
 
 
+def _split_on_one_device(model: DecoderLM):
+  """nnx.split, with the state gathered onto one device if it is spread over several.
+
+  Decoding runs on one device (batch-sharded decoding is future work): a model straight from a
+  sharded training run would otherwise run every decode step as a multi-device program.
+  """
+  graphdef, state = nnx.split(model)
+  if any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(state) if hasattr(x, "sharding")):
+    state = jax.device_put(state, jax.devices()[0])
+  return graphdef, state
+
+
 def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
   """One token per row: tokens, positions [B] -> (logits [B, V], caches)."""
   attend = functools.partial(decode_attend, policy=policy, scale=model.cfg.head_dim ** -0.5, positions=positions,
@@ -130,7 +142,7 @@ def cached_logits(model: DecoderLM, tokens, *, policy: str = "full", budget: flo
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   if seg.shape != (b, t):
     raise ValueError(f"segment_ids must have the tokens' shape {(b, t)}, got {seg.shape}")
-  graphdef, state = nnx.split(model)
+  graphdef, state = _split_on_one_device(model)
   logits, s = _cached_logits_program(graphdef, state, tokens, seg, policy=pol)
   s = jax.device_get(s)
   stats = {"policy": pol.name, "capacity": pol.capacity, "cache_fraction": float(np.max(s["peak"])) / t,
@@ -233,7 +245,7 @@ def generate(model: DecoderLM, prompt_tokens, max_new_tokens: int, *, lengths=No
     raise ValueError(f"prefill must be 'parallel' or 'decode', got {prefill!r}")
   if prefill == "parallel" and pol.name == "h2o":
     raise ValueError("h2o ranks keys by the attention they received: use prefill='decode'")
-  graphdef, state = nnx.split(model)
+  graphdef, state = _split_on_one_device(model)
   tokens, s = _generate_program(graphdef, state, prompt, lengths, jax.random.key(seed), policy=pol,
                                 max_new=max_new_tokens, temperature=float(temperature), top_k=top_k, prefill=prefill,
                                 n_keys=n_keys)
