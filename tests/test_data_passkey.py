@@ -54,3 +54,29 @@ def test_passkey_builder_splits_and_pipeline_masks_only_the_answer(tmp_path):
         key = int(src[r]["key"])
         assert TOK.decode(batch["targets"][r][m]) == f" {key}"
         assert set(np.unique(batch["segment_ids"][r])) <= {0, 1}
+
+
+def test_seq_len_shorter_than_a_prompt_is_an_error(tmp_path):
+    """The trap: 512-token prompts packed into 256-token rows would cut off the needle."""
+    import grain
+
+    from fpa_jax import train
+    from fpa_jax.configs import get_config
+    from fpa_jax.data.pipeline import PackIterDataset
+
+    kw = dict(data_dir=tmp_path, batch_size=2, small=True, process_index=0, process_count=1)
+    with pytest.raises(ValueError, match=r"seq_len >= 511.*--set seq_len=512"):
+        make_pipeline("passkey", seq_len=256, **kw)
+    with pytest.raises(ValueError, match="seq_len >= 4095"):
+        make_pipeline("passkey", "eval_len4096_depth0", seq_len=4000, shuffle=False, num_epochs=1, **kw)
+    row = next(make_pipeline("passkey", seq_len=511, **kw))  # exactly enough: one whole prompt per row
+    assert (row["loss_mask"].sum(1) > 0).all() and (row["segment_ids"].max(1) == 1).all()
+    # The trainer's CLI turns it into "error: ..." (exit 2) for the documented small config command.
+    cfg = get_config("small", task="passkey", small_data=True, data_dir=str(tmp_path), steps=1)
+    with pytest.raises(ValueError, match="seq_len"):
+        train.make_data(cfg)
+    # The packer itself refuses to cut a too-long document when cutting is off (defence in depth).
+    docs = [{"tokens": np.arange(40, dtype=np.int32), "mask": np.ones(39, np.float32)}]
+    ds = PackIterDataset(grain.MapDataset.source(docs).to_iter_dataset(), 32, split_docs=False, cut_long_docs=False)
+    with pytest.raises(ValueError, match="does not fit in seq_len=32"):
+        next(iter(ds))

@@ -58,6 +58,10 @@ def test_forward_shapes_and_segments(att):
   np.testing.assert_allclose(fwd(model, tok3, seg)[:, :-1], logits[:, :-1], atol=1e-5)
 
 
+FLAT_GATE = dict(step_init_std=0.0, step_bias_init=0.0, absolute_init_std=0.0, offset_init_std=0.0,
+                 offset_bias_init=0.0)
+
+
 def _copy_shared(src, dst, extra: tuple[str, ...]):
   """Copy src's parameters into dst, except those whose path names one of `extra`."""
   is_extra = lambda path, _: any(n in path for n in extra)
@@ -67,7 +71,7 @@ def _copy_shared(src, dst, extra: tuple[str, ...]):
 @pytest.mark.parametrize("att", ["stack", "fpa"])
 def test_gated_variants_with_a_flat_gate_are_nope(att):
   """Zero read-outs and no step bias: field = level = 0, so stack/fpa equal NoPE with its weights."""
-  cfg = C.get_config("tiny", attention=att, step_bias_init=0.0)
+  cfg = C.get_config("tiny", attention=att, **FLAT_GATE)
   model = build_model(cfg, seed=1)
   nope = build_model(C.replace(cfg, attention="nope"), seed=2)
   _copy_shared(model, nope, ("gate",))
@@ -77,8 +81,8 @@ def test_gated_variants_with_a_flat_gate_are_nope(att):
 
 @pytest.mark.parametrize("att", ["stack", "fpa"])
 def test_default_gate_gets_gradient_at_init(att):
-  """A flat field makes every penalty relu(0), whose derivative is 0: the default step bias must
-  tilt the field so that every gate read-out (but the absolute bias, a global shift) learns."""
+  """A flat field makes every penalty relu(0), whose derivative is 0: the default init must make the
+  field move so that every gate read-out (but the absolute bias, a global shift) learns."""
   model = build_model(C.get_config("tiny", attention=att), seed=0)
   tok = jax.random.randint(jax.random.key(0), (2, 24), 0, model.cfg.vocab_size)
   grads = nnx.grad(lambda m: jnp.mean(m(tok) ** 2))(model)
@@ -90,7 +94,7 @@ def test_default_gate_gets_gradient_at_init(att):
 @pytest.mark.parametrize("att", ["stack", "fpa"])
 def test_gated_variants_with_forget_term_start_at_fox(att):
   """`gate_forget=True`: stack/fpa equal FoX given FoX's weights (FoX as a starting point)."""
-  cfg = C.get_config("tiny", attention=att, gate_forget=True, step_bias_init=0.0)
+  cfg = C.get_config("tiny", attention=att, gate_forget=True, **FLAT_GATE)
   model = build_model(cfg, seed=1)
   fox = build_model(C.replace(cfg, attention="fox"), seed=2)
   _copy_shared(model, fox, ("step", "absolute", "offset"))

@@ -28,21 +28,23 @@ class PackIterDataset(grain.IterDataset):
 
     `split_docs=True` (text) fills every row, continuing a document in the next row. Otherwise a
     document that fits in a row is never cut (the row is padded instead) -- a passkey or query
-    must see its whole context -- and only documents longer than a row are cut into row chunks.
+    must see its whole context -- and only documents longer than a row are cut into row chunks,
+    or, with `cut_long_docs=False` (passkey), raise ValueError: a cut prompt's answer row would
+    never see the needle.
     """
 
-    def __init__(self, parent: grain.IterDataset, seq_len: int, split_docs: bool):
+    def __init__(self, parent: grain.IterDataset, seq_len: int, split_docs: bool, cut_long_docs: bool = True):
         super().__init__(parent)
-        self.seq_len, self.split_docs = seq_len, split_docs
+        self.seq_len, self.split_docs, self.cut_long_docs = seq_len, split_docs, cut_long_docs
 
     def __iter__(self):
-        return _PackIterator(self._parent.__iter__(), self.seq_len, self.split_docs)
+        return _PackIterator(self._parent.__iter__(), self.seq_len, self.split_docs, self.cut_long_docs)
 
 
 class _PackIterator(grain.DatasetIterator):
-    def __init__(self, parent, seq_len: int, split_docs: bool):
+    def __init__(self, parent, seq_len: int, split_docs: bool, cut_long_docs: bool = True):
         super().__init__(parent)
-        self._len, self._split = seq_len, split_docs
+        self._len, self._split, self._cut = seq_len, split_docs, cut_long_docs
         self._doc, self._doc_state, self._offset = None, None, 0
 
     def _load_doc(self):
@@ -70,6 +72,9 @@ class _PackIterator(grain.DatasetIterator):
                 self._doc = None
                 continue
             space = L - pos
+            if not self._split and not self._cut and len(mask) > L:
+                raise ValueError(f"a document of {len(mask)} next-token pairs does not fit in seq_len={L}; "
+                                 f"set seq_len >= {len(mask)} (--set seq_len={len(mask)})")
             if remaining > space and not self._split and pos > 0:
                 break  # does not fit: pad this row, start the document on a fresh one
             k, o = min(remaining, space), self._offset
@@ -117,6 +122,22 @@ def _doc_fn(task: str, tok, text_key: str | None):
         toks = np.asarray([tok.bos_id, *tok.encode(_to_str(r[text_key])), tok.eos_id], np.int32)
         return {"tokens": toks, "mask": np.ones(len(toks) - 1, np.float32)}
     return f
+
+
+def check_passkey_seq_len(src, seq_len: int, split: str = "train") -> None:
+    """Raise ValueError unless a row of `seq_len` pairs holds a whole prompt of the passkey split `src`.
+
+    A shorter row would cut every prompt: the answer row never sees the needle and the other rows
+    carry no loss at all. Prompts have at most `target_len` tokens (BOS..EOS), i.e. `target_len - 1` pairs.
+    """
+    if len(src) == 0:
+        return
+    target_len = int(src[0]["target_len"])
+    if seq_len < target_len - 1:
+        raise ValueError(
+            f"passkey split {split!r} has prompts of up to {target_len} tokens, longer than seq_len={seq_len}: "
+            f"packing would cut each prompt so the answer never sees the needle. Set seq_len >= {target_len - 1} "
+            f"(e.g. --set seq_len={target_len} with a smaller batch, --set batch_size=8)")
 
 
 class Pipeline:
@@ -176,6 +197,8 @@ def make_pipeline(task: str, split: str = "train", *, data_dir, seq_len: int, ba
         text_key = text.catalog_text_key(src[0])
     else:
         src = builders.data_source(task, split, data_dir, small=small, text_source=text_source)
+    if task == "passkey":
+        check_passkey_seq_len(src, seq_len, split)
 
     if task in ("scopes", "dips"):
         mod = scopes if task == "scopes" else dips
@@ -192,7 +215,7 @@ def make_pipeline(task: str, split: str = "train", *, data_dir, seq_len: int, ba
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs).map(_doc_fn(task, tok, text_key))
-    ds = PackIterDataset(ds.to_iter_dataset(), seq_len, split_docs=(task == "text"))
+    ds = PackIterDataset(ds.to_iter_dataset(), seq_len, split_docs=(task == "text"), cut_long_docs=(task != "passkey"))
     ds = ds.batch(batch_size, drop_remainder=num_epochs is None)
     info = {"task": task, "split": split, "seq_len": seq_len, "batch_size": batch_size, "seed": seed,
             "tokenizer": tokenizer, "small": small, "shuffle": shuffle, "num_epochs": num_epochs,

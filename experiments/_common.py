@@ -1,0 +1,171 @@
+"""Shared helpers for the studies in `experiments/`: run metadata, results files, training, eval.
+
+    meta = run_meta(argv, configs={...}, seeds=[0, 1, 2], wall_s=...)   # commit, machine, command, ...
+    write_json("results/x.json", {...}); md_table(["a", "b"], [[1, 2]])
+    out = train_lm(cfg, workdir, data)   # resumable library trainer + cumulative train wall time
+    fwd = forward_fn(out["graphdef"], out["state"])   # jitted tokens [B, T] -> logits [B, T, V]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Metadata and results files
+# ------------------------------------------------------------------------------------------------
+
+def git_commit() -> str:
+  """HEAD commit, with '+dirty' when the working tree has uncommitted changes; 'unknown' outside git."""
+  try:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return sha + ("+dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def machine() -> dict[str, Any]:
+  import jax
+
+  return {"host": platform.node(), "platform": platform.platform(), "processor": platform.machine(),
+          "cpu_count": os.cpu_count(), "backend": jax.default_backend(), "devices": jax.device_count(),
+          "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()}
+
+
+def command(module: str, argv: list[str] | None) -> str:
+  """The command line that reproduces this run, e.g. `python -m experiments.passkey --steps 10`."""
+  args = sys.argv[1:] if argv is None else argv
+  return " ".join(["python", "-m", module, *map(shlex.quote, args)])
+
+
+def run_meta(module: str, argv: list[str] | None, *, wall_s: float, **extra: Any) -> dict[str, Any]:
+  return {"command": command(module, argv), "commit": git_commit(), "machine": machine(),
+          "load_avg_1_5_15min": [round(x, 1) for x in os.getloadavg()],  # shared machines: wall times depend on it
+          "wall_s": round(wall_s, 1), "finished": datetime.datetime.now().isoformat(timespec="seconds"), **extra}
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+  """Atomic write (tmp + rename): a killed run never leaves a half-written results file."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1, default=_json_default) + "\n")
+  os.replace(tmp, path)
+
+
+def _json_default(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def read_json(path: str | os.PathLike, default: Any = None) -> Any:
+  path = Path(path)
+  return json.loads(path.read_text()) if path.exists() else default
+
+
+def md_table(headers: list[str], rows: Iterable[Iterable[Any]], align: str | None = None) -> str:
+  """GitHub markdown table; `align` one char per column ('l' or 'r', default: first l, rest r)."""
+  align = align or "l" + "r" * (len(headers) - 1)
+  sep = ["---" if a == "l" else "---:" for a in align]
+  lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
+  lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+  return "\n".join(lines) + "\n"
+
+
+def _cell(c: Any) -> str:
+  if c is None:
+    return "—"
+  if isinstance(c, float):
+    return f"{c:.3g}" if abs(c) >= 1e3 else f"{c:.3f}"
+  return str(c)
+
+
+def mean_std(xs: list[float]) -> str:
+  """'m ± s' (sample std over seeds; '± 0' for one seed)."""
+  xs = np.asarray(xs, float)
+  s = xs.std(ddof=1) if len(xs) > 1 else 0.0
+  return f"{xs.mean():.4f} ± {s:.4f}"
+
+
+def progress(it: Iterable, **kw):
+  """tqdm bar; off a terminal (nohup logs) it updates at most every 30 s."""
+  from tqdm import tqdm
+
+  if not sys.stderr.isatty():
+    kw.setdefault("mininterval", 30.0)
+  return tqdm(it, dynamic_ncols=True, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training and evaluation
+# ------------------------------------------------------------------------------------------------
+
+def train_lm(cfg, workdir: str, data, *, progress_bar: bool | None = None) -> dict[str, Any]:
+  """`fpa_jax.train.train` (resumes from `workdir`'s checkpoints), plus the cumulative training
+  wall time over all sessions in `workdir/study_wall.json`. Returns the trainer's summary with
+  `train_wall_s` (all sessions) and `model` (the trained `DecoderLM`)."""
+  from flax import nnx
+
+  from fpa_jax.train import train
+
+  os.makedirs(workdir, exist_ok=True)
+  wall_path = Path(workdir) / "study_wall.json"
+  wall = read_json(wall_path, {"train_wall_s": 0.0, "sessions": []})
+  t0 = time.perf_counter()
+  out = train(cfg, workdir=workdir, data=data, progress=progress_bar)
+  dt = time.perf_counter() - t0
+  if out["step"] > out["start_step"]:  # a session that trained (not a pure restore)
+    wall["train_wall_s"] += dt
+    wall["sessions"].append({"from": out["start_step"], "to": out["step"], "wall_s": round(dt, 1)})
+    write_json(wall_path, wall)
+  model, _ = nnx.merge(out["graphdef"], out["state"])
+  return {**out, "model": model, "train_wall_s": round(wall["train_wall_s"], 1), "sessions": wall["sessions"]}
+
+
+def forward_fn(model):
+  """Jitted parallel forward: tokens int [B, T] (+ segment_ids) -> logits fp32 [B, T, V]."""
+  import jax
+  from flax import nnx
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def fwd(state, tokens, segment_ids=None):
+    return nnx.merge(graphdef, state)(tokens, segment_ids)
+
+  return lambda tokens, segment_ids=None: fwd(state, tokens, segment_ids)
+
+
+def token_nll_fn(model):
+  """Jitted per-token NLL: (inputs, targets int [B, T]) -> nats fp32 [B, T] (causal, no segments)."""
+  import jax
+  import optax
+  from flax import nnx
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def nll(state, inputs, targets):
+    logits = nnx.merge(graphdef, state)(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+  return lambda inputs, targets: nll(state, inputs, targets)

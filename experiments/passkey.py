@@ -1,0 +1,483 @@
+"""Study 2 (issue 11): passkey retrieval at 1x, 2x, 4x, 8x the training length, per method.
+
+    python -m experiments.passkey                                  # every method, resumable
+    python -m experiments.passkey --methods fox softmax            # a subset (results merge)
+    python -m experiments.passkey --scale base110m                 # print the accelerator recipe only
+
+Small byte-level LMs (`small` with 2 layers, d_model 128, 4 heads) are trained at length L on a mix
+of `fpa_text` rows and `fpa_passkey` train prompts (one prompt per row, the train split's generator
+run on the fly), the answer tokens weighted `--answer-weight` times. Each method trains in stages
+of `--stage-steps` up to `--max-steps` (constant lr after warmup by default, so rerunning with a larger
+`--max-steps` extends a run exactly) and
+stops at the first stage whose greedy exact match at 1x on held-out *validation* prompts (other
+keys than the test prompts) reaches `--competence`. Then the test prompts
+(`fpa_jax.data.passkey_eval_examples`, seed 0: the `fpa_passkey` eval splits) are scored at
+1/2/4/8 x L and depths 0/25/50/75/100% by greedy exact match of the whole answer, computed from one
+teacher-forced forward pass per prompt with the parallel (chunked) model: greedy decoding
+reproduces the answer iff the argmax at every answer position is the answer token.
+
+Runs use the library trainer, so rerunning the same command resumes from `runs/passkey/...`
+checkpoints. Writes results/passkey.{json,md} and results/passkey_<method>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import _common as U
+
+MODULE = "experiments.passkey"
+# method -> config overrides (on top of the study's model/training settings)
+METHODS = {
+    "fpa": {"attention": "fpa"},
+    "stack": {"attention": "stack"},
+    "fox": {"attention": "fox", "gate_bias_init": 0.0},      # FoX paper init
+    "fox_b5": {"attention": "fox", "gate_bias_init": 5.0},   # weak-decay init (sigmoid(5) = 0.993)
+    "softmax": {"attention": "softmax"},                      # RoPE
+    # fpa / stack started exactly at fox_b5 (FoX's log-sigmoid term in the increment, bias 5; the
+    # other read-outs at 0): the weak-decay start that made FoX learn retrieval, for the FPA gates.
+    "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+    "stack_fox5": {"attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+}
+FAMILY = {"fpa": "fpa", "stack": "stack", "fox": "fox", "fox_b5": "fox", "softmax": "softmax",
+          "fpa_fox5": "fpa", "stack_fox5": "stack"}
+MULTIPLES = (1, 2, 4, 8)
+DEPTHS = (0, 25, 50, 75, 100)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: fpa_text rows + fpa_passkey prompts, answer tokens weighted
+# ------------------------------------------------------------------------------------------------
+
+class PasskeyTextMix:
+  """Batches of `batch_size` rows of `seq_len`: `n_passkey` rows hold one passkey train prompt each
+  (needle at a random depth, exactly the `fpa_passkey` train generator at `target_len=seq_len`),
+  the rest come from the `fpa_text` train pipeline. loss_mask: `prompt_weight` on the prompt's
+  next-token pairs, `answer_weight` on the answer targets, 1 on text. Exact `get_state`/`set_state`.
+  Batch: inputs/targets/segment_ids int32 [B, L], loss_mask float32 [B, L].
+  """
+
+  def __init__(self, *, data_dir: str, seq_len: int, batch_size: int, n_passkey: int, answer_weight: float,
+               prompt_weight: float = 1.0, seed: int = 0, small: bool = False):
+    from fpa_jax.data import ByteTokenizer, make_pipeline
+
+    if not 0 <= n_passkey <= batch_size:
+      raise ValueError(f"n_passkey={n_passkey} must be in [0, batch_size={batch_size}]")
+    self.tok = ByteTokenizer()
+    self.vocab_size = self.tok.vocab_size
+    self.seq_len, self.batch_size, self.n_passkey, self.seed = seq_len, batch_size, n_passkey, seed
+    self.answer_weight, self.prompt_weight = float(answer_weight), float(prompt_weight)
+    self.text = (make_pipeline("text", "train", data_dir=data_dir, seq_len=seq_len, batch_size=batch_size - n_passkey,
+                               seed=seed, small=small, process_index=0, process_count=1)
+                 if n_passkey < batch_size else None)
+    self.count = 0  # passkey prompts drawn so far
+
+  def __iter__(self):
+    return self
+
+  def prompt_row(self, index: int) -> dict[str, np.ndarray]:
+    """Train prompt `index` as one padded row (the fpa_passkey train split's generator, any index)."""
+    from fpa_jax.data import passkey
+    from fpa_jax.data.builders import _rng
+
+    rng = _rng(self.seed, "train", index)
+    depth = int(rng.integers(0, 101))
+    ex = passkey.make_prompt(self.tok, self.seq_len, depth / 100, passkey.random_key(rng))
+    toks, n = ex["tokens"], len(ex["tokens"]) - 1
+    ans = passkey.loss_mask(toks, ex["answer_start"], len(self.tok.encode(ex["answer"])))  # [n]
+    row = {k: np.zeros(self.seq_len, np.int32) for k in ("inputs", "targets", "segment_ids")}
+    row["inputs"][:n], row["targets"][:n], row["segment_ids"][:n] = toks[:-1], toks[1:], 1
+    row["loss_mask"] = np.zeros(self.seq_len, np.float32)
+    row["loss_mask"][:n] = np.where(ans > 0, self.answer_weight, self.prompt_weight)
+    return row
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rows = [self.prompt_row(self.count + i) for i in range(self.n_passkey)]
+    self.count += self.n_passkey
+    batch = {k: np.stack([r[k] for r in rows]) if rows else None for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+    if self.text is not None:
+      t = next(self.text)
+      batch = {k: t[k] if batch[k] is None else np.concatenate([batch[k], t[k]]) for k in t}
+    return batch
+
+  def get_state(self) -> dict:
+    return {"passkey_count": self.count, "text": self.text.get_state() if self.text is not None else None}
+
+  def set_state(self, state: dict) -> None:
+    self.count = int(state["passkey_count"])
+    if self.text is not None:
+      self.text.set_state(state["text"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy exact match from one teacher-forced pass
+# ------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=0)
+def _argmax(graphdef, state, tokens):
+  return jnp.argmax(nnx.merge(graphdef, state)(tokens), axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, tokens):
+  return nnx.merge(graphdef, state)(tokens)
+
+
+def argmax_fn(model):
+  """tokens int [B, T] -> greedy next-token predictions int32 [B, T] (parallel model, jitted;
+  compiles are shared by every model of the same structure and shape)."""
+  graphdef, state = nnx.split(model)
+  return lambda tokens: _argmax(graphdef, state, tokens)
+
+
+def answer_span(ex: dict) -> tuple[int, int]:
+  """(first answer token index, answer length) of a `make_prompt` example; tokens end with EOS."""
+  return int(ex["answer_start"]), len(ex["tokens"]) - 1 - int(ex["answer_start"])
+
+
+def teacher_forced_exact_match(predict, examples: list[dict], length: int | None = None,
+                               batch_size: int = 8) -> tuple[np.ndarray, list[np.ndarray]]:
+  """Greedy exact match of each example's answer from one teacher-forced forward pass.
+
+  `predict`: tokens int [B, T] -> argmax int [B, T] (e.g. `argmax_fn(model)`). Each example's
+  prompt + answer (no EOS) is right-padded to `length` (default: the longest; causal, so padding
+  never changes earlier positions). Greedy decoding emits answer token k iff the argmax after
+  prompt + answer[:k] is answer[k]; by induction it reproduces the whole answer iff that holds
+  for every k. Returns (correct bool [n], per-example predicted answer tokens int [n_answer]).
+  """
+  seqs = [np.asarray(ex["tokens"][:-1], np.int32) for ex in examples]   # drop EOS
+  length = length or max(map(len, seqs))
+  correct, preds = [], []
+  for i in range(0, len(seqs), batch_size):
+    chunk = seqs[i:i + batch_size]
+    batch = np.zeros((batch_size, length), np.int32)  # fixed shape: one compile per length
+    for r, s in enumerate(chunk):
+      batch[r, :len(s)] = s
+    am = np.asarray(predict(batch))
+    for r, ex in enumerate(examples[i:i + batch_size]):
+      a0, n = answer_span(ex)
+      p = am[r, a0 - 1:a0 - 1 + n]        # position t predicts token t + 1
+      preds.append(p)
+      correct.append(bool((p == np.asarray(ex["tokens"][a0:a0 + n])).all()))
+  return np.asarray(correct, bool), preds
+
+
+def greedy_decode(model, prompt: np.ndarray, n: int, pad_to: int | None = None) -> np.ndarray:
+  """Reference: an explicit greedy loop that re-runs the parallel model on the growing sequence and
+  appends the argmax after its last token. prompt int [T] -> n generated tokens int [n] (tests).
+  `pad_to`: right-pad every call to this length (one compile; causal, so the last real position's
+  logits are unchanged); None runs each length as it is."""
+  graphdef, state = nnx.split(model)
+  toks = list(map(int, prompt))
+  for _ in range(n):
+    x = np.zeros((1, pad_to or len(toks)), np.int32)
+    x[0, :len(toks)] = toks
+    logits = np.asarray(_logits(graphdef, state, x))                    # [1, T, V]
+    toks.append(int(np.argmax(logits[0, len(toks) - 1])))
+  return np.asarray(toks[len(prompt):], np.int32)
+
+
+def eval_batch(length: int, n: int, eval_tokens: int = 16384) -> int:
+  """Rows per eval forward pass: up to `eval_tokens` tokens, at most `n` (the prompts per cell)."""
+  return max(1, min(n, eval_tokens // length))
+
+
+def evaluate(model, train_len: int, *, n: int, seed: int = 0, multiples=MULTIPLES, depths=DEPTHS,
+             eval_tokens: int = 16384, desc: str = "eval") -> dict:
+  """Greedy exact match per (multiple, depth) cell on `passkey_eval_examples(train_len, m, d, n, seed)`.
+
+  -> {"1": acc, ..., "by_depth": {"1": {"0": acc, ...}, ...}}; rows are batched up to `eval_tokens` tokens.
+  """
+  from fpa_jax.data import passkey_eval_examples
+
+  predict = argmax_fn(model)
+  out, by_depth = {}, {}
+  cells = [(m, d) for m in multiples for d in depths]
+  for m, d in U.progress(cells, desc=desc, leave=False):
+    exs = passkey_eval_examples(train_len, m, d, n=n, seed=seed)
+    ok, _ = teacher_forced_exact_match(predict, exs, length=train_len * m,
+                                       batch_size=eval_batch(train_len * m, n, eval_tokens))
+    by_depth.setdefault(str(m), {})[str(d)] = float(ok.mean())
+  for m in multiples:
+    out[str(m)] = float(np.mean(list(by_depth[str(m)].values())))
+  out["by_depth"] = by_depth
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Training to competence
+# ------------------------------------------------------------------------------------------------
+
+def study_config(method: str, args, steps: int):
+  from fpa_jax.configs import get_config
+
+  over = dict(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, d_ff=0, seq_len=args.train_len,
+              batch_size=args.batch_size, block_size=args.block_size, steps=steps, lr=args.lr,
+              lr_decay_steps=args.max_steps, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup,
+              task="passkey", data_dir=args.data_dir, seed=args.seed, log_every=10, ckpt_every=args.ckpt_every, small_data=args.small_data,
+              tokenizer="bytes", vocab_size=259)
+  over.update(METHODS[method])
+  return get_config("small", **over)
+
+
+def recipe(args) -> dict:
+  return {"train_length": args.train_len, "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
+          "batch_size": args.batch_size, "passkey_rows": args.passkey_rows, "answer_weight": args.answer_weight,
+          "prompt_weight": args.prompt_weight, "lr": args.lr, "min_lr_ratio": args.min_lr_ratio, "warmup": args.warmup,
+          "max_steps": args.max_steps,
+          "stage_steps": args.stage_steps, "competence": args.competence, "n_val": args.n_val, "seed": args.seed}
+
+
+def run_tag(args) -> str:
+  return args.tag or (f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}p{args.passkey_rows}"
+                      f"_w{args.answer_weight:g}_pw{args.prompt_weight:g}_lr{args.lr:g}_m{args.min_lr_ratio:g}_s{args.seed}")
+
+
+def train_to_competence(method: str, args, log) -> dict:
+  """Train in stages until the 1x validation exact match reaches `args.competence` (or max_steps)."""
+  from fpa_jax.data import passkey_eval_examples
+
+  workdir = os.path.join(args.runs_dir, run_tag(args), method)
+  val_path = Path(workdir) / "study_val.json"
+  val = U.read_json(val_path, {})  # step -> validation accuracy (cached across sessions)
+  # Validation prompts: other keys than the test prompts (seed 0), depths spread over 0-100%.
+  per = max(1, args.n_val // len(DEPTHS))
+  val_exs = [e for d in DEPTHS for e in passkey_eval_examples(args.train_len, 1, d, n=per, seed=1000 + args.seed)]
+  steps, out = 0, None
+  while steps < args.max_steps:
+    steps = min(steps + args.stage_steps, args.max_steps)
+    if str(steps) in val and val[str(steps)]["exact"] < args.competence and steps < args.max_steps:
+      continue  # a stage an earlier session finished and scored: go straight on to the next one
+    cfg = study_config(method, args, steps)
+    data = PasskeyTextMix(data_dir=args.data_dir, seq_len=args.train_len, batch_size=args.batch_size,
+                          n_passkey=args.passkey_rows, answer_weight=args.answer_weight,
+                          prompt_weight=args.prompt_weight, seed=args.seed, small=args.small_data)
+    out = U.train_lm(cfg, workdir, data)
+    if str(steps) not in val:
+      ok, preds = teacher_forced_exact_match(argmax_fn(out["model"]), val_exs, length=args.train_len,
+                                             batch_size=eval_batch(args.train_len, args.n_eval))  # as the 1x test
+      digits = np.mean([np.mean(p[1:] == e["tokens"][answer_span(e)[0] + 1:-1]) for p, e in zip(preds, val_exs)])
+      val[str(steps)] = {"exact": float(ok.mean()), "digit": float(digits)}
+      U.write_json(val_path, val)
+    last = out["history"][-1]["loss"] if out["history"] else None
+    log(f"[passkey] {method}: step {steps}, val 1x exact match {val[str(steps)]['exact']:.3f} (digits "
+        f"{val[str(steps)]['digit']:.3f}), train wall {out['train_wall_s']:.0f} s"
+        + (f", last loss {last:.3f}" if last is not None else ""))
+    if val[str(steps)]["exact"] >= args.competence:
+      break
+  return {"model": out["model"], "steps": steps, "workdir": workdir, "train_wall_s": out["train_wall_s"],
+          "val_history": {int(k): v for k, v in sorted(val.items(), key=lambda kv: int(kv[0])) if int(k) <= steps},
+          "competent_1x": val[str(steps)]["exact"] >= args.competence, "config": out["config"].to_dict(),
+          "sessions": out["sessions"]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs
+# ------------------------------------------------------------------------------------------------
+
+def write_outputs(res: dict, out_dir: Path) -> None:
+  U.write_json(out_dir / "passkey.json", res)
+  (out_dir / "passkey.md").write_text(markdown(res))
+  for method in (m for m in res if m in METHODS):
+    heatmap(res, method, out_dir / f"passkey_{method}.png")
+
+
+def markdown(res: dict) -> str:
+  L = res["train_length"]
+  methods = [m for m in METHODS if m in res]
+  r = res.get("recipe", {})
+  head = (f"`python -m {MODULE}` (each method's exact command and commit are in passkey.json): byte LMs ({r.get('layers')} layers, d_model {r.get('d_model')}, "
+          f"{r.get('heads')} heads) trained at L={L}, batch {r.get('batch_size')} rows ({r.get('passkey_rows')} passkey "
+          f"prompts + text), answer tokens weighted x{r.get('answer_weight')}, lr {r.get('lr')} (end ratio "
+          f"{r.get('min_lr_ratio')}); trained in stages of "
+          f"{r.get('stage_steps')} steps until validation exact match at 1x >= {r.get('competence')} (max "
+          f"{r.get('max_steps')}). Test: greedy exact match, {res.get('n_eval')} prompts per (length, depth) cell, "
+          f"seed {r.get('seed')}, {res['meta']['machine']['cpu_count']} CPU cores. \"train min\" is wall time on a "
+          f"shared machine (load average {res['meta'].get('load_avg_1_5_15min', ['?'])[-1]} at the end).\n\n")
+  rows = []
+  for m in methods:
+    e = res[m]
+    rows.append([m, e["steps"], f"{e['train_wall_s'] / 60:.1f}", "yes" if e["competent_1x"] else "**no**",
+                 *[_f(e[str(k)]) for k in MULTIPLES]])
+  table = U.md_table(["method", "steps", "train min", "competent at 1x", *[f"{k}x ({k * L})" for k in MULTIPLES]], rows)
+  fam = {}
+  for m in methods:  # best of each family by the mean over lengths
+    f = FAMILY[m]
+    if f not in fam or _mean_acc(res[m]) > _mean_acc(res[fam[f]]):
+      fam[f] = m
+  best = "Best of each family (mean over lengths): " + ", ".join(
+      f"{f}: `{m}` (8x {_f(res[m]['8'])})" for f, m in fam.items()) + ".\n"
+  depth_rows = [[m, f"{k}x", *[_f(res[m]["by_depth"][str(k)][str(d)]) for d in DEPTHS]]
+                for m in methods for k in MULTIPLES]
+  depth = U.md_table(["method", "length", *[f"depth {d}%" for d in DEPTHS]], depth_rows, "ll" + "r" * len(DEPTHS))
+  stages = U.md_table(["method", "validation exact match / digit accuracy at 1x after each stage (steps: exact / digits)"],
+                      [[m, ", ".join(f"{k}: {v['exact']:.2f} / {v['digit']:.2f}" for k, v in res[m]["val_history"].items())]
+                       for m in methods if res[m].get("val_history")], "ll")
+  note = ("\nA method not competent at 1x has no retrieval to extrapolate: its longer-length numbers say nothing "
+          "about extrapolation.\n" if not all(res[m]["competent_1x"] for m in methods) else "")
+  return (head + table + "\n" + best + note + "\nWhat it took (train to competence):\n\n" + stages
+          + "\n<details><summary>by depth</summary>\n\n" + depth + "\n</details>\n")
+
+
+def _f(x) -> str:
+  return "—" if x is None else f"{x:.2f}"
+
+
+def _mean_acc(e: dict) -> float:
+  return float(np.mean([e[str(k)] for k in MULTIPLES if e[str(k)] is not None]))
+
+
+def heatmap(res: dict, method: str, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  L, e = res["train_length"], res[method]
+  a = np.array([[np.nan if e["by_depth"][str(k)][str(d)] is None else e["by_depth"][str(k)][str(d)]
+                 for k in MULTIPLES] for d in DEPTHS])  # [depth, multiple]
+  fig, ax = plt.subplots(figsize=(4.2, 3.4))
+  im = ax.imshow(a, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+  for i in range(len(DEPTHS)):
+    for j in range(len(MULTIPLES)):
+      ax.text(j, i, f"{a[i, j]:.2f}", ha="center", va="center", fontsize=8)
+  ax.set_xticks(range(len(MULTIPLES)), [f"{k}x\n{k * L}" for k in MULTIPLES])
+  ax.set_yticks(range(len(DEPTHS)), [f"{d}%" for d in DEPTHS])
+  ax.set_xlabel("prompt length (x train length)")
+  ax.set_ylabel("needle depth")
+  ax.set_title(f"passkey exact match: {method} ({e['steps']} steps)", fontsize=9)
+  fig.colorbar(im, ax=ax, fraction=0.046)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# The accelerator recipe (documented, not run)
+# ------------------------------------------------------------------------------------------------
+
+def base110m_recipe() -> str:
+  from fpa_jax.configs import get_config
+  from fpa_jax.models import abstract_model, count_params
+
+  cfg = get_config("base110m", vocab_size=259, tokenizer="bytes")
+  n = count_params(abstract_model(cfg))
+  L, batch, steps, devices, peak, mfu = cfg.seq_len, 256, 8000, 8, 989e12, 0.35
+  tokens = batch * L * steps
+  flops = 6 * n * tokens + 6 * cfg.n_layers * cfg.d_model * L * tokens  # params + causal attention (fwd+bwd)
+  hours = flops / (devices * peak * mfu) / 3600
+  methods = " ".join(METHODS)
+  return f"""passkey study at the paper's scale (NOT run here: it needs accelerators)
+
+model    : base110m ({n / 1e6:.0f}M params with a byte vocabulary; d_model {cfg.d_model}, {cfg.n_layers} layers,
+           {cfg.n_heads} heads), bf16 compute, fp32 params; train length L = {L}; eval at 1/2/4/8 x L = up to {8 * L} tokens
+mesh     : --mesh data={devices},model=1 (8 x H100/H200-class, or a v5p-16 slice; data parallel is enough at 110M)
+batch    : {batch} rows x {L} = {batch * L / 1e6:.2f}M tokens/step, 64 rows of them passkey prompts, answer weight 10
+steps    : {steps} (lr 2e-3, warmup 1000, cosine), stages of 1000 with the 1x competence check
+tokens   : {tokens / 1e9:.1f}B;  ~{flops:.2e} FLOPs
+expected : ~{hours:.1f} h per method at {mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s bf16 x {devices} devices
+           ({len(METHODS)} methods: ~{hours * len(METHODS):.0f} h); eval 20 prompts x 20 cells: minutes
+command  :
+  for m in {methods}; do
+    python -m experiments.passkey --methods $m --train-len {L} --layers {cfg.n_layers} --d-model {cfg.d_model} \\
+        --heads {cfg.n_heads} --batch-size {batch} --passkey-rows 64 --answer-weight 10 --lr 2e-3 --warmup 1000 \\
+        --max-steps {steps} --stage-steps 1000 --block-size 256 --runs-dir runs/passkey_base110m
+  done
+  (add `--set dtype=bfloat16` style overrides via fpa_jax.configs if you script it; multi-host: one process
+   per host, fpa_jax.sharding.maybe_initialize_distributed)
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                  help="fox = FoX paper init (gate bias 0), fox_b5 = weak-decay init (bias 5), *_fox5 = fpa/stack started at fox_b5")
+  ap.add_argument("--scale", choices=["cpu", "base110m"], default="cpu",
+                  help="base110m: print the accelerator recipe (mesh, batch, steps, time) and exit")
+  ap.add_argument("--train-len", type=int, default=512)
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--d-model", type=int, default=128)
+  ap.add_argument("--heads", type=int, default=4)
+  ap.add_argument("--block-size", type=int, default=64)
+  ap.add_argument("--batch-size", type=int, default=8)
+  ap.add_argument("--passkey-rows", type=int, default=6, help="passkey prompts per batch (the rest: fpa_text rows)")
+  ap.add_argument("--answer-weight", type=float, default=100.0)
+  ap.add_argument("--prompt-weight", type=float, default=1.0, help="loss weight of the prompt's own next tokens")
+  ap.add_argument("--lr", type=float, default=2e-3)
+  ap.add_argument("--warmup", type=int, default=50)
+  ap.add_argument("--min-lr-ratio", type=float, default=1.0,
+                  help="cosine end lr / lr; 1 (default) = constant lr after warmup, so a run extends exactly")
+  ap.add_argument("--max-steps", type=int, default=1500, help="also the cosine horizon (moot at --min-lr-ratio 1)")
+  ap.add_argument("--stage-steps", type=int, default=300)
+  ap.add_argument("--ckpt-every", type=int, default=100)
+  ap.add_argument("--competence", type=float, default=0.9, help="1x validation exact match that ends training")
+  ap.add_argument("--n-val", type=int, default=40, help="validation prompts at 1x (spread over depths)")
+  ap.add_argument("--n-eval", type=int, default=20, help="test prompts per (length, depth) cell")
+  ap.add_argument("--multiples", type=int, nargs="+", default=list(MULTIPLES))
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--data-dir", default="data")
+  ap.add_argument("--small-data", action="store_true", help="small fpa_text build (smoke tests)")
+  ap.add_argument("--runs-dir", default="runs/passkey")
+  ap.add_argument("--tag", default="", help="workdir name under --runs-dir (default: from the recipe)")
+  ap.add_argument("--out-dir", default="results")
+  ap.add_argument("--report-only", action="store_true", help="re-render the .md/.png from the JSON, train nothing")
+  return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict | None:
+  args = parse_args(argv)
+  if args.scale == "base110m":
+    print(base110m_recipe())
+    return None
+  if args.report_only:
+    res = U.read_json(Path(args.out_dir) / "passkey.json")
+    if res is None:
+      raise SystemExit(f"{args.out_dir}/passkey.json not found: run python -m {MODULE} first")
+    write_outputs(res, Path(args.out_dir))
+    return res
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+  t0 = time.perf_counter()
+  out_dir = Path(args.out_dir)
+  res = U.read_json(out_dir / "passkey.json", {})
+  if res.get("train_length") != args.train_len or res.get("recipe", {}).get("tag") != run_tag(args):
+    res = {}  # another study's results: start over rather than mix recipes
+  res.update({"train_length": args.train_len, "recipe": {**recipe(args), "tag": run_tag(args)},
+              "n_eval": args.n_eval})
+  for method in args.methods:
+    tm = time.perf_counter()
+    tr = train_to_competence(method, args, log)
+    te = time.perf_counter()
+    ev = evaluate(tr.pop("model"), args.train_len, n=args.n_eval, multiples=tuple(args.multiples), desc=method)
+    for k in MULTIPLES:  # cells not evaluated (a --multiples subset) are recorded as None
+      ev.setdefault(str(k), None)
+      ev["by_depth"].setdefault(str(k), {str(d): None for d in DEPTHS})
+    res[method] = {**ev, **tr, "max_steps": args.max_steps, "eval_wall_s": round(time.perf_counter() - te, 1),
+                   "wall_s": round(time.perf_counter() - tm, 1), "command": U.command(MODULE, argv),
+                   "commit": U.git_commit()}
+    log(f"[passkey] {method}: " + ", ".join(f"{k}x {ev[str(k)]}" for k in args.multiples))
+    res["meta"] = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, seeds=[args.seed],
+                             methods_this_run=args.methods)
+    disk = U.read_json(out_dir / "passkey.json", {})  # merge: another invocation may have added methods
+    if disk.get("recipe", {}).get("tag") == run_tag(args):
+      res = {**disk, **{k: v for k, v in res.items() if k not in METHODS or k in args.methods}}
+    write_outputs(res, out_dir)  # after every method: a killed study keeps what it finished
+  return res
+
+
+if __name__ == "__main__":
+  main()

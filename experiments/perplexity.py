@@ -1,0 +1,330 @@
+"""Study 4 (issue 11): held-out bits per byte and loss by position out to 8x the training length.
+
+    python -m experiments.perplexity                              # fpa, stack, fox, softmax x 3 seeds
+    python -m experiments.perplexity --methods fox softmax        # a subset (results merge)
+    python -m experiments.perplexity --scale base110m             # print the accelerator recipe only
+
+Byte LMs trained identically on `fpa_text` (`small` with 2 layers, d_model 128, 4 heads, L=256,
+AdamW warmup + cosine) with the library trainer (rerunning resumes from `runs/perplexity/...`).
+Held-out bits per byte: the first `--eval-tokens` next-token pairs of the `fpa_text` validation
+split packed at length L exactly as in training (no shuffling; EOS targets excluded), the same
+tokens for every run. Loss by position: held-out validation documents of at least 8L + 1 bytes,
+each read from its start in one parallel (chunked) forward pass of 8L tokens, NLL averaged over
+documents in position buckets. Writes results/perplexity.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments import _common as U
+
+MODULE = "experiments.perplexity"
+METHODS = {
+    "fpa": {"attention": "fpa"},
+    "stack": {"attention": "stack"},
+    "fox": {"attention": "fox"},          # FoX paper init (gate bias 0)
+    "softmax": {"attention": "softmax"},  # RoPE
+}
+LN2 = math.log(2.0)
+
+
+def study_config(method: str, args, seed: int):
+  from fpa_jax.configs import get_config
+
+  return get_config("small", n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, d_ff=0,
+                    seq_len=args.train_len, batch_size=args.batch_size, block_size=args.block_size, steps=args.steps,
+                    lr=args.lr, warmup_steps=args.warmup, min_lr_ratio=0.1, task="text", data_dir=args.data_dir,
+                    small_data=args.small_data, tokenizer="bytes", vocab_size=259, seed=seed, log_every=10,
+                    ckpt_every=args.ckpt_every, **METHODS[method])
+
+
+def run_tag(args) -> str:
+  return args.tag or (f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}_lr{args.lr:g}"
+                      f"_T{args.steps}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Held-out evaluation
+# ------------------------------------------------------------------------------------------------
+
+def heldout_batches(args) -> list[dict]:
+  """The fixed held-out stream: validation rows packed at L (as in training), up to `eval_tokens`
+  next-token pairs. -> list of batches, each inputs/targets/segment_ids int32 [B, L], mask bool [B, L]."""
+  from fpa_jax.data import ByteTokenizer, make_pipeline
+
+  eos = ByteTokenizer().eos_id
+  p = make_pipeline("text", "validation", data_dir=args.data_dir, seq_len=args.train_len, batch_size=args.eval_batch,
+                    small=args.small_data, shuffle=False, num_epochs=1, process_index=0, process_count=1)
+  out, n = [], 0
+  for b in p:
+    if len(b["inputs"]) < args.eval_batch:  # last partial batch: pad (fixed shape, one compile)
+      b = {k: np.concatenate([v, np.zeros((args.eval_batch - len(v),) + v.shape[1:], v.dtype)]) for k, v in b.items()}
+    mask = (b["loss_mask"] > 0) & (b["targets"] != eos)   # bytes only: bits per *byte*
+    out.append({"inputs": b["inputs"], "targets": b["targets"], "segment_ids": b["segment_ids"], "mask": mask})
+    n += int(mask.sum())
+    if n >= args.eval_tokens:
+      break
+  return out
+
+
+def long_documents(args) -> np.ndarray:
+  """Validation documents with at least 8L + 1 byte tokens (BOS + bytes), first 8L + 1 tokens each,
+  at most `pos_docs` of them in split order. -> int32 [n_docs, 8L + 1]."""
+  from fpa_jax.data import ByteTokenizer
+  from fpa_jax.data.builders import text_data_source
+
+  tok = ByteTokenizer()
+  src = text_data_source(args.data_dir, "validation", small=args.small_data)
+  n_tok = args.pos_multiple * args.train_len + 1
+  docs = []
+  for i in range(len(src)):
+    t = src[i]["text"]
+    toks = [tok.bos_id, *tok.encode(t.decode("utf-8") if isinstance(t, bytes) else t)]
+    if len(toks) >= n_tok:
+      docs.append(np.asarray(toks[:n_tok], np.int32))
+    if len(docs) == args.pos_docs:
+      break
+  if not docs:
+    raise ValueError(f"no validation document has {n_tok} tokens; lower --pos-multiple or --train-len")
+  return np.stack(docs)
+
+
+def nll_fn(model):
+  """Jitted (inputs, targets, segment_ids int [B, T]) -> per-token NLL in nats fp32 [B, T]."""
+  import jax
+  import optax
+  from flax import nnx
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def f(state, inputs, targets, segment_ids):
+    logits = nnx.merge(graphdef, state)(inputs, segment_ids)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+  return lambda inputs, targets, segment_ids=None: f(state, inputs, targets, segment_ids)
+
+
+def bits_per_byte(nll, batches: list[dict]) -> float:
+  tot, n = 0.0, 0
+  for b in batches:
+    ce = np.asarray(nll(b["inputs"], b["targets"], b["segment_ids"]), np.float64)
+    tot += float(ce[b["mask"]].sum())
+    n += int(b["mask"].sum())
+  return tot / n / LN2
+
+
+def loss_by_position(nll, docs: np.ndarray, bucket: int, batch: int) -> list[float]:
+  """docs int [N, T + 1] -> mean NLL (nats) per position bucket [T / bucket], in one pass per doc."""
+  inputs, targets = docs[:, :-1], docs[:, 1:]
+  ce = []
+  for i in range(0, len(docs), batch):
+    x, y = inputs[i:i + batch], targets[i:i + batch]
+    pad = batch - len(x)  # fixed batch shape
+    x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, ((0, pad), (0, 0)))
+    ce.append(np.asarray(nll(x, y, None))[:len(x) - pad])
+  ce = np.concatenate(ce)                                              # [N, T]
+  t = ce.shape[1]
+  return [float(v) for v in ce[:, : t // bucket * bucket].reshape(len(ce), -1, bucket).mean(axis=(0, 2))]
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs
+# ------------------------------------------------------------------------------------------------
+
+def summarise(res: dict) -> dict:
+  """Per-method means, and each method's mean bpb relative to FoX's."""
+  out = {}
+  for m in (m for m in METHODS if m in res):
+    out[m] = {"bpb_mean": float(np.mean(res[m]["bpb"])),
+              "bpb_std": float(np.std(res[m]["bpb"], ddof=1)) if len(res[m]["bpb"]) > 1 else 0.0}
+  if "fox" in out:
+    for m in out:
+      out[m]["vs_fox"] = out[m]["bpb_mean"] / out["fox"]["bpb_mean"] - 1.0
+      # Paired by seed (a seed fixes the data order for every method): per-seed relative differences.
+      fox = dict(zip(res["fox"]["seeds"], res["fox"]["bpb"]))
+      out[m]["vs_fox_paired"] = [b / fox[sd] - 1.0 for sd, b in zip(res[m]["seeds"], res[m]["bpb"]) if sd in fox]
+  return out
+
+
+def markdown(res: dict) -> str:
+  s, L, r = res["summary"], res["train_length"], res["recipe"]
+  buckets = res["position_buckets"]
+  # Position columns: within L, then the last bucket before 2L, 4L, 8L.
+  cols = [i for i, (a, b) in enumerate(buckets) if b in (L, 2 * L, 4 * L, 8 * L)]
+  head = (f"`python -m {MODULE}` (each method's exact command and commit are in perplexity.json): byte LMs ({r['layers']} layers, d_model {r['d_model']}, {r['heads']} heads), "
+          f"L={L}, batch {r['batch_size']}, {r['steps']} steps, lr {r['lr']} (cosine), seeds {r['seeds']}; held-out "
+          f"bits per byte on {res['eval_tokens']} `fpa_text` validation bytes; loss by position on "
+          f"{res['pos_docs']} validation documents read from their start to {res['pos_multiple']}L. \"train min\" is "
+          f"wall time on a shared {res['meta']['machine']['cpu_count']}-core machine (load average "
+          f"{res['meta'].get('load_avg_1_5_15min', ['?'])[-1]} at the end).\n\n")
+  rows = []
+  for m in (m for m in METHODS if m in res):
+    e = res[m]
+    rows.append([m, len(e["bpb"]), U.mean_std(e["bpb"]), f"{100 * s[m].get('vs_fox', float('nan')):+.2f}%",
+                 " / ".join(f"{100 * d:+.1f}%" for d in s[m].get("vs_fox_paired", [])),
+                 " / ".join(f"{x:.4f}" for x in e["bpb"]), f"{np.mean(e['train_wall_s']) / 60:.1f}",
+                 *[f"{e['by_position'][i] / LN2:.3f}" for i in cols]])
+  table = U.md_table(["method", "seeds", "bpb (mean ± std)", "vs FoX", "vs FoX per seed (paired)", "bpb per seed", "train min / run",
+                      *[f"bits/byte @ {buckets[i][0]}-{buckets[i][1]}" for i in cols]], rows)
+  claim = ""
+  if "fpa" in s and "fox" in s:
+    d = s["fpa"]["vs_fox"]
+    pair = s["fpa"].get("vs_fox_paired", [])
+    claim = (f"\nClaim \"FPA within 2% of FoX\": FPA's mean bpb is {100 * d:+.2f}% vs FoX "
+             f"({'within' if abs(d) <= 0.02 else 'NOT within'} 2%; seed std FPA {s['fpa']['bpb_std']:.4f}, "
+             f"FoX {s['fox']['bpb_std']:.4f}; paired per seed " + ", ".join(f"{100 * x:+.1f}%" for x in pair)
+             + f"). At {r['steps']} steps these models are far from converged: this compares early training.\n")
+  return head + table + claim
+
+
+def plot(res: dict, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  L = res["train_length"]
+  mid = [(a + b) / 2 for a, b in res["position_buckets"]]
+  fig, ax = plt.subplots(figsize=(6, 3.6))
+  for m in (m for m in METHODS if m in res):
+    per = np.asarray(res[m]["by_position_seeds"]) / LN2                 # [seeds, buckets]
+    ax.plot(mid, per.mean(0), label=f"{m} ({len(per)} seeds)")
+    ax.fill_between(mid, per.min(0), per.max(0), alpha=0.2)
+  for k in (1, 2, 4):
+    ax.axvline(k * L, color="gray", lw=0.6, ls=":")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel(f"position (train length L = {L})")
+  ax.set_ylabel("bits per byte")
+  ax.set_title("held-out loss by position", fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_outputs(res: dict, out_dir: Path) -> None:
+  res["summary"] = summarise(res)
+  U.write_json(out_dir / "perplexity.json", res)
+  (out_dir / "perplexity.md").write_text(markdown(res))
+  plot(res, out_dir / "perplexity.png")
+
+
+def base110m_recipe() -> str:
+  from fpa_jax.configs import get_config
+  from fpa_jax.models import abstract_model, count_params
+
+  cfg = get_config("base110m")
+  n = count_params(abstract_model(cfg))
+  L, batch, steps, devices, peak, mfu = cfg.seq_len, cfg.batch_size, cfg.steps, 8, 989e12, 0.35
+  tokens = batch * L * steps
+  flops = 6 * n * tokens + 6 * cfg.n_layers * cfg.d_model * L * tokens
+  hours = flops / (devices * peak * mfu) / 3600
+  return f"""perplexity study at the paper's scale (NOT run here: it needs accelerators)
+
+model    : base110m ({n / 1e6:.0f}M params, SentencePiece vocab {cfg.vocab_size} trained offline on fpa_text),
+           bf16 compute, fp32 params, L = {L}; loss by position to 8L = {8 * L} tokens
+mesh     : --mesh data={devices},model=1 (8 x H100/H200-class; or data=4,model=2 to halve activation memory)
+batch    : {batch} x {L} = {batch * L / 1e6:.2f}M tokens/step;  steps {steps} (lr {cfg.lr}, warmup {cfg.warmup_steps}, cosine)
+tokens   : {tokens / 1e9:.1f}B (the stdlib corpus is ~28M bytes: use `--text-dir` / `tfds:pg19` for a corpus that big)
+expected : ~{hours:.1f} h per run at {mfu:.0%} MFU of {peak / 1e12:.0f} TFLOP/s bf16 x {devices} devices; 4 methods x 3 seeds
+           = ~{12 * hours:.0f} h
+command  : python -m fpa_jax.train --config base110m --attention {{fpa,stack,fox,softmax}} --task text \\
+               --mesh data={devices},model=1 --set seed={{0,1,2}} --workdir runs/ppl110m_<method>_s<seed>
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--scale", choices=["cpu", "base110m"], default="cpu",
+                  help="base110m: print the accelerator recipe (mesh, batch, steps, time) and exit")
+  ap.add_argument("--train-len", type=int, default=256)
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--d-model", type=int, default=128)
+  ap.add_argument("--heads", type=int, default=4)
+  ap.add_argument("--block-size", type=int, default=64)
+  ap.add_argument("--batch-size", type=int, default=8)
+  ap.add_argument("--steps", type=int, default=300)
+  ap.add_argument("--lr", type=float, default=2e-3)
+  ap.add_argument("--warmup", type=int, default=30)
+  ap.add_argument("--ckpt-every", type=int, default=100)
+  ap.add_argument("--eval-tokens", type=int, default=131072, help="held-out bytes for bits per byte")
+  ap.add_argument("--eval-batch", type=int, default=16)
+  ap.add_argument("--pos-multiple", type=int, default=8, help="loss by position out to this multiple of L")
+  ap.add_argument("--pos-docs", type=int, default=32)
+  ap.add_argument("--pos-bucket", type=int, default=64)
+  ap.add_argument("--data-dir", default="data")
+  ap.add_argument("--small-data", action="store_true", help="small fpa_text build (smoke tests)")
+  ap.add_argument("--runs-dir", default="runs/perplexity")
+  ap.add_argument("--tag", default="")
+  ap.add_argument("--out-dir", default="results")
+  ap.add_argument("--report-only", action="store_true", help="re-render the .md/.png from the JSON, train nothing")
+  return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict | None:
+  args = parse_args(argv)
+  if args.scale == "base110m":
+    print(base110m_recipe())
+    return None
+  if args.report_only:
+    res = U.read_json(Path(args.out_dir) / "perplexity.json")
+    if res is None:
+      raise SystemExit(f"{args.out_dir}/perplexity.json not found: run python -m {MODULE} first")
+    write_outputs(res, Path(args.out_dir))
+    return res
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+  t0 = time.perf_counter()
+  out_dir = Path(args.out_dir)
+  tag = run_tag(args)
+  held = heldout_batches(args)
+  docs = long_documents(args)
+  T = docs.shape[1] - 1
+  buckets = [(a, min(a + args.pos_bucket, T)) for a in range(0, T, args.pos_bucket)]
+  recipe = {"tag": tag, "train_length": args.train_len, "layers": args.layers, "d_model": args.d_model,
+            "heads": args.heads, "batch_size": args.batch_size, "steps": args.steps, "lr": args.lr,
+            "warmup": args.warmup, "seeds": args.seeds}
+  for method in args.methods:
+    entry = {"bpb": [], "by_position_seeds": [], "train_wall_s": [], "workdirs": [], "final_train_loss": []}
+    for seed in args.seeds:
+      workdir = os.path.join(args.runs_dir, tag, f"{method}_s{seed}")
+      tr = U.train_lm(study_config(method, args, seed), workdir, None)
+      nll = nll_fn(tr["model"])
+      entry["bpb"].append(bits_per_byte(nll, held))
+      entry["by_position_seeds"].append(loss_by_position(nll, docs, args.pos_bucket, batch=4))
+      entry["train_wall_s"].append(tr["train_wall_s"])
+      entry["workdirs"].append(workdir)
+      entry["final_train_loss"].append(tr["history"][-1]["loss"] if tr["history"] else None)
+      log(f"[perplexity] {method} seed {seed}: bpb {entry['bpb'][-1]:.4f}, train wall {tr['train_wall_s']:.0f} s")
+    entry["by_position"] = np.mean(entry["by_position_seeds"], axis=0).tolist()
+    entry.update(seeds=args.seeds, config=tr["config"].to_dict(), command=U.command(MODULE, argv),
+                 commit=U.git_commit())
+    res = U.read_json(out_dir / "perplexity.json", {})  # merge with methods other invocations wrote
+    if res.get("recipe", {}).get("tag") != tag:
+      res = {}
+    res.update({method: entry, "recipe": recipe, "train_length": args.train_len, "eval_tokens": args.eval_tokens,
+                "pos_docs": len(docs), "pos_multiple": args.pos_multiple, "position_buckets": buckets,
+                "by_position_unit": "nats per byte, mean over documents in each bucket [start, end)",
+                "meta": U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, seeds=args.seeds,
+                                   methods_this_run=args.methods)})
+    write_outputs(res, out_dir)
+  return U.read_json(out_dir / "perplexity.json")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,107 @@
+"""Studies 2 (passkey) and 4 (perplexity): tiny end-to-end runs of the scripts, the passkey data
+mix, and teacher-forced greedy exact match against an explicit greedy decoding loop."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import passkey, perplexity
+from fpa_jax.configs import get_config
+from fpa_jax.models import build_model
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.mark.parametrize("attention", ["fox", "fpa"])
+def test_teacher_forced_exact_match_is_greedy_decoding(attention):
+  # A random model with large weights: its greedy continuations depend on the context.
+  model = build_model(get_config("tiny", attention=attention, vocab_size=32, init_std=0.5), seed=1)
+  predict = passkey.argmax_fn(model)
+  rng = np.random.default_rng(0)
+  exs, want, greedy = [], [], []
+  for i in range(2):
+    prompt = rng.integers(3, 32, size=12 + 3 * i).astype(np.int32)
+    g = passkey.greedy_decode(model, prompt, 4, pad_to=40)              # [4]
+    for k in (None, 0, 2):  # the greedy answer itself, and with answer token k changed
+      ans = g.copy()
+      if k is not None:
+        ans[k] = (ans[k] + 1) % 32
+      exs.append({"tokens": np.asarray([*prompt, *ans, 2], np.int32), "answer_start": len(prompt)})
+      want.append(k is None)
+      greedy.append((g, k))
+  for length in (None, 40):  # right padding never changes the answer positions (causal model)
+    ok, preds = passkey.teacher_forced_exact_match(predict, exs, length=length, batch_size=4)
+    assert ok.tolist() == want
+    for p, (g, k) in zip(preds, greedy):
+      # Teacher forcing sees the true answer prefix: it follows greedy up to the first changed token.
+      n = len(g) if k is None else k + 1
+      np.testing.assert_array_equal(p[:n], g[:n])
+
+
+def test_passkey_mix_weights_and_exact_resume(data_dir):
+  kw = dict(data_dir=data_dir, seq_len=288, batch_size=3, n_passkey=2, answer_weight=7.0, prompt_weight=0.5,
+            small=True)
+  mix = passkey.PasskeyTextMix(**kw)
+  b = next(mix)
+  assert b["inputs"].shape == (3, 288) and b["loss_mask"].dtype == np.float32
+  for r in range(2):  # passkey rows: the answer " ddddd" (6 tokens) weighted, the rest of the prompt at 0.5
+    m = b["loss_mask"][r]
+    assert (m == 7.0).sum() == 6 and set(np.unique(m)) <= {0.0, 0.5, 7.0}
+    ans = b["targets"][r][m == 7.0]
+    assert bytes((ans - 3).tolist()).decode()[0] == " " and bytes((ans - 3).tolist()).decode()[1:].isdigit()
+  assert set(np.unique(b["loss_mask"][2])) <= {0.0, 1.0}  # text row
+  state = json.loads(json.dumps(mix.get_state()))
+  want = [next(mix) for _ in range(2)]
+  again = passkey.PasskeyTextMix(**kw)
+  again.set_state(state)
+  for a, c in zip(want, (next(again) for _ in range(2))):
+    for k in a:
+      np.testing.assert_array_equal(a[k], c[k])
+
+
+# batch 8: the suite simulates 8 CPU devices (conftest), and the trainer shards the batch over all.
+TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--block-size", "32", "--batch-size", "8"]
+
+
+def test_passkey_script_tiny_run(tmp_path, data_dir):
+  argv = ["--methods", "fox", "--train-len", "288", *TINY, "--passkey-rows", "4", "--max-steps", "2",
+          "--stage-steps", "2", "--n-val", "5", "--n-eval", "5", "--multiples", "1", "--data-dir", data_dir,
+          "--small-data", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")]
+  res = passkey.main(argv)
+  saved = json.loads((tmp_path / "out" / "passkey.json").read_text())
+  assert saved["train_length"] == 288 and saved["fox"]["steps"] == 2
+  e = saved["fox"]
+  assert 0 <= e["1"] <= 1 and e["2"] is None and e["8"] is None and set(e["by_depth"]["1"]) == {"0", "25", "50", "75", "100"}
+  assert e["workdir"].startswith(str(tmp_path / "runs")) and e["train_wall_s"] > 0 and "val_history" in e
+  assert saved["meta"]["commit"] and saved["meta"]["command"].startswith("python -m experiments.passkey")
+  assert "| fox | 2 |" in (tmp_path / "out" / "passkey.md").read_text()
+  assert (tmp_path / "out" / "passkey_fox.png").stat().st_size > 0
+  assert res["fox"]["1"] == e["1"]
+  # Rerunning resumes from the checkpoints: no training, same numbers.
+  again = passkey.main(argv)
+  assert again["fox"]["1"] == e["1"] and again["fox"]["sessions"] == e["sessions"]
+
+
+def test_perplexity_script_tiny_run(tmp_path, data_dir):
+  argv = ["--methods", "fox", "--seeds", "0", "--train-len", "32", *TINY, "--steps", "2", "--eval-tokens", "256",
+          "--eval-batch", "4", "--pos-docs", "2", "--pos-bucket", "32", "--data-dir", data_dir, "--small-data",
+          "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")]
+  res = perplexity.main(argv)
+  e = res["fox"]
+  assert len(e["bpb"]) == 1 and 0 < e["bpb"][0] < 10 and len(e["by_position"]) == 8  # 8L / bucket
+  assert res["summary"]["fox"]["vs_fox"] == 0.0 and res["meta"]["machine"]["cpu_count"]
+  assert "| fox | 1 |" in (tmp_path / "out" / "perplexity.md").read_text()
+  assert (tmp_path / "out" / "perplexity.png").stat().st_size > 0
+
+
+def test_base110m_recipes_only_print(capsys, tmp_path):
+  assert passkey.main(["--scale", "base110m", "--out-dir", str(tmp_path)]) is None
+  assert perplexity.main(["--scale", "base110m", "--out-dir", str(tmp_path)]) is None
+  out = capsys.readouterr().out
+  assert "mesh" in out and "expected" in out and not list(tmp_path.iterdir())
