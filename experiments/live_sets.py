@@ -127,6 +127,11 @@ def make_examples(task: str, n: int, length: int, seed: int) -> dict[str, np.nda
   return {"tokens": tokens, "target": target}
 
 
+def example_rows(ex: dict) -> np.ndarray:
+  """The scored query rows of the first example (the figure's), [rows] int."""
+  return np.flatnonzero(ex["target"][0].any(-1))
+
+
 def pad_examples(ex: dict, length: int) -> dict:
   """Pads tokens [N, T] with PAD and target [N, T, T] with False to `length`."""
   n, t = ex["tokens"].shape
@@ -324,7 +329,9 @@ def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[
         t1 = eval_sets["1x"]["tokens"].shape[1]
         maps = np.asarray(w0)[:, :t1, :t1]
     out[f"mass_{name}"], out[f"coverage_{name}"] = (m / r).tolist(), (c / r).tolist()
-  # The first seed's heads: check against the layer's chunked kernel, and keep the figure's maps.
+  # The first seed's heads: check against the layer's chunked kernel, and keep the figure's maps
+  # (the scored query rows of the example only: [rows, T]).
+  ex_rows = example_rows(eval_sets["1x"])
   out["max_abs_diff_vs_chunked"] = 0.0
   out["example_maps"] = {}
   for r_i, (s, o) in enumerate(reps):
@@ -333,7 +340,7 @@ def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[
     model = nnx.merge(graphdef, jax.tree.map(lambda x: x[r_i], params))
     out["max_abs_diff_vs_chunked"] = max(out["max_abs_diff_vs_chunked"], check_quadratic_matches_layer(
         model, jnp.asarray(eval_sets["1x"]["tokens"][:8])))
-    out["example_maps"][o] = maps[r_i].round(4).tolist()
+    out["example_maps"][o] = maps[r_i][ex_rows].round(4).tolist()
   out["reps"] = reps
   out["model"] = lambda r: nnx.merge(graphdef, jax.tree.map(lambda x: x[r], params))  # replica r's trained head
   return out
@@ -458,6 +465,8 @@ def run(task: str = "scopes", *, seeds: int = 5, steps: int = DEFAULTS["steps"],
                         chunk=chunk, eval_sets=eval_sets, desc=f"{task}/{name} seeds {todo[0]}..{todo[-1]}")
     entry = summarise(res, todo, objectives)
     entry["config"] = cfg_d
+    if not figure:
+      entry.pop("example_maps")
     if have is None:
       fresh.add(name)
     results[name] = entry if have is None else merge_seeds(have, entry, objectives)
@@ -535,7 +544,10 @@ def markdown(doc: dict, title: str | None = None) -> str:
 
 
 def plot(doc: dict, path: Path, target_map: np.ndarray):
-  """Each method's attention (first seed, coverage head if trained) on one held-out example beside the target."""
+  """Each method's attention (first seed, coverage head if trained) on one held-out example beside the target.
+
+  target_map: [T, T] bool, the example's live sets; each entry's maps hold its scored rows [rows, T].
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -544,7 +556,7 @@ def plot(doc: dict, path: Path, target_map: np.ndarray):
   rows = np.flatnonzero(target_map.any(-1))
   u = target_map / np.maximum(target_map.sum(-1, keepdims=True), 1)
   names = [k for k in doc if k != "meta" and doc[k].get("example_maps")]
-  panels = [("target (uniform over live set)", u)]
+  panels = [("target (uniform over live set)", u[rows])]
   for n in names:
     maps = doc[n]["example_maps"]
     obj = "coverage" if "coverage" in maps else next(iter(maps))
@@ -553,7 +565,7 @@ def plot(doc: dict, path: Path, target_map: np.ndarray):
   toks = doc["meta"]["example_tokens"]
   names = token_names(doc["meta"]["settings"]["task"])
   for ax, (title, m) in zip(axes[:, 0], panels):
-    ax.imshow(m[rows], aspect="auto", cmap="viridis", norm=PowerNorm(0.5, vmin=0, vmax=1), interpolation="nearest")
+    ax.imshow(m, aspect="auto", cmap="viridis", norm=PowerNorm(0.5, vmin=0, vmax=1), interpolation="nearest")
     ys, xs = np.nonzero(target_map[rows])
     ax.scatter(xs, ys, s=6, c="red", marker=".", linewidths=0)
     ax.set_title(title, fontsize=8, loc="left")

@@ -60,6 +60,7 @@ class Gate(nnx.Module):
     d, h, pdt = cfg.d_model, cfg.n_heads, jnp.dtype(cfg.param_dtype)
     mk = lambda scale, std, bias: LinearReadout(d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt,
                                                 rngs=rngs)
+    self.n_heads = h
     self.forget: LinearReadout | None = (mk(1.0, cfg.gate_init_std, cfg.gate_bias_init)
                                          if "forget" in terms else None)
     self.step: LinearReadout | None = (mk(cfg.step_scale, cfg.step_init_std, cfg.step_bias_init)
@@ -76,9 +77,9 @@ class Gate(nnx.Module):
 
   def parts(self, x: jax.Array) -> GateParts:
     """x [B, T, D] -> per-token terms; pointwise in t, so decoding calls it on one token."""
-    inc = 0.0
+    inc = jnp.zeros(x.shape[:2] + (self.n_heads,), F32)  # no accumulating term: a flat walk
     if self.forget is not None:
-      inc = jax.nn.log_sigmoid(self.forget(x))
+      inc = inc + jax.nn.log_sigmoid(self.forget(x))
     if self.step is not None:
       inc = inc + self.step(x)
     return GateParts(increment=jnp.asarray(inc, F32),

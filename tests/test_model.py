@@ -166,3 +166,10 @@ def test_config_docstring_launch_command_parses(name):
   assert argv[:3] == ["python", "-m", "fpa_jax.train"], line
   cfg, _ = parse_args(argv[3:])
   assert cfg.name == name
+
+
+def test_gate_without_accumulating_terms():
+  """`absolute,offset` alone (no forget or step term): the field is the absolute read-out."""
+  model = build_model(C.get_config("tiny", attention="fpa", gate_terms_override="absolute,offset"), seed=0)
+  tok = jax.random.randint(jax.random.key(0), (2, 12), 0, model.cfg.vocab_size)
+  assert fwd(model, tok).shape == (2, 12, model.cfg.vocab_size)
