@@ -130,6 +130,11 @@ def train_lm(cfg, workdir: str, data, *, progress_bar: bool | None = None) -> di
   os.makedirs(workdir, exist_ok=True)
   wall_path = Path(workdir) / "study_wall.json"
   wall = read_json(wall_path, {"train_wall_s": 0.0, "sessions": []})
+  # The config a run *started* with: library defaults (e.g. the gate init) may change between
+  # sessions, and a resumed session only restores parameters, so record the first one.
+  init_path = Path(workdir) / "study_init_config.json"
+  if not init_path.exists() and not (Path(workdir) / "checkpoints").exists():
+    write_json(init_path, cfg.to_dict())
   t0 = time.perf_counter()
   out = train(cfg, workdir=workdir, data=data, progress=progress_bar)
   dt = time.perf_counter() - t0
@@ -138,7 +143,16 @@ def train_lm(cfg, workdir: str, data, *, progress_bar: bool | None = None) -> di
     wall["sessions"].append({"from": out["start_step"], "to": out["step"], "wall_s": round(dt, 1)})
     write_json(wall_path, wall)
   model, _ = nnx.merge(out["graphdef"], out["state"])
-  return {**out, "model": model, "train_wall_s": round(wall["train_wall_s"], 1), "sessions": wall["sessions"]}
+  return {**out, "model": model, "train_wall_s": round(wall["train_wall_s"], 1), "sessions": wall["sessions"],
+          "init_config": init_config(workdir, out["config"])}
+
+
+def init_config(workdir: str, fallback=None) -> dict | None:
+  """The config `workdir`'s run started with (`study_init_config.json`), else `fallback` (a Config or dict)."""
+  saved = read_json(Path(workdir) / "study_init_config.json")
+  if saved is not None:
+    return saved
+  return fallback.to_dict() if hasattr(fallback, "to_dict") else fallback
 
 
 def forward_fn(model):

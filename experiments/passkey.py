@@ -277,7 +277,7 @@ def train_to_competence(method: str, args, log) -> dict:
       break
   return {"model": out["model"], "steps": steps, "workdir": workdir, "train_wall_s": out["train_wall_s"],
           "val_history": {int(k): v for k, v in sorted(val.items(), key=lambda kv: int(kv[0])) if int(k) <= steps},
-          "competent_1x": val[str(steps)]["exact"] >= args.competence, "config": out["config"].to_dict(),
+          "competent_1x": val[str(steps)]["exact"] >= args.competence, "config": out["init_config"],
           "sessions": out["sessions"]}
 
 
@@ -448,6 +448,9 @@ def main(argv=None) -> dict | None:
     res = U.read_json(Path(args.out_dir) / "passkey.json")
     if res is None:
       raise SystemExit(f"{args.out_dir}/passkey.json not found: run python -m {MODULE} first")
+    for m in (m for m in METHODS if m in res):  # the config each run started with (see _common.init_config)
+      res[m]["config"] = U.init_config(U.ROOT / res[m]["workdir"] if not os.path.isabs(res[m]["workdir"])
+                                       else res[m]["workdir"], res[m].get("config"))
     write_outputs(res, Path(args.out_dir))
     return res
   log = lambda s: print(s, file=sys.stderr, flush=True)

@@ -286,6 +286,9 @@ def main(argv=None) -> dict | None:
     res = U.read_json(Path(args.out_dir) / "perplexity.json")
     if res is None:
       raise SystemExit(f"{args.out_dir}/perplexity.json not found: run python -m {MODULE} first")
+    for m in (m for m in METHODS if m in res):  # the config each run started with (see _common.init_config)
+      wd = res[m]["workdirs"][-1]
+      res[m]["config"] = U.init_config(wd if os.path.isabs(wd) else U.ROOT / wd, res[m].get("config"))
     write_outputs(res, Path(args.out_dir))
     return res
   log = lambda s: print(s, file=sys.stderr, flush=True)
@@ -312,7 +315,7 @@ def main(argv=None) -> dict | None:
       entry["final_train_loss"].append(tr["history"][-1]["loss"] if tr["history"] else None)
       log(f"[perplexity] {method} seed {seed}: bpb {entry['bpb'][-1]:.4f}, train wall {tr['train_wall_s']:.0f} s")
     entry["by_position"] = np.mean(entry["by_position_seeds"], axis=0).tolist()
-    entry.update(seeds=args.seeds, config=tr["config"].to_dict(), command=U.command(MODULE, argv),
+    entry.update(seeds=args.seeds, config=tr["init_config"], command=U.command(MODULE, argv),
                  commit=U.git_commit())
     res = U.read_json(out_dir / "perplexity.json", {})  # merge with methods other invocations wrote
     if res.get("recipe", {}).get("tag") != tag:
