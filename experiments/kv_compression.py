@@ -3,6 +3,7 @@
     python -m experiments.kv_compression                          # every model in results/passkey.json
     python -m experiments.kv_compression --models fpa fox_b5      # a subset (results merge)
     python -m experiments.kv_compression --prefill parallel       # prompt through the chunked kernel
+    python -m experiments.kv_compression --scale base110m         # print the accelerator recipe only
 
 The models trained by `experiments.passkey` (their workdirs are in results/passkey.json) decode the
 8x-length test prompts (`passkey_eval_examples`, the same as the passkey study's 8x cells; --n per
@@ -130,11 +131,29 @@ def parse_args(argv=None):
   ap.add_argument("--batch", type=int, default=20)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out-dir", default=str(U.ROOT / "results"))
+  ap.add_argument("--scale", choices=["cpu", "base110m"], default="cpu",
+                  help="base110m: print the accelerator recipe and exit")
   return ap.parse_args(argv)
+
+
+def base110m_recipe() -> str:
+  return f"""kv_compression at the paper's scale (NOT run here: it needs the base110m passkey models)
+
+models   : the passkey study's base110m runs (python -m experiments.passkey --scale base110m prints that recipe),
+           trained at L = 2048 and decoded here at 8 x L = 16384 tokens
+command  : python -m experiments.kv_compression --passkey-results results/passkey.json --n 20 --batch 20
+           (the passkey.json written by the base110m passkey runs; --prefill decode keeps every query within budget)
+cells    : full, fpa (tolerance 1e-3), and {", ".join(BUDGETED)} at {", ".join(f"{b:.1%}" for b in BUDGETS)} of 16384
+cost     : one device per model suffices; 100 prompts x 16k tokens x 14 cells = 23M token steps per model
+           (1.1M batched decode calls at batch 20); wall time not measured (no accelerator was available)
+"""
 
 
 def main(argv=None) -> dict:
   a = parse_args(argv)
+  if a.scale == "base110m":
+    print(base110m_recipe())
+    return {}
   from fpa_jax.data import passkey_eval_examples
   from fpa_jax.inference import load_model
 
@@ -151,6 +170,12 @@ def main(argv=None) -> dict:
     res = {"cells": {}}
   res.update(train_length=train_len, multiple=a.multiple, prefill=a.prefill, tolerance=a.tolerance,
              n_prompts=a.n * len(a.depths), depths=a.depths)
+  # A model retrained since (more passkey stages) invalidates its cells.
+  steps = res.setdefault("model_steps", {})
+  for m in models:
+    if steps.get(m) != pk[m].get("steps"):
+      res["cells"] = {k: v for k, v in res["cells"].items() if k.split("/")[0] != m}
+      steps[m] = pk[m].get("steps")
   examples = [ex for d in a.depths for ex in passkey_eval_examples(train_len, a.multiple, d, n=a.n, seed=a.seed)]
   t0 = time.perf_counter()
   todo = [(m, p, b, kw) for m in models for p, b, kw in cells(a.tolerance, a.policies, a.budgets)

@@ -67,6 +67,8 @@ ABLATIONS = {
     "fpa absolute_scale=1": dict(attention="fpa", absolute_scale=1.0),
     "fpa offset_scale=1": dict(attention="fpa", offset_scale=1.0),
     "fpa no absolute (step,offset)": dict(attention="fpa", gate_terms_override="step,offset"),
+    # no walk at all: the field says "this dip reaches value v" whatever came before
+    "fpa no walk (absolute,offset)": dict(attention="fpa", gate_terms_override="absolute,offset"),
     "stack (default)": dict(attention="stack"),
     "stack gate_forget=True": dict(attention="stack", gate_forget=True),
     # init: an all-zero gate gets no gradient (relu'(0) = 0); two ways to break the tie
@@ -587,7 +589,11 @@ def run_ablations(*, seeds: int = 3, steps: int = DEFAULTS["steps"],
   doc: dict = {}
   t0 = time.perf_counter()
   for task in TASKS:
-    part = out.with_name(f"{out.stem}.{task}.json")  # per-task resume file
+    part = out.with_name(f"{out.stem}.{task}.json")  # per-task resume file, removed once `out` is written
+    if not part.exists() and out.exists():  # resume from the committed combined file
+      prev = json.loads(out.read_text()).get(task)
+      if prev is not None:
+        part.write_text(json.dumps(prev))
     doc[task] = run(task, seeds=seeds, steps=steps, variants=ABLATIONS, objectives=("coverage",), out=part,
                     overrides=overrides, figure=False, command=command, **kw)
   doc["meta"] = {**doc[TASKS[0]]["meta"], "wall_s": round(time.perf_counter() - t0, 1)}

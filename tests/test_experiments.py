@@ -62,7 +62,7 @@ def test_bench_decode_tiny_run_writes_results(tmp_path):
   assert "| 2x (64) | fpa_budget | 20 |" in (tmp_path / "bench_decode.md").read_text()
 
 
-def test_kv_compression_tiny_run(tmp_path):
+def test_kv_compression_tiny_run(tmp_path, monkeypatch):
   """Train-free smoke run on a 1-step model: every requested cell written, reruns skip them."""
   from experiments import kv_compression
   from fpa_jax import configs as C
@@ -77,5 +77,13 @@ def test_kv_compression_tiny_run(tmp_path):
   assert res["cells"]["fpa/window"]["0.25"]["cache_fraction"] <= 0.26
   assert res["cells"]["fpa/full"]["1"]["n"] == 2
   assert "| fpa |" in (tmp_path / "kv_compression.md").read_text()
+  calls = []
+  real = kv_compression.passkey_accuracy
+  monkeypatch.setattr(kv_compression, "passkey_accuracy", lambda *a, **k: calls.append(k["policy"]) or real(*a, **k))
   again = kv_compression.main(args)          # nothing left to do: same cells, same numbers
-  assert again["cells"] == res["cells"]
+  assert again["cells"] == res["cells"] and calls == []
+  (tmp_path / "passkey.json").write_text(json.dumps({"train_length": 40, "fpa": {"workdir": str(tmp_path / "run"),
+                                                                                 "steps": 7}}))
+  retrained = kv_compression.main(args)      # the model has more steps now: its cells are recomputed
+  assert sorted(calls) == ["fpa", "full", "window"] and retrained["model_steps"] == {"fpa": 7}
+  assert "base110m" in kv_compression.base110m_recipe()
