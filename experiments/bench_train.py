@@ -15,6 +15,14 @@ unless --set says otherwise) on 8 simulated CPU devices and reports XLA's per-de
 memory (`.lower().compile().memory_analysis()`) on one device, data=8 and data=4,model=2, with the
 model's activation sharding constraints and without them (the step traced with no mesh in
 context, where `fpa_jax.sharding.constrain` is a no-op: the layout before the constraints).
+
+    python -m experiments.bench_train --scan          # adds a section to results/bench_train.{json,md}
+
+--scan only compiles (never runs) the `base110m` train step (seq 2048, global batch 8) on data=8
+(8 simulated CPU devices) for {unscanned, scanned} x remat {none, full, dots} at 2 and 8 layers
+(`--depths`, `--remats`) and reports trace+lower seconds, XLA compile seconds and per-device
+compiled temp memory (`Config.scan_layers`, `Config.remat`). Both modes merge their part into the
+results files: neither removes the other's.
 """
 
 from __future__ import annotations
@@ -32,10 +40,13 @@ import jax
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import abstract_with_shardings
-from fpa_jax.train import SyntheticPipeline, TrainStep, _init_fn, create_state, make_optimizer
+from fpa_jax.data import SyntheticPipeline
+from fpa_jax.train import TrainStep, _init_fn, create_state, make_optimizer
 
 MEMORY_MESHES = ("single", "data=8", "data=4,model=2")  # "single": one device (data=1, model=1)
 MEMORY_DEFAULTS = {"n_layers": 2, "seq_len": 2048, "batch_size": 8}
+SCAN_DEFAULTS = {"seq_len": 2048, "batch_size": 8}
+SCAN_HEADING = "## Layer scan and remat (compile only)"  # starts --scan's part of bench_train.md
 GIB = 2.0 ** 30
 
 
@@ -68,6 +79,11 @@ def compile_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
 
   constrained=False traces the step with no mesh in context, so the model's activation
   constraints are no-ops (only the step's in/out shardings pin anything)."""
+  return lower_train_step(cfg, mesh, constrained=constrained).compile()
+
+
+def lower_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
+  """`compile_train_step` before XLA: the traced and lowered step."""
   from flax import nnx
 
   tx = make_optimizer(cfg)
@@ -79,8 +95,7 @@ def compile_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
   sh = S.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct(bt, dt, sharding=sh) for k, dt in
            (("inputs", "int32"), ("targets", "int32"), ("segment_ids", "int32"), ("loss_mask", "float32"))}
-  lowered = step.jitted.lower(state, batch) if constrained else step.jitted.jitted.lower(state, batch)
-  return lowered.compile()
+  return step.jitted.lower(state, batch) if constrained else step.jitted.jitted.lower(state, batch)
 
 
 def memory_one(cfg: C.Config, mesh, constrained: bool) -> dict:
@@ -156,6 +171,103 @@ def memory_markdown(out: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def scan_main(args, argv) -> dict:
+  """--scan: compile time and per-device temp memory of the step, {unscanned, scanned} x remat x depth."""
+  _ensure_cpu_devices(8)
+  config = "base110m" if args.config_given is None else args.config_given
+  overrides = {**SCAN_DEFAULTS, **C.parse_overrides(C.CONFIGS[config], args.sets)}
+  att = args.attention[0] if args.attention_given else "fpa"
+  spec = args.mesh or "data=8"
+  mesh = S.make_mesh(spec, devices=jax.devices()[:8])
+  depths = [int(d) for d in args.depths.split(",")]
+  remats = args.remats.split(",")
+  out = {"config": config, "overrides": overrides, "attention": att, "mesh": spec, "backend": jax.default_backend(),
+         "jax": jax.__version__, "host": platform.node(), "rows": [],
+         "command": "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])}
+  grid = [(d, sc, r) for d in depths for sc in (False, True) for r in remats]
+  rows = {}
+  # Wall-clock seconds on a shared host drift with its load: every cell is compiled `repeats` times,
+  # odd passes in reverse order, and the table keeps the fastest (temp memory is deterministic).
+  for rep in range(args.repeats):
+    for depth, scan, remat in (grid if rep % 2 == 0 else grid[::-1]):
+      cfg = C.get_config(config, **{**overrides, "n_layers": depth, "scan_layers": scan, "remat": remat,
+                                    "attention": att, "task": "synthetic"})
+      cfg.validate_mesh(dict(mesh.shape))
+      t0 = time.perf_counter()
+      lowered = lower_train_step(cfg, mesh)
+      t1 = time.perf_counter()
+      m = lowered.compile().memory_analysis()
+      t2 = time.perf_counter()
+      row = rows.setdefault((depth, scan, remat), {"n_layers": depth, "scan_layers": scan, "remat": remat,
+                                                   "lower_s_all": [], "compile_s_all": []})
+      row["lower_s_all"].append(t1 - t0)
+      row["compile_s_all"].append(t2 - t1)
+      row.update(lower_s=min(row["lower_s_all"]), compile_s=min(row["compile_s_all"]),
+                 temp_gib=m.temp_size_in_bytes / GIB, argument_gib=m.argument_size_in_bytes / GIB)
+      print(f"{depth:2d} layers {'scanned' if scan else 'unrolled':8s} remat {remat:13s} lower {t1 - t0:6.1f} s  "
+            f"compile {t2 - t1:6.1f} s  temp {row['temp_gib']:.2f} GiB/device", flush=True)
+      out["rows"] = [rows[k] for k in grid if k in rows]
+      out["repeats"] = rep + 1
+      _write_scan(args.out, out)  # after every compile: a long run leaves its partial table
+  print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.md")
+  return out
+
+
+def _write_scan(path: str, scan: dict) -> None:
+  """Merge `scan` into the results json (key "scan") and its section of the md; the rest stays."""
+  old = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({**old, "scan": scan}, f, indent=1)
+  md = os.path.splitext(path)[0] + ".md"
+  head = ""
+  if os.path.exists(md):
+    with open(md) as f:
+      head = f.read().split(SCAN_HEADING)[0].rstrip("\n")
+  with open(md, "w") as f:
+    f.write((head + "\n\n" if head else "") + scan_markdown(scan))
+
+
+def scan_markdown(out: dict) -> str:
+  """The --scan results as a README table (one row per depth x layout x remat)."""
+  o = out["overrides"]
+  lines = [SCAN_HEADING, "", f"`{out['command'].strip()}`: config `{out['config']}` ({out['attention']}, seq "
+           f"{o['seq_len']}, global batch {o['batch_size']}), train step traced, lowered and compiled (not run) on "
+           f"{out['mesh']} simulated {out['backend']} devices, jax {out['jax']}. `lower s`: Python tracing + "
+           "lowering; `compile s`: XLA; fastest of "
+           f"{out.get('repeats', 1)} compile(s) per row, wall-clock on a shared CPU host (compare within the table "
+           "only); temp: per-device `memory_analysis().temp_size_in_bytes`.", "",
+           "| layers | blocks | remat | lower s | compile s | temp GiB/device |", "|---:|---|---|---:|---:|---:|"]
+  for r in out["rows"]:
+    lines.append(f"| {r['n_layers']} | {'scanned' if r['scan_layers'] else 'unrolled'} | {r['remat']} | "
+                 f"{r['lower_s']:.1f} | {r['compile_s']:.1f} | {r['temp_gib']:.2f} |")
+  return "\n".join(lines + _scan_summary(out["rows"])) + "\n"
+
+
+def _scan_summary(rows: list[dict]) -> list[str]:
+  """Depth scaling of lower + compile seconds (remat none) and the remat temp-memory ratios."""
+  cell = {(r["n_layers"], r["scan_layers"], r["remat"]): r for r in rows}
+  depths = sorted({r["n_layers"] for r in rows})
+  lo, hi = depths[0], depths[-1]
+  secs = lambda r: r["lower_s"] + r["compile_s"]
+  out = []
+  for scan in (False, True):
+    name = "scanned" if scan else "unrolled"
+    a, b = cell.get((lo, scan, "none")), cell.get((hi, scan, "none"))
+    if a and b and hi > lo:
+      out.append(f"- {name}, remat none: lower + compile {secs(a):.0f} s at {lo} layers, {secs(b):.0f} s at {hi} "
+                 f"({secs(b) / secs(a):.2f}x for {hi / lo:.0f}x the layers).")
+    base = cell.get((hi, scan, "none"))
+    for r in rows:
+      if base and r["n_layers"] == hi and r["scan_layers"] == scan and r["remat"] != "none":
+        out.append(f"- {name}, {hi} layers, remat {r['remat']}: temp {r['temp_gib'] / base['temp_gib']:.2f}x "
+                   "remat none's.")
+  return [""] + out if out else []
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--config", default="small", choices=sorted(C.CONFIGS))
@@ -169,13 +281,19 @@ def main(argv=None) -> dict:
   ap.add_argument("--memory", action="store_true",
                   help="compile only: per-device memory of base110m (2 layers, seq 2048, batch 8) on 1 device, "
                        "data=8 and data=4,model=2 -> results/bench_train_memory.{json,md}")
+  ap.add_argument("--scan", action="store_true",
+                  help="compile only: compile s and temp memory of base110m (seq 2048, batch 8, data=8) for "
+                       "{unscanned, scanned} x --remats x --depths -> a section of results/bench_train.{json,md}")
+  ap.add_argument("--depths", default="2,8", help="--scan: comma-separated n_layers values")
+  ap.add_argument("--remats", default="none,full,dots", help=f"--scan: comma-separated, from {C.REMATS}")
+  ap.add_argument("--repeats", type=int, default=2, help="--scan: compiles per cell (the fastest is reported)")
   raw = list(sys.argv[1:] if argv is None else argv)
   args = ap.parse_args(argv)
-  if args.memory:
+  if args.memory or args.scan:
     given = lambda flag: any(a == flag or a.startswith(flag + "=") for a in raw)
     args.config_given = args.config if given("--config") else None
     args.attention_given, args.out_given = given("--attention"), given("--out")
-    return memory_main(args, argv)
+    return memory_main(args, argv) if args.memory else scan_main(args, argv)
   if args.quick:
     args.steps, args.warmup = 5, 1
   overrides = C.parse_overrides(C.CONFIGS[args.config], args.sets)
@@ -197,11 +315,15 @@ def main(argv=None) -> dict:
     out["fox_over_softmax"] = results["fox"]["tokens_per_s"] / results["softmax"]["tokens_per_s"]
   out["command"] = "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  scan = None
+  if os.path.exists(args.out):  # keep --scan's section
+    with open(args.out) as f:
+      scan = json.load(f).get("scan")
   with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
+    json.dump(out if scan is None else {**out, "scan": scan}, f, indent=1)
   md = os.path.splitext(args.out)[0] + ".md"
   with open(md, "w") as f:
-    f.write(markdown(out))
+    f.write(markdown(out) + ("" if scan is None else "\n" + scan_markdown(scan)))
   print(f"wrote {args.out} and {md}")
   return out
 

@@ -29,6 +29,7 @@ from experiments import _common as U
 MODULE = "experiments.kv_compression"
 BUDGETED = ("fpa_budget", "window", "sink_window", "h2o")
 BUDGETS = (0.5, 0.25, 0.125)
+DECODE_ONLY = ("h2o",)  # ranks keys by accumulated attention: needs every prompt token decoded
 
 
 def cells(tolerance: float, policies=("full", "fpa") + BUDGETED, budgets=BUDGETS) -> list[tuple[str, str, dict]]:
@@ -66,7 +67,12 @@ def markdown(res: dict) -> str:
   lines = [f"`{meta['command']}`: greedy passkey exact match at {res['multiple']}x the training length "
            f"({res['train_length']} -> {res['train_length'] * res['multiple']} tokens), {res['n_prompts']} prompts "
            f"per cell (depths {', '.join(map(str, res['depths']))}%), prefill `{res['prefill']}`; "
-           "cache = peak keys held / sequence.\n"]
+           "cache = peak keys held / sequence"
+           + (". Parallel prefill: the prompt goes through the chunked kernel with the whole prompt in view, "
+              "then the policy cuts the cache to its budget before the answer is generated; h2o (which ranks keys by "
+              "the attention each received while decoding) needs `--prefill decode`: —" if res["prefill"] == "parallel"
+              else ". Decode prefill: the prompt is fed token by token under the policy, so no query ever sees more "
+                   "than the budget") + ".\n"]
   models = sorted({k.split("/")[0] for k in res["cells"]})
   head = ["model", "full", f"fpa ε={res['tolerance']:g} (cache)"] + [f"{p} {b:g}" for b in BUDGETS for p in BUDGETED]
   rows = []
@@ -178,7 +184,11 @@ def main(argv=None) -> dict:
       steps[m] = pk[m].get("steps")
   examples = [ex for d in a.depths for ex in passkey_eval_examples(train_len, a.multiple, d, n=a.n, seed=a.seed)]
   t0 = time.perf_counter()
-  todo = [(m, p, b, kw) for m in models for p, b, kw in cells(a.tolerance, a.policies, a.budgets)
+  policies = [p for p in a.policies if not (p in DECODE_ONLY and a.prefill == "parallel")]
+  if len(policies) < len(a.policies):
+    print(f"[kv_compression] skipping {sorted(set(a.policies) - set(policies))}: they rank keys by the attention "
+          "each received, which a parallel prefill does not record (use --prefill decode)", file=sys.stderr)
+  todo = [(m, p, b, kw) for m in models for p, b, kw in cells(a.tolerance, policies, a.budgets)
           if b not in res["cells"].get(f"{m}/{p}", {})]
   loaded = {}
   for m, p, b, kw in U.progress(todo, desc="kv_compression"):

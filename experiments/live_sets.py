@@ -457,7 +457,7 @@ def run(task: str = "scopes", *, seeds: int = 5, steps: int = DEFAULTS["steps"],
     cfg = layer_config(task, **{**overrides, **ov})
     cfg_d = {k: v for k, v in cfg.to_dict().items() if k in _CONFIG_KEYS}
     have = results.get(name)
-    if have is not None and have.get("config") != cfg_d:
+    if have is not None and {k: have.get("config", {}).get(k) for k in cfg_d} != cfg_d:
       have = None  # run with another config (e.g. changed defaults): redo, in place
     todo = [s_ for s_ in seed_ids if have is None or s_ not in have["seed_ids"]]
     if not todo:
@@ -480,7 +480,7 @@ def run(task: str = "scopes", *, seeds: int = 5, steps: int = DEFAULTS["steps"],
   return {**results, "meta": _meta(settings, command, wall(), eval_sets)}
 
 
-_CONFIG_KEYS = ("attention", "d_model", "n_heads", "vocab_size", "attn_impl", "gate_init_std", "gate_bias_init",
+_CONFIG_KEYS = ("attention", "d_model", "n_heads", "vocab_size", "gate_init_std", "gate_bias_init",
                 "gate_forget", "gate_terms_override", "step_scale", "step_init_std", "step_bias_init",
                 "absolute_scale", "absolute_init_std", "offset_scale", "offset_init_std", "offset_bias_init", "rope")
 

@@ -55,8 +55,11 @@ def _live_sets(doc, task: str) -> str:
 def _passkey(doc) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.passkey`)"
-  parts = [f"{m} {doc[m]['8']:.2f}" for m in _methods(doc) if "8" in doc[m]]
-  return f"exact match at 8x L={doc['train_length']}: " + ", ".join(parts)
+  ms = [m for m in _methods(doc) if doc[m].get("8") is not None]
+  ok = [f"{m} {doc[m]['8']:.2f} (1x {doc[m]['1']:.2f}, {doc[m]['steps']} steps)" for m in ms if doc[m].get("competent_1x")]
+  no = [m for m in ms if not doc[m].get("competent_1x")]
+  return (f"exact match at 8x L={doc['train_length']} of the models competent at 1x: " + ", ".join(ok)
+          + (f"; not competent at 1x within their step budget (no retrieval to extrapolate): {', '.join(no)}" if no else ""))
 
 
 def _kv(doc) -> str:
@@ -70,7 +73,7 @@ def _kv(doc) -> str:
     if policy == "fpa" and "tol" in cell:
       out.append(f"{model}/fpa ε={doc['tolerance']:g}: {cell['tol']['accuracy']:.2f} at "
                  f"{cell['tol']['cache_fraction']:.2f} of the cache")
-  return f"exact match at {doc['multiple']}x: " + "; ".join(out)
+  return f"exact match at {doc['multiple']}x (prefill {doc['prefill']}): " + "; ".join(out)
 
 
 def _ppl(doc) -> str:

@@ -62,6 +62,10 @@ class Checkpointer:
     ))
     return out["state"], own_process_state(out["data"], strict=False), out["config"]
 
+  def saved_config(self, step: int) -> dict:
+    """The config dict saved with `step` alone (no state read): to check it before a restore."""
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 

@@ -1,10 +1,31 @@
-"""Typed experiment configs: model + training in one flat frozen dataclass.
+"""Typed experiment configs: three frozen parts, combined into one flat run `Config`.
 
     from fpa_jax.configs import get_config
+    from fpa_jax.models import build_model
     cfg = get_config("tiny", attention="fox", steps=100)
+    cfg.lr, cfg.d_model                     # one flat namespace over all the fields
+    model = build_model(cfg)                # the model keeps only cfg.model
+
+- `ModelConfig`: the network and how it computes (sizes, attention and its gate, RoPE, init,
+  attn_impl / block_size, dtypes, scan_layers / remat) and derived sizes (head_dim, ff_dim,
+  gate_terms). It is all that the model side (`fpa_jax.models`, `layers`, `gates`, `inference`)
+  sees: `DecoderLM(cfg)` keeps `cfg.model`, never the learning rate or the data directory.
+- `DataConfig`: what `fpa_jax.data` feeds it (task, data_dir, tokenizer, small_data, seq_len,
+  batch_size).
+- `TrainConfig`: the run (preset name, steps, lr schedule incl. cooldown, AdamW, grad_accum, seed,
+  mesh, log / checkpoint / eval cadence).
+
+`Config` inherits the three (every field belongs to exactly one part, `tests/test_configs.py`);
+`cfg.model`, `cfg.data`, `cfg.train` return each part as its own dataclass. Each part validates its
+own fields, `Config.validate` adds the checks across parts (batch_size vs grad_accum) and
+`validate_mesh` those that need the mesh. A run's `config.json` (and a checkpoint's config item) is
+the flat `Config.to_dict()`. Resuming compares the model fields in `resume_fields()`: all but
+`FREE_ON_RESUME` (attn_impl, block_size, dtype, remat and the init-only fields may change).
 
 Every field can be overridden on the command line with `--set key=value` (parsed with the field's
 type) and the most common ones have their own flags (`--attention`, `--task`, `--steps`, `--mesh`).
+The presets (`Tiny`, `Small`, `Base110M`) are `Config` subclasses with other defaults; each one's
+docstring starts with its launch command.
 
 Gate parameterisation (`fpa_jax.gates`), per head h and token t, from linear read-outs of x_t:
     field_t = cumsum(increment)_t + absolute_t,        level_t = field_t + offset_t
@@ -34,6 +55,21 @@ Why these defaults (issue 11's single-head studies, reproduced by `experiments.l
   prior the walk must unlearn: with -1e-3 and zero weights, stack seed 1 of 5 stayed at coverage
   0.74 / 0.62 (1x / 2x) on scopes; random weights: 5/5 (`results/scopes.md`; both inits side by
   side in `results/ablations_live_sets.md`).
+
+Depth (`scan_layers`, `remat`; same logits and gradients either way, `tests/test_scan.py`):
+- scan_layers=True stores the blocks as one Block whose parameters have a leading [n_layers] axis
+  (logical axis `layers`, never sharded) and runs them with `nnx.scan`: the step is traced and
+  compiled once per block, not once per layer, so compile time stays flat in depth. Checkpoints
+  differ in layout; `fpa_jax.models.convert_layers` moves weights between the two. Cached decoding
+  (`fpa_jax.inference`) works on either (it loops over per-layer slices of the stack).
+- remat wraps each block in `jax.checkpoint` with a policy: "none" (keep every activation),
+  "full" (keep only the block input, recompute the rest in the backward pass), "dots" (keep
+  matmul outputs, recompute elementwise work), "dots_no_batch" (keep only the weight matmuls'
+  outputs, recompute the attention). Trades backward-pass FLOPs for activation memory. Use it with
+  scan_layers: in an unrolled model XLA (CPU at least) schedules the recomputation back into the
+  forward pass and the compiled memory does not drop; inside the scan's backward loop it must wait.
+  Compile seconds and compiled temp memory of the base110m step for each combination:
+  `python -m experiments.bench_train --scan` (results/bench_train.md, "Layer scan and remat").
 """
 
 from __future__ import annotations
@@ -43,28 +79,46 @@ import re
 import typing
 from typing import Any
 
+from fpa_jax.ops import validate as _ops_validate
+
 ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
 GATED = ("fpa", "stack", "fox")
 GATE_TERMS = ("forget", "step", "absolute", "offset")
 TASKS = ("text", "passkey", "scopes", "dips")
-TEST_TASKS = ("synthetic",)  # test-only in-memory source, see train.SyntheticPipeline
-ATTN_IMPLS = ("chunked", "quadratic", "recurrent")
+TEST_TASKS = ("synthetic",)  # test-only in-memory source, see fpa_jax.data.synthetic
+ATTN_IMPLS = _ops_validate.IMPLS  # fpa_jax.ops impl names (one definition: ops.validate.Implementation)
 DTYPES = ("float32", "bfloat16")
+REMATS = ("none", "full", "dots", "dots_no_batch")  # per-block jax.checkpoint policies (fpa_jax.models.REMAT_POLICIES)
+
+
+class _Part:
+  """What every config part shares: its fields as a flat dict."""
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _at_least(cfg, minimum: int, *names: str) -> None:
+  for f in names:
+    if getattr(cfg, f) < minimum:
+      raise ValueError(f"{f} must be >= {minimum}, got {getattr(cfg, f)}")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Base config (all defaults). Use a named preset: `get_config('tiny' | 'small' | 'base110m')`."""
+class ModelConfig(_Part):
+  """The network and how it computes: all that `fpa_jax.models.DecoderLM` stores (as `model.cfg`)."""
 
-  name: str = "base"
-  # ---- model ----
   vocab_size: int = 256
   d_model: int = 64
   n_layers: int = 2
   n_heads: int = 2
   d_ff: int = 0                 # SwiGLU hidden dim; 0 -> round_up(8/3 * d_model, 64)
   attention: str = "fpa"        # one of ATTENTIONS
-  attn_impl: str = "chunked"    # fpa_jax.ops impl: chunked (default), quadratic (debug), recurrent
+  attn_impl: str = "auto"       # one of ATTN_IMPLS; auto: pallas on TPU/GPU, chunked on CPU; quadratic for debugging
   block_size: int = 0           # chunked tile size; 0 -> ops default (shrinks for short sequences)
   rope: bool | None = None      # None -> RoPE for softmax only (FoX/FPA gates give position info)
   rope_theta: float = 10000.0
@@ -88,34 +142,15 @@ class Config:
   offset_bias_init: float = 0.0
   dtype: str = "float32"        # compute dtype (bfloat16 for speed); params stay param_dtype
   param_dtype: str = "float32"
-  # ---- data ----
-  task: str = "text"
-  data_dir: str = "data"
-  tokenizer: str = "bytes"
-  small_data: bool = False
-  seq_len: int = 64
-  batch_size: int = 8           # global batch (sequences per optimizer step)
-  # ---- optimisation ----
-  steps: int = 100
-  lr: float = 1e-3
-  min_lr_ratio: float = 0.1     # cosine decays to lr * min_lr_ratio
-  warmup_steps: int = 10
-  lr_decay_steps: int = 0       # cosine horizon; 0 -> `steps`. Fix it to extend runs exactly.
-  b1: float = 0.9
-  b2: float = 0.95
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0        # global-norm clipping; 0 disables
-  grad_accum: int = 1           # micro-batches per step (batch_size must divide)
-  seed: int = 0
-  # ---- loop ----
-  mesh: str = ""                # e.g. "data=4,model=2"; "" -> all devices on data
-  log_every: int = 10
-  ckpt_every: int = 100
-  keep_checkpoints: int = 3
-  eval_every: int = 0           # 0 disables periodic validation loss
-  eval_batches: int = 4
+  # layer stacking / rematerialisation (module docstring, "Depth"): neither changes the maths
+  scan_layers: bool = False     # blocks as one [n_layers, ...]-stacked Block run by nnx.scan
+  remat: str = "none"           # one of REMATS: what a block keeps for the backward pass
 
-  # ---- derived ----
+  @property
+  def model(self) -> ModelConfig:
+    """Itself: code that takes a ModelConfig or a run Config narrows either with `cfg.model`."""
+    return self
+
   @property
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
@@ -137,16 +172,12 @@ class Config:
     return {"fox": ("forget",), "stack": forget + ("step",),
             "fpa": forget + ("step", "absolute", "offset")}.get(self.attention, ())
 
-  @property
-  def decay_steps(self) -> int:
-    return self.lr_decay_steps or self.steps
-
-  def validate(self) -> "Config":
-    """Static checks (no devices needed); raises ValueError saying what to change."""
+  def validate(self) -> ModelConfig:
+    """Static checks (no devices needed); raises ValueError naming the field and what to change."""
+    _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads")
+    _at_least(self, 0, "d_ff", "block_size")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
-    if self.task not in TASKS + TEST_TASKS:
-      raise ValueError(f"unknown task {self.task!r}; use one of {TASKS}")
     if self.attn_impl not in ATTN_IMPLS:
       raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use one of {ATTN_IMPLS}")
     if self.d_model % self.n_heads:
@@ -157,21 +188,128 @@ class Config:
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in DTYPES:
         raise ValueError(f"{f}={getattr(self, f)!r}; use one of {DTYPES}")
-    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "batch_size", "steps", "grad_accum"):
-      if getattr(self, f) < 1:
-        raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
-    if self.batch_size % self.grad_accum:
-      raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
-    if not re.fullmatch(r"bytes|spm(:\d+)?", self.tokenizer):
-      raise ValueError(f"unknown tokenizer {self.tokenizer!r}; use 'bytes', 'spm' or 'spm:N' (see fpa_jax.data)")
+    if self.remat not in REMATS:
+      raise ValueError(f"unknown remat policy {self.remat!r}; use one of {REMATS} "
+                       "('none' keeps every activation, 'full' only each block's input)")
     bad_terms = set(self.gate_terms) - set(GATE_TERMS)
     if bad_terms or (self.attention in GATED and not self.gate_terms):
       raise ValueError(f"gate_terms_override={self.gate_terms_override!r}: use a comma-separated subset of "
                        f"{GATE_TERMS}, e.g. 'step,offset'")
-    if self.block_size < 0:
-      raise ValueError(f"block_size must be >= 0 (0 = default), got {self.block_size}")
-    if self.block_size and self.attn_impl != "chunked":
-      raise ValueError("block_size only applies to attn_impl='chunked'; set block_size=0")
+    if self.block_size and self.attn_impl not in _ops_validate.BLOCKED:
+      raise ValueError(f"block_size only applies to attn_impl in {_ops_validate.BLOCKED}; set block_size=0")
+    return self
+
+
+# Model fields a resumed run may change: how the model computes (kernel, tiles, compute dtype, remat)
+# or how its parameters started (a restore replaces them). Every other model field sets the
+# parameters' shapes, layout (scan_layers) or what they compute (scales, RoPE, norm eps), so
+# `fpa_jax.train` refuses to resume a checkpoint across it (`resume_fields`).
+FREE_ON_RESUME = frozenset({
+    "attn_impl", "block_size", "dtype", "remat",
+    "init_std", "gate_init_std", "gate_bias_init", "step_init_std", "step_bias_init",
+    "absolute_init_std", "offset_init_std", "offset_bias_init"})
+
+
+def resume_fields() -> tuple[str, ...]:
+  """The ModelConfig fields a checkpoint must agree on to resume (every new field is, by default)."""
+  return tuple(f for f in ModelConfig.field_names() if f not in FREE_ON_RESUME)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Part):
+  """What the model is trained on: `fpa_jax.data.make_pipeline`'s task, source and batch shape."""
+
+  task: str = "text"            # one of TASKS
+  data_dir: str = "data"
+  tokenizer: str = "bytes"      # bytes | spm | spm:N (fpa_jax.data.tokenizers)
+  small_data: bool = False
+  seq_len: int = 64
+  batch_size: int = 8           # global batch (sequences per optimizer step)
+
+  @property
+  def data(self) -> DataConfig:
+    return self
+
+  def validate(self) -> DataConfig:
+    if self.task not in TASKS + TEST_TASKS:
+      raise ValueError(f"unknown task {self.task!r}; use one of {TASKS}")
+    if not re.fullmatch(r"bytes|spm(:\d+)?", self.tokenizer):
+      raise ValueError(f"unknown tokenizer {self.tokenizer!r}; use 'bytes', 'spm' or 'spm:N' (see fpa_jax.data)")
+    _at_least(self, 1, "seq_len", "batch_size")
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Part):
+  """The run: its preset name, optimisation (AdamW, lr schedule), loop cadence, mesh and seed."""
+
+  name: str = "base"            # the preset (CONFIGS key) the run started from
+  # ---- optimisation ----
+  steps: int = 100
+  lr: float = 1e-3
+  min_lr_ratio: float = 0.1     # cosine decays to lr * min_lr_ratio
+  warmup_steps: int = 10
+  lr_decay_steps: int = 0       # cosine horizon; 0 -> `steps`. Fix it to extend runs exactly.
+  cooldown_steps: int = 0       # WSD: the last N of `steps` decay linearly to 0 (anneal a constant-lr run)
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0        # global-norm clipping; 0 disables
+  grad_accum: int = 1           # micro-batches per step (batch_size must divide)
+  seed: int = 0                 # parameter init and data order
+  # ---- loop ----
+  mesh: str = ""                # e.g. "data=4,model=2"; "" -> all devices on data
+  log_every: int = 10
+  ckpt_every: int = 100
+  keep_checkpoints: int = 3
+  eval_every: int = 0           # 0 disables periodic validation loss
+  eval_batches: int = 4
+
+  @property
+  def train(self) -> TrainConfig:
+    return self
+
+  @property
+  def decay_steps(self) -> int:
+    return self.lr_decay_steps or self.steps
+
+  def validate(self) -> TrainConfig:
+    _at_least(self, 1, "steps", "grad_accum", "log_every", "ckpt_every", "keep_checkpoints", "eval_batches")
+    _at_least(self, 0, "warmup_steps", "lr_decay_steps", "eval_every")
+    if not 0 <= self.cooldown_steps < self.steps:
+      raise ValueError(f"cooldown_steps={self.cooldown_steps} must be in [0, steps={self.steps})")
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig, DataConfig, ModelConfig):
+  """A run: the fields of ModelConfig, DataConfig and TrainConfig in one flat namespace (the CLI's
+  `--set key=value`, `get_config(name, key=value)`, `cfg.lr`), with `.model` / `.data` / `.train`
+  returning each part on its own. Base defaults; use a named preset: `get_config('tiny' | 'small' |
+  'base110m')`."""
+
+  def _part(self, cls):
+    return cls(**{f: getattr(self, f) for f in cls.field_names()})
+
+  @property
+  def model(self) -> ModelConfig:
+    """The model part: what `DecoderLM` is built from and stores (no lr, no data_dir)."""
+    return self._part(ModelConfig)
+
+  @property
+  def data(self) -> DataConfig:
+    return self._part(DataConfig)
+
+  @property
+  def train(self) -> TrainConfig:
+    return self._part(TrainConfig)
+
+  def validate(self) -> Config:
+    """Each part's checks, then those across parts (no devices needed); raises ValueError."""
+    for part in (self.model, self.data, self.train):
+      part.validate()
+    if self.batch_size % self.grad_accum:
+      raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
     return self
 
   def validate_mesh(self, mesh_sizes: dict[str, int]) -> None:
@@ -182,9 +320,6 @@ class Config:
       raise ValueError(f"batch_size/grad_accum = {self.batch_size}/{self.grad_accum} = {micro} sequences per "
                        f"micro-batch is not divisible by the data axis ({data}); use a batch_size that is a "
                        f"multiple of {data * self.grad_accum} or a smaller data axis in --mesh")
-
-  def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
 
 
 def _divisor_hint(d: int, h: int) -> int:

@@ -12,7 +12,7 @@ Per head h, token t, block input x_t (fp32), a gate has up to four linear read-o
 
     field_t = sum_{s <= t} (f_s + s_s) + a_t,       level_t = field_t + o_t
 
-Which read-outs a gate has is `Config.gate_terms` (fox: forget; stack: step; fpa: step, absolute,
+Which read-outs a gate has is `ModelConfig.gate_terms` (fox: forget; stack: step; fpa: step, absolute,
 offset). `GateParts` holds the per-token terms; `field_level` does the (carried) sum.
 Shape legend: B batch, T sequence, D d_model, H heads.
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fpa_jax.configs import Config
+from fpa_jax.configs import ModelConfig
 from fpa_jax.sharding import EMBED, HEADS
 
 F32 = jnp.float32
@@ -55,7 +55,7 @@ class LinearReadout(nnx.Module):
 class Gate(nnx.Module):
   """The gate of one attention layer; optional read-outs are None when the variant lacks them."""
 
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     terms = cfg.gate_terms
     d, h, pdt = cfg.d_model, cfg.n_heads, jnp.dtype(cfg.param_dtype)
     mk = lambda scale, std, bias: LinearReadout(d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt,

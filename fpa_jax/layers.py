@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fpa_jax import ops
-from fpa_jax.configs import Config
+from fpa_jax.configs import Config, ModelConfig
 from fpa_jax.gates import Gate, field_level
-from fpa_jax.sharding import BTD, BTF, BTH, BTHK, EMBED, HEAD_DIM, HEADS, MLP, constrain
+from fpa_jax.sharding import BT, BTD, BTF, BTH, BTHK, EMBED, HEAD_DIM, HEADS, MLP, constrain, shard_local
 
 F32 = jnp.float32
 
@@ -98,9 +98,13 @@ class FirstPassageAttention(nnx.Module):
         does the attention against a cache (prefill or one decode step; `fpa_jax.inference`), the
         layer returns (y [B, T, D], c'). `c.carry` [B, H] is the gate's running field sum before
         x; cum [B, T, H] the running sum through each token.
+
+  `cfg`: a ModelConfig (a run Config used on its own, as in `experiments.live_sets`, is reduced to
+  its `.model`: the layer keeps no training or data fields).
   """
 
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig | Config, *, rngs: nnx.Rngs):
+    cfg = cfg.model
     d, h, k = cfg.d_model, cfg.n_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
@@ -145,6 +149,29 @@ class FirstPassageAttention(nnx.Module):
       o = o * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.wg[...].astype(dt)))
     return constrain(jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt)), BTD)
 
+  def parallel_attention(self, op, q, k, v, gates, segment_ids):
+    """op(q, k, v, *gates) with the configured impl: q, k, v [B, T, H, K], gates [B, T, H] each,
+    segment_ids [B, T] or None -> [B, T, H, K].
+
+    "pallas" under a multi-device mesh runs in `shard_local` (a shard_map): XLA cannot partition
+    a pallas_call, so it would gather q, k, v to every device; the math is per (batch, head), so
+    each device runs the kernel on its own batch rows and heads with no collectives."""
+    cfg = self.cfg
+    impl = ops.validate.resolve_impl(cfg.attn_impl)
+    kw = dict(impl=impl, block_size=(cfg.block_size or None) if cfg.attn_impl in ops.validate.BLOCKED else None)
+    if impl != "pallas":
+      return op(q, k, v, *gates, segment_ids=segment_ids, **kw)
+    has_seg = segment_ids is not None
+    args, axes = (q, k, v, *gates), (BTHK,) * 3 + (BTH,) * len(gates)
+    if has_seg:
+      args, axes = args + (segment_ids,), axes + (BT,)
+
+    def local(q, k, v, *rest):
+      gates, seg = (rest[:-1], rest[-1]) if has_seg else (rest, None)
+      return op(q, k, v, *gates, segment_ids=seg, **kw)
+
+    return shard_local(local, args, axes, BTHK)
+
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                *, cache=None, attend=None):
     cfg = self.cfg
@@ -155,17 +182,15 @@ class FirstPassageAttention(nnx.Module):
       field, level, cum = self.field_level(x, cache.carry)
       o, cache = attend(cache, q, k, v, field, level, cum)
       return self.output(o, x), cache
-    kw = dict(impl=cfg.attn_impl, segment_ids=segment_ids,
-              block_size=(cfg.block_size or None) if cfg.attn_impl == "chunked" else None)
     if self.gate is None:
       # softmax / nope: the same tiled kernel with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost).
-      o = ops.fox_attention(q, k, v, jnp.zeros((b, t, cfg.n_heads), F32), **kw)
+      op, gates = ops.fox_attention, (jnp.zeros((b, t, cfg.n_heads), F32),)
     elif self.gate.is_fox:
       # field == level == cumsum(log forget): the FoX kernel tiles c_i - c_j directly (cheaper,
       # mathematically identical to fpa_attention(field, field)): the honest cost baseline.
-      o = ops.fox_attention(q, k, v, constrain(self.gate.parts(x).increment, BTH), **kw)
+      op, gates = ops.fox_attention, (constrain(self.gate.parts(x).increment, BTH),)
     else:
-      field, level = self.gate(x)
-      o = ops.fpa_attention(q, k, v, constrain(field, BTH), constrain(level, BTH), **kw)
+      op, gates = ops.fpa_attention, tuple(constrain(a, BTH) for a in self.gate(x))
+    o = self.parallel_attention(op, q, k, v, gates, segment_ids)
     return self.output(o, x)                                                 # [B, T, D]

@@ -9,25 +9,42 @@
 Shape legend: B batch, T sequence, D d_model, V vocab.
 Activations are pinned to the mesh in context (`jax.set_mesh`) at block boundaries and on the
 logits via `fpa_jax.sharding.constrain`; without a mesh these are no-ops.
+
+The model takes a `ModelConfig` and keeps it as `model.cfg`; given a run `Config` (as from
+`get_config`) it keeps only `config.model`, so a model never carries the learning rate or data dir.
+
+Depth (`ModelConfig.scan_layers`, `.remat`): with scan_layers the blocks are one `Block` whose
+parameters carry a leading [L] axis (built by `nnx.vmap`, run by `nnx.scan`); `convert_layers`
+moves weights between the two layouts, `layer_blocks` gives per-layer views of either. remat wraps
+each block call in `nnx.remat` with the policy `REMAT_POLICIES[cfg.remat]`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fpa_jax.configs import Config
+from fpa_jax.configs import Config, ModelConfig
 from fpa_jax.layers import F32, FirstPassageAttention, RMSNorm, SwiGLU, _param, normal
-from fpa_jax.sharding import BTD, BTV, EMBED, VOCAB, constrain
+from fpa_jax.sharding import BTD, BTV, EMBED, LAYERS, VOCAB, constrain
+
+# ModelConfig.remat -> what a block saves for the backward pass (everything else is recomputed).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,                      # only the block input
+    "dots": jax.checkpoint_policies.dots_saveable,                         # every matmul output
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls only
+}
+_LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}  # the stacked axis's logical name in the params' metadata
 
 
 class Block(nnx.Module):
   """x + attn(norm(x)); x + mlp(norm(x))."""
 
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
     self.attn = FirstPassageAttention(cfg, rngs=rngs)
@@ -49,15 +66,20 @@ class Block(nnx.Module):
 
 
 class DecoderLM(nnx.Module):
-  """Token embedding -> N blocks -> final RMSNorm -> output head (optionally tied)."""
+  """Token embedding -> N blocks -> final RMSNorm -> output head (optionally tied).
 
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-    cfg.validate()
+  `cfg`: a ModelConfig, or a run Config, reduced here to its `.model`: `self.cfg` (and every
+  layer's) is a ModelConfig, with no training or data fields."""
+
+  def __init__(self, cfg: ModelConfig | Config, *, rngs: nnx.Rngs):
+    cfg = cfg.model.validate()
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
     pdt = jnp.dtype(cfg.param_dtype)
     self.embed = _param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED), pdt)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    # scan_layers: one Block with [L, ...] params (unsharded leading axis), else a list of L Blocks.
+    self.blocks = (_stacked_blocks(cfg, rngs) if cfg.scan_layers
+                   else nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]))
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
     if not cfg.tie_embeddings:
       self.head = _param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), pdt)
@@ -72,14 +94,41 @@ class DecoderLM(nnx.Module):
     """
     x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype), BTD)  # [B, T, D]
     if caches is not None:
+      # Per layer even when stacked: caches stay a tuple of per-layer caches (decoding's layout),
+      # a scanned model's blocks are static slices of the stack (no gradient here, so no remat).
       new = []
-      for block, cache in zip(self.blocks, caches, strict=True):
+      for block, cache in zip(self.layer_blocks(), caches, strict=True):
         x, cache = block(x, segment_ids, positions, cache=cache, attend=attend)
         new.append(cache)
       return self.logits(x), tuple(new)
-    for block in self.blocks:
-      x = block(x, segment_ids, positions)
-    return self.logits(x)
+
+    def apply(block, x, segment_ids, positions):
+      return block(x, segment_ids, positions)
+
+    if self.cfg.remat != "none":
+      apply = nnx.remat(apply, policy=REMAT_POLICIES[self.cfg.remat])
+    if not self.cfg.scan_layers:
+      for block in self.blocks:
+        x = apply(block, x, segment_ids, positions)
+      return self.logits(x)
+
+    # The block is traced once and looped by XLA (compile time flat in depth); segment_ids and
+    # positions are the same for every layer (in_axes None).
+    @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS)
+    def scan(x, block, segment_ids, positions):
+      return apply(block, x, segment_ids, positions)
+
+    return self.logits(scan(x, self.blocks, segment_ids, positions))
+
+  def layer_blocks(self) -> list[Block]:
+    """The L per-layer Blocks: the list itself, or (scan_layers) views sliced out of the stack.
+
+    A view's parameters are copies of the slices (read-only use: decoding, inspection); update the
+    stacked model itself, or `convert_layers` it, to change weights."""
+    if not self.cfg.scan_layers:
+      return list(self.blocks)
+    graphdef, state = nnx.split(self.blocks)
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.cfg.n_layers)]
 
   def logits(self, x: jax.Array) -> jax.Array:
     """Final norm and output head: [B, T, D] -> fp32 [B, T, V]."""
@@ -88,13 +137,65 @@ class DecoderLM(nnx.Module):
     return constrain((x @ w.astype(self.dtype)).astype(F32), BTV)           # [B, T, V]
 
 
-def build_model(config: Config, seed: int = 0) -> DecoderLM:
-  """Instantiate (and materialise, unsharded) a model. For sharded creation see `train.create_state`."""
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """L Blocks as one whose every parameter has a leading [L] axis (logical axis LAYERS).
+
+  Each layer draws from its own split of the params stream, so the initial weights are not those of
+  the unscanned model with the same seed (same distributions)."""
+
+  @nnx.split_rngs(splits=cfg.n_layers)
+  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_LAYER_AXIS)
+  def make(rngs):
+    return Block(cfg, rngs=rngs)
+
+  return make(rngs)
+
+
+def convert_layers(model: DecoderLM, scan_layers: bool) -> DecoderLM:
+  """The same weights in the other block layout: L blocks <-> one [L, ...]-stacked block.
+
+  Returns a new model with `cfg.scan_layers = scan_layers` (the model itself if it already has
+  that layout); its logits and gradients equal the input's up to float reassociation.
+  """
+  cfg = dataclasses.replace(model.cfg, scan_layers=scan_layers).validate()
+  if scan_layers == model.cfg.scan_layers:
+    return model
+  graphdef, target = nnx.split(abstract_model(cfg))
+  src = dict(nnx.to_flat_state(nnx.state(model)))
+  out = []
+  for path, v in nnx.to_flat_state(target):
+    if path[0] != "blocks":
+      val = src[path][...]
+    elif scan_layers:  # ('blocks', ...) <- stack of ('blocks', i, ...)
+      val = jnp.stack([src[("blocks", i) + path[1:]][...] for i in range(cfg.n_layers)])
+    else:              # ('blocks', i, ...) <- slice i of ('blocks', ...)
+      val = src[("blocks",) + path[2:]][...][path[1]]
+    out.append((path, v.replace(val)))
+  return nnx.merge(graphdef, nnx.from_flat_state(out))
+
+
+def weight_decay_mask(cfg: ModelConfig):
+  """optax `mask` fn: decay a parameter iff it is a matrix of its layer (ndim >= 2, not counting a
+  scanned model's stacked layer axis), so both layouts decay the same weights (norm scales and
+  gate biases [L, ...] of a stacked model stay undecayed)."""
+
+  def mask(params):
+    def one(path, p):
+      stacked = cfg.scan_layers and getattr(path[0], "key", None) == "blocks"
+      return jnp.ndim(p) - int(stacked) >= 2
+    return jax.tree_util.tree_map_with_path(one, params)
+
+  return mask
+
+
+def build_model(config: ModelConfig | Config, seed: int = 0) -> DecoderLM:
+  """Instantiate (and materialise, unsharded) a model of `config.model` (a run Config's model part,
+  or a ModelConfig itself). For sharded creation see `train.create_state`."""
   return DecoderLM(config, rngs=nnx.Rngs(params=seed))
 
 
-def abstract_model(config: Config) -> DecoderLM:
-  """Shapes-only model (no FLOPs, no memory) via `nnx.eval_shape`."""
+def abstract_model(config: ModelConfig | Config) -> DecoderLM:
+  """Shapes-only model of `config.model` (no FLOPs, no memory) via `nnx.eval_shape`."""
   return nnx.eval_shape(lambda: DecoderLM(config, rngs=nnx.Rngs(params=0)))
 
 

@@ -43,6 +43,7 @@ HEADS = "heads"        # attention heads
 HEAD_DIM = "head_dim"  # per-head feature dim
 MLP = "mlp"            # SwiGLU hidden dim
 VOCAB = "vocab"        # vocabulary
+LAYERS = "layers"      # leading axis of the stacked blocks (Config.scan_layers)
 
 # ---- logical axis names of activations (`constrain`, input batches) ----
 ACT_BATCH = "act_batch"        # batch
@@ -64,6 +65,7 @@ RULES: Mapping[str, str | None] = {
     HEAD_DIM: None,
     MLP: "model",
     VOCAB: "model",
+    LAYERS: None,          # each device holds every layer of its shard (the scan slices it per step)
     # activations
     ACT_BATCH: "data",     # data parallelism: each device holds its rows of every activation
     ACT_SEQ: None,
@@ -80,6 +82,7 @@ BTHK = (ACT_BATCH, ACT_SEQ, ACT_HEADS, ACT_HEAD_DIM)  # q, k, v, attention outpu
 BTH = (ACT_BATCH, ACT_SEQ, ACT_HEADS)                # field, level, log forget gate [B, T, H]
 BTF = (ACT_BATCH, ACT_SEQ, ACT_MLP)                  # SwiGLU hidden [B, T, F]
 BTV = (ACT_BATCH, ACT_SEQ, ACT_VOCAB)                # logits [B, T, V]
+BT = (ACT_BATCH, ACT_SEQ)                            # segment ids, tokens [B, T]
 
 
 _DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -224,3 +227,51 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   if len(axes) != x.ndim:
     raise ValueError(f"constrain: {len(axes)} logical axes {tuple(axes)} for an array of shape {x.shape}")
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)))
+
+
+def local_specs(shapes: Sequence[Sequence[int]], in_axes: Sequence[Sequence[str | None]],
+                out_axes: Sequence[str | None],
+                mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[P, ...], P]:
+  """(in_specs, out_spec) that split arrays of `shapes` (logical `in_axes` each) over `mesh`.
+
+  One decision per logical name across all the arrays: a name is sharded (RULES) only if its mesh
+  axis is in the mesh, not already manual, and divides that dim in every array; otherwise it is
+  replicated in all of them, as `constrain` leaves it (so no extra gather, only redundant compute
+  along that axis; e.g. an eval batch of 3 on data=4 still runs). The output is split like the
+  inputs; an output name no input has is replicated. Raises on a rank mismatch or unknown name.
+  """
+  free = set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+  rule: dict[str, str | None] = {}
+  for shape, names in zip(shapes, in_axes, strict=True):
+    if len(names) != len(shape):
+      raise ValueError(f"local_specs: {len(names)} logical axes {tuple(names)} for an array of shape {tuple(shape)}")
+    for name, size in zip(names, shape):
+      if name is None:
+        continue
+      if name not in RULES:
+        raise ValueError(f"unknown logical axis {name!r}; add it to fpa_jax.sharding.RULES")
+      m = RULES[name]
+      ok = m in free and size % mesh.shape[m] == 0
+      rule[name] = m if ok and rule.get(name, m) is not None else None
+  spec = lambda names: logical_to_spec([n if rule.get(n) else None for n in names])
+  return tuple(spec(names) for names in in_axes), spec(out_axes)
+
+
+def shard_local(fn, args: Sequence[jax.Array], in_axes: Sequence[Sequence[str | None]],
+                out_axes: Sequence[str | None]) -> jax.Array:
+  """fn(*args) run by each device on its own shard (`jax.shard_map`) of the mesh in context.
+
+  For ops XLA cannot partition (a `pallas_call` is a custom call: GSPMD would gather its operands
+  to every device) whose math is independent along the sharded dims (e.g. per batch row and head),
+  so `fn` needs no collectives. in_axes: the logical axes of each arg; out_axes: those of fn's one
+  output (`local_specs`). No mesh, a one-device mesh, or every axis already manual: plain fn(*args).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  free = tuple(a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ()))
+  if mesh.empty or int(np.prod([mesh.shape[a] for a in free])) == 1:
+    return fn(*args)
+  in_specs, out_spec = local_specs([x.shape for x in args], in_axes, out_axes, mesh)
+  # check_vma=False: a pallas_call's out_shape carries no varying-axes type; the specs above are
+  # the promise instead (an axis no spec names is replicated in and out).
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=set(free),
+                       check_vma=False)(*args)

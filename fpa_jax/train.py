@@ -7,7 +7,9 @@
 Rerunning a command with a larger --steps resumes from the latest checkpoint in --workdir (model,
 optimizer, step and data iterator). The cosine horizon is `lr_decay_steps` (default: --steps);
 fix it (`--set lr_decay_steps=N`) when you plan to extend a run, so the extension is exactly the
-run you would have had straight through.
+run you would have had straight through. A resume keeps the model (`configs.resume_fields()`: sizes,
+attention and gate, RoPE, scales, param dtype, layer layout); any training or data field, and
+attn_impl, block_size, dtype, remat or the init fields, may change.
 
 Outputs in the workdir: metrics.jsonl (one JSON object per logged step: step, loss, tokens_per_s,
 lr, grad_norm, ...), TensorBoard events under tb/, checkpoints/ (orbax), config.json.
@@ -36,13 +38,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fpa_jax import configs as C
+from fpa_jax import data as D  # its modules (grain, TFDS) load on first use, in make_data
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
-from fpa_jax.models import DecoderLM
-
-# Config fields that define the parameter shapes: a checkpoint made with different values can't resume.
-_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "attention", "qk_norm",
-                 "output_gate", "tie_embeddings", "param_dtype")
+from fpa_jax.models import DecoderLM, weight_decay_mask
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -53,77 +52,43 @@ class NonFiniteLossError(FloatingPointError):
 # Data
 # ------------------------------------------------------------------------------------------------
 
-class SyntheticPipeline:
-  """TEST-ONLY in-memory data source (`--task synthetic`): deterministic random tokens.
-
-  Batch n is a pure function of (seed, n), so `get_state()` is just the counter. Each row holds
-  two packed segments (segment_ids 1 and 2) so the segment path is exercised.
-  """
-
-  def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0,
-               process_index: int = 0, process_count: int = 1):
-    if batch_size % process_count:
-      raise ValueError(f"batch_size {batch_size} not divisible by process_count {process_count}")
-    self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
-    self.local_batch, self.process_index = batch_size // process_count, process_index
-    self.step = 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng([self.seed, self.step, self.process_index])
-    self.step += 1
-    b, t = self.local_batch, self.seq_len
-    # A learnable stream: each segment repeats a short random motif.
-    motif = rng.integers(1, self.vocab_size, (b, 8))
-    toks = np.tile(motif, (1, (t + 1) // 8 + 1))[:, : t + 1].astype(np.int32)
-    seg = np.where(np.arange(t) < t // 2, 1, 2).astype(np.int32)
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.broadcast_to(seg, (b, t)).copy(),
-            "loss_mask": np.ones((b, t), np.float32)}
-
-  def get_state(self) -> dict:
-    return {"step": self.step}
-
-  def set_state(self, state: dict) -> None:
-    self.step = int(state["step"])
-
-
 def make_data(cfg: C.Config, split: str = "train"):
-  """The configured data pipeline (real tasks via `fpa_jax.data`, imported lazily)."""
+  """The configured data pipeline of `split` (`fpa_jax.data.make_pipeline`, the synthetic task included)."""
   pi, pc = jax.process_index(), jax.process_count()
-  if cfg.task == "synthetic":
-    return SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                             seed=cfg.seed + (0 if split == "train" else 1), process_index=pi, process_count=pc)
   if cfg.batch_size % pc:
     raise ValueError(f"batch_size={cfg.batch_size} (global) is not divisible by the {pc} processes")
-  from fpa_jax.data import make_pipeline  # lazy: the trainer imports without the data package
-  # The pipeline's batch is per process; cfg.batch_size is global.
-  return make_pipeline(cfg.task, split, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size // pc,
-                       seed=cfg.seed, tokenizer=cfg.tokenizer, small=cfg.small_data, shuffle=(split == "train"),
-                       num_epochs=None if split == "train" else 1, process_index=pi, process_count=pc)
+  # The pipeline's batch is per process; cfg.batch_size is global. vocab_size: synthetic only.
+  return D.make_pipeline(cfg.task, split, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size // pc,
+                         seed=cfg.seed, tokenizer=cfg.tokenizer, small=cfg.small_data, shuffle=(split == "train"),
+                         num_epochs=None if split == "train" else 1, process_index=pi, process_count=pc,
+                         vocab_size=cfg.vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------
 # Optimizer, state, step
 # ------------------------------------------------------------------------------------------------
 
-def lr_schedule(cfg: C.Config) -> optax.Schedule:
+def lr_schedule(cfg: C.TrainConfig) -> optax.Schedule:
   warm = min(cfg.warmup_steps, cfg.decay_steps)
-  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, max(cfg.decay_steps, warm + 1),
+  base = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, max(cfg.decay_steps, warm + 1),
                                             end_value=cfg.lr * cfg.min_lr_ratio)
+  if not cfg.cooldown_steps:
+    return base
+  start = cfg.steps - cfg.cooldown_steps  # WSD: from base(start) linearly down to 0 at `steps`
+  cool = optax.linear_schedule(base(start), 0.0, cfg.cooldown_steps)
+  return optax.join_schedules([base, cool], [start])
 
 
 def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
   """AdamW (decay on matrices only) + warmup/cosine + global-norm clipping."""
-  decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
-  adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+  adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                      mask=weight_decay_mask(cfg.model))
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
 
 
 def _init_fn(cfg: C.Config, tx) -> Callable[[], tuple]:
   def init():
-    model = DecoderLM(cfg, rngs=nnx.Rngs(params=cfg.seed))
+    model = DecoderLM(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
   return init
 
@@ -257,7 +222,11 @@ class _Logger:
 
 
 def _check_resume_config(saved: dict, cfg: C.Config, directory: str) -> None:
-  diff = {k: (saved.get(k), getattr(cfg, k)) for k in _MODEL_FIELDS if k in saved and saved[k] != getattr(cfg, k)}
+  """Refuses a checkpoint of another model: the saved config (a flat `Config.to_dict()`, old runs
+  included) must agree with `cfg.model` on `configs.resume_fields()`; a field it lacks (a run older
+  than the field) passes. Training and data fields, attn_impl, dtype, remat etc. may change."""
+  model = cfg.model
+  diff = {k: (saved[k], getattr(model, k)) for k in C.resume_fields() if k in saved and saved[k] != getattr(model, k)}
   if diff:
     raise ValueError(f"checkpoint in {directory} was made with a different model ({diff}, saved vs now); "
                      "use a new --workdir or the original settings")
@@ -287,15 +256,20 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
     log(f"[train] vocab_size {cfg.vocab_size} -> {vocab} (from the data pipeline)")
     cfg = C.replace(cfg, vocab_size=vocab)
 
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints)
+  start = ckpt.latest_step() or 0
+  if start:  # before building the state: another model's checkpoint gets this error, not a shape mismatch
+    try:
+      _check_resume_config(ckpt.saved_config(start), cfg, ckpt.directory)
+    except ValueError:
+      ckpt.close()
+      raise
   tx = make_optimizer(cfg)
   graphdef, state, shardings, abstract = create_state(cfg, mesh, tx)
   step_fn = TrainStep(cfg, graphdef, shardings, mesh, tx)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints)
-  start = ckpt.latest_step() or 0
   if start:
     del state  # restore straight into sharded buffers
-    state, data_state, saved_cfg = ckpt.restore(start, abstract_with_shardings(abstract, shardings))
-    _check_resume_config(saved_cfg, cfg, ckpt.directory)
+    state, data_state, _ = ckpt.restore(start, abstract_with_shardings(abstract, shardings))
     pipeline.set_state(own_process_state(data_state))  # raises if the process count changed
     log(f"[train] resumed from step {start} in {ckpt.directory}")
   if jax.process_index() == 0:

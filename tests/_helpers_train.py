@@ -42,7 +42,7 @@ class ProcessTaggedSynthetic:
   """SyntheticPipeline whose state names its process: restoring another process's state fails."""
 
   def __init__(self, cfg, process_index: int, process_count: int):
-    from fpa_jax.train import SyntheticPipeline
+    from fpa_jax.data import SyntheticPipeline
     self.pi = process_index
     self.p = SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                seed=cfg.seed, process_index=process_index, process_count=process_count)

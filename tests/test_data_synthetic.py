@@ -7,85 +7,85 @@ from fpa_jax.data import builders, dips, scopes
 
 
 def brute_scopes(tokens, n_symbols):
-    """Depth from the raw tokens; key j live at i iff min depth on (j, i] >= depth(j)."""
-    depth = np.cumsum([1 if t == scopes.OPEN else -1 if t == scopes.CLOSE else 0 for t in tokens])
-    keys = [j for j, t in enumerate(tokens) if scopes.CONTENT0 <= t < scopes.CONTENT0 + n_symbols]
-    out = {}
-    for i, t in enumerate(tokens):
-        if t == scopes.QUERY:
-            out[i] = [j for j in keys if j < i and depth[j + 1:i + 1].min() >= depth[j]]
-    return depth, out
+  """Depth from the raw tokens; key j live at i iff min depth on (j, i] >= depth(j)."""
+  depth = np.cumsum([1 if t == scopes.OPEN else -1 if t == scopes.CLOSE else 0 for t in tokens])
+  keys = [j for j, t in enumerate(tokens) if scopes.CONTENT0 <= t < scopes.CONTENT0 + n_symbols]
+  out = {}
+  for i, t in enumerate(tokens):
+    if t == scopes.QUERY:
+      out[i] = [j for j in keys if j < i and depth[j + 1:i + 1].min() >= depth[j]]
+  return depth, out
 
 
 def brute_dips(cfg, tokens):
-    """Key j live at i iff no dip on (j, i] has value below level(j)."""
-    out = {}
-    for i, t in enumerate(tokens):
-        if t != dips.QUERY:
-            continue
-        live = []
-        for j in range(i):
-            c = dips.decode_content(cfg, tokens[j])
-            if c is not None and all(not (dips.DIP0 <= tokens[k] < dips.DIP0 + cfg.n_levels
-                                          and tokens[k] - dips.DIP0 < c[0]) for k in range(j + 1, i + 1)):
-                live.append(j)
-        out[i] = live
-    return out
+  """Key j live at i iff no dip on (j, i] has value below level(j)."""
+  out = {}
+  for i, t in enumerate(tokens):
+    if t != dips.QUERY:
+      continue
+    live = []
+    for j in range(i):
+      c = dips.decode_content(cfg, tokens[j])
+      if c is not None and all(not (dips.DIP0 <= tokens[k] < dips.DIP0 + cfg.n_levels
+                                    and tokens[k] - dips.DIP0 < c[0]) for k in range(j + 1, i + 1)):
+        live.append(j)
+    out[i] = live
+  return out
 
 
 def ragged(ex):
-    offs = np.concatenate([[0], np.cumsum(ex["live_len"])])
-    return {int(q): list(ex["live_idx"][offs[n]:offs[n + 1]]) for n, q in enumerate(ex["query_pos"])}
+  offs = np.concatenate([[0], np.cumsum(ex["live_len"])])
+  return {int(q): list(ex["live_idx"][offs[n]:offs[n + 1]]) for n, q in enumerate(ex["query_pos"])}
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_scopes_targets_match_brute_force(seed):
-    cfg = scopes.ScopesConfig(length=200, max_depth=3 + seed % 3, n_symbols=5, open_rate=0.3, close_rate=0.25)
-    ex = scopes.generate(np.random.default_rng(seed), cfg)
-    toks = ex["tokens"]
-    assert len(toks) == cfg.length and toks[0] == scopes.BOS and toks[-1] == scopes.EOS
-    depth, live = brute_scopes(list(toks), cfg.n_symbols)
-    np.testing.assert_array_equal(ex["depth"], depth)
-    assert depth.min() >= 0 and depth.max() <= cfg.max_depth and depth.max() > 0
-    assert ragged(ex) == live and len(live) > 3
-    assert any(0 < len(v) < sum(1 for t in toks[:q] if scopes.CONTENT0 <= t < scopes.CONTENT0 + cfg.n_symbols) for q, v in live.items())
-    for q, v in live.items():  # the answer is the symbol of the most recent live key, or NONE
-        want = scopes.NONE if not v else toks[v[-1]] + cfg.n_symbols
-        assert toks[q + 1] == want
+  cfg = scopes.ScopesConfig(length=200, max_depth=3 + seed % 3, n_symbols=5, open_rate=0.3, close_rate=0.25)
+  ex = scopes.generate(np.random.default_rng(seed), cfg)
+  toks = ex["tokens"]
+  assert len(toks) == cfg.length and toks[0] == scopes.BOS and toks[-1] == scopes.EOS
+  depth, live = brute_scopes(list(toks), cfg.n_symbols)
+  np.testing.assert_array_equal(ex["depth"], depth)
+  assert depth.min() >= 0 and depth.max() <= cfg.max_depth and depth.max() > 0
+  assert ragged(ex) == live and len(live) > 3
+  assert any(0 < len(v) < sum(1 for t in toks[:q] if scopes.CONTENT0 <= t < scopes.CONTENT0 + cfg.n_symbols) for q, v in live.items())
+  for q, v in live.items():  # the answer is the symbol of the most recent live key, or NONE
+    want = scopes.NONE if not v else toks[v[-1]] + cfg.n_symbols
+    assert toks[q + 1] == want
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_dips_targets_match_brute_force(seed):
-    cfg = dips.DipsConfig(length=160, n_levels=3 + seed % 2, n_symbols=4)
-    ex = dips.generate(np.random.default_rng(seed), cfg)
-    toks = list(ex["tokens"])
-    assert len(toks) == cfg.length and max(toks) < dips.vocab_size(cfg)
-    live = brute_dips(cfg, toks)
-    assert ragged(ex) == live and len(live) > 3
-    for q, v in live.items():
-        want = dips.NONE if not v else dips.answer0(cfg) + dips.decode_content(cfg, toks[v[-1]])[1]
-        assert toks[q + 1] == want
-    m = dips.loss_mask(ex["tokens"])
-    assert m.sum() == len(live) and all(m[q] == 1 for q in live)
+  cfg = dips.DipsConfig(length=160, n_levels=3 + seed % 2, n_symbols=4)
+  ex = dips.generate(np.random.default_rng(seed), cfg)
+  toks = list(ex["tokens"])
+  assert len(toks) == cfg.length and max(toks) < dips.vocab_size(cfg)
+  live = brute_dips(cfg, toks)
+  assert ragged(ex) == live and len(live) > 3
+  for q, v in live.items():
+    want = dips.NONE if not v else dips.answer0(cfg) + dips.decode_content(cfg, toks[v[-1]])[1]
+    assert toks[q + 1] == want
+  m = dips.loss_mask(ex["tokens"])
+  assert m.sum() == len(live) and all(m[q] == 1 for q in live)
 
 
 def test_generation_is_deterministic_given_seed():
-    cfg = scopes.ScopesConfig(length=100)
-    a, b = (scopes.generate(np.random.default_rng(7), cfg) for _ in range(2))
-    c = scopes.generate(np.random.default_rng(8), cfg)
-    assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not np.array_equal(a["tokens"], c["tokens"])
+  cfg = scopes.ScopesConfig(length=100)
+  a, b = (scopes.generate(np.random.default_rng(7), cfg) for _ in range(2))
+  c = scopes.generate(np.random.default_rng(8), cfg)
+  assert all(np.array_equal(a[k], b[k]) for k in a)
+  assert not np.array_equal(a["tokens"], c["tokens"])
 
 
 @pytest.mark.parametrize("task", ["scopes", "dips"])
 def test_tfds_records_match_brute_force_and_rebuild_identically(task, tmp_path):
-    src = builders.data_source(task, "validation", tmp_path / "a", small=True)
-    cfg = builders.synthetic_task_config(task, small=True)
-    assert len(src) == 32
-    for i in range(4):
-        ex = src[i]
-        toks = list(ex["tokens"])
-        live = brute_scopes(toks, cfg.n_symbols)[1] if task == "scopes" else brute_dips(cfg, toks)
-        assert ragged(ex) == live
-    again = builders.data_source(task, "validation", tmp_path / "b", small=True)
-    assert all(np.array_equal(src[i]["tokens"], again[i]["tokens"]) for i in range(len(src)))
+  src = builders.data_source(task, "validation", tmp_path / "a", small=True)
+  cfg = builders.synthetic_task_config(task, small=True)
+  assert len(src) == 32
+  for i in range(4):
+    ex = src[i]
+    toks = list(ex["tokens"])
+    live = brute_scopes(toks, cfg.n_symbols)[1] if task == "scopes" else brute_dips(cfg, toks)
+    assert ragged(ex) == live
+  again = builders.data_source(task, "validation", tmp_path / "b", small=True)
+  assert all(np.array_equal(src[i]["tokens"], again[i]["tokens"]) for i in range(len(src)))

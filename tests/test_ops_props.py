@@ -239,4 +239,4 @@ def test_gate_impl_and_block_errors():
         fn(impl="chunked", block_size=bad)
   with pytest.raises(ValueError, match="same shape"):
     ops.first_passage_penalty(f[0, :, 0], l[0, :4, 0])
-  assert ops.IMPLS == ("quadratic", "chunked", "recurrent") == typing.get_args(ops.Implementation)
+  assert ops.IMPLS == ("quadratic", "chunked", "recurrent", "pallas", "auto") == typing.get_args(ops.Implementation)

@@ -86,6 +86,12 @@ def test_passkey_script_tiny_run(tmp_path, data_dir):
   # Rerunning resumes from the checkpoints: no training, same numbers.
   again = passkey.main(argv)
   assert again["fox"]["1"] == e["1"] and again["fox"]["sessions"] == e["sessions"]
+  # A cooldown stage continues the same run: 2 more steps with the lr decaying to 0, scored at 1x.
+  cooled = passkey.main(argv + ["--cooldown-steps", "2"])["fox"]
+  assert cooled["steps"] == 4 and cooled["cooldown_steps"] == 2 and cooled["sessions"][-1] == {
+      "from": 2, "to": 4, "wall_s": cooled["sessions"][-1]["wall_s"]}
+  assert cooled["val_history"][4]["cooldown"] == 2
+  assert "4 (lr cooled to 0):" in (tmp_path / "out" / "passkey.md").read_text()
 
 
 def test_perplexity_script_tiny_run(tmp_path, data_dir):

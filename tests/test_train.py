@@ -17,7 +17,8 @@ from flax import nnx
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
-from fpa_jax.train import NonFiniteLossError, SyntheticPipeline, TrainStep, create_state, main, train
+from fpa_jax.data import SyntheticPipeline
+from fpa_jax.train import NonFiniteLossError, TrainStep, create_state, main, train
 
 from _helpers_train import FixedBatch
 
@@ -238,3 +239,17 @@ def test_cli_profile_steps_writes_trace(tmp_path):
   files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "profile") for f in fs]
   assert files and any(os.path.getsize(f) > 0 for f in files), files
   assert main(["--config", "tiny", "--workdir", str(tmp_path / "x"), "--profile_steps", "3:2"]) == 2
+
+
+def test_cooldown_schedule_decays_linearly_to_zero():
+  """WSD: constant lr, then the last `cooldown_steps` updates decay linearly to 0; bad values refused."""
+  from fpa_jax.train import lr_schedule
+  cfg = C.get_config("tiny", steps=100, lr=1.0, min_lr_ratio=1.0, warmup_steps=10, lr_decay_steps=1000,
+                     cooldown_steps=20)
+  lr = [float(lr_schedule(cfg)(t)) for t in range(101)]
+  np.testing.assert_allclose(lr[10:81], 1.0)
+  np.testing.assert_allclose(lr[80:101], np.linspace(1.0, 0.0, 21), atol=1e-6)
+  plain = C.get_config("tiny", steps=100, lr=1.0, min_lr_ratio=1.0, warmup_steps=10, lr_decay_steps=1000)
+  assert [float(lr_schedule(plain)(t)) for t in range(80)] == lr[:80]
+  with pytest.raises(ValueError, match="cooldown_steps"):
+    C.get_config("tiny", steps=10, cooldown_steps=10)

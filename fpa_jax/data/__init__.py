@@ -5,11 +5,36 @@
     state = p.get_state(); ...; p.set_state(state)  # exact resume
 
 Build everything ahead of time with `python -m fpa_jax.data.prepare --data-dir DIR [--small]`.
+
+Modules in layers; each imports only from the layers before it (tests/test_imports.py checks):
+  1. tokenizers                                   bytes and SentencePiece
+  2. scopes, dips, passkey, synthetic             task generators (numpy)
+  3. text                                         text corpus listing and split
+  4. builders                                     TFDS builders (tensorflow_datasets from here on)
+  5. sources                                      building once per job, opening splits, spm training
+  6. pipeline                                     grain pipelines, `make_pipeline`
+  7. prepare                                      the CLI
 """
 
-from fpa_jax.data.passkey import eval_split_name, passkey_eval_examples
-from fpa_jax.data.pipeline import KEYS, TASKS, Pipeline, make_pipeline
-from fpa_jax.data.tokenizers import ByteTokenizer, SpmTokenizer, get_tokenizer
+import importlib
 
-__all__ = ["TASKS", "KEYS", "Pipeline", "make_pipeline", "get_tokenizer", "ByteTokenizer",
-           "SpmTokenizer", "eval_split_name", "passkey_eval_examples"]
+# Public name -> its module, imported on first use (PEP 562): `import fpa_jax.data.tokenizers`
+# must not pull grain and tensorflow_datasets in through this package.
+_EXPORTS = {"TASKS": "pipeline", "KEYS": "pipeline", "Pipeline": "pipeline", "make_pipeline": "pipeline",
+            "get_tokenizer": "sources", "ByteTokenizer": "tokenizers", "SpmTokenizer": "tokenizers",
+            "eval_split_name": "passkey", "passkey_eval_examples": "passkey",
+            "SyntheticPipeline": "synthetic"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  globals()[name] = value  # later lookups skip this function
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

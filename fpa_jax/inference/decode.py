@@ -32,7 +32,7 @@ def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
   """Per layer, U [H]: a bound on |scale q.k| from the parameters (`policies.logit_bound`)."""
   cfg = model.cfg
   out = []
-  for blk in model.blocks:
+  for blk in model.layer_blocks():  # per-layer views of a scanned (stacked) model too
     a = blk.attn
     out.append(logit_bound(blk.attn_norm.scale[...], a.wq[...], a.wk[...], scale=cfg.head_dim ** -0.5,
                            q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],

@@ -26,7 +26,8 @@ def config_from_dict(d: dict) -> C.Config:
 
 
 def load_model(workdir: str | os.PathLike, *, step: int | None = None) -> tuple[DecoderLM, C.Config]:
-  """(model with the run's trained parameters, its config) from `python -m fpa_jax.train` outputs.
+  """(model with the run's trained parameters, the run's whole Config) from `python -m fpa_jax.train`
+  outputs; `model.cfg` is its model part (`cfg.model`), the Config also gives the tokenizer etc.
 
   Restores the latest checkpoint (or `step`) on the default device. The optimizer state is read
   from disk with the parameters (the checkpoint is one item) and dropped at once.
@@ -43,8 +44,7 @@ def load_model(workdir: str | os.PathLike, *, step: int | None = None) -> tuple[
     step = max(steps) if step is None else step
     if step not in steps:
       raise FileNotFoundError(f"no checkpoint for step {step} in {ckdir}; have {sorted(steps)}")
-    saved_cfg = ckpt.manager.restore(step, args=_config_args())["config"]
-    cfg = config_from_dict(saved_cfg)
+    cfg = config_from_dict(ckpt.saved_config(step))
     from fpa_jax.train import _init_fn, make_optimizer  # the exact state layout the trainer saved
     abstract = nnx.state(nnx.eval_shape(_init_fn(cfg, make_optimizer(cfg))))
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -52,14 +52,9 @@ def load_model(workdir: str | os.PathLike, *, step: int | None = None) -> tuple[
     state, _, _ = ckpt.restore(step, target)
   finally:
     ckpt.close()
-  model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(params=0)))
+  model = nnx.eval_shape(lambda: DecoderLM(cfg.model, rngs=nnx.Rngs(params=0)))
   graphdef, _ = nnx.split(model)
   return nnx.merge(graphdef, state[0]), cfg
-
-
-def _config_args():
-  import orbax.checkpoint as ocp
-  return ocp.args.Composite(config=ocp.args.JsonRestore())
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:

@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax.ops import chunked as _chunked
+from fpa_jax.ops import pallas as _pallas
 from fpa_jax.ops import validate as _v
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.quadratic import masked_softmax_attention
 from fpa_jax.ops.recurrent import recurrent_attention
 
-Implementation = _v.Implementation  # Literal["quadratic", "chunked", "recurrent"]
+Implementation = _v.Implementation  # Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
 IMPLS = _v.IMPLS                    # the same names as a tuple (typing.get_args(Implementation))
 
 
@@ -25,7 +26,8 @@ def _bht(x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, H, T] fp32
 
 def fpa_attention(q: jax.Array, k: jax.Array, v: jax.Array, field: jax.Array, level: jax.Array, *,
                   impl: Implementation = "chunked", scale: float | None = None,
-                  segment_ids: jax.Array | None = None, block_size: int | None = None) -> jax.Array:
+                  segment_ids: jax.Array | None = None, block_size: int | None = None,
+                  skip_tolerance: float | None = None) -> jax.Array:
   """First Passage Attention.
 
       out_i = sum_j softmax_j(scale * q_i.k_j - relu(level_j - min(field_{j+1..i}))) v_j,  j <= i
@@ -35,20 +37,34 @@ def fpa_attention(q: jax.Array, k: jax.Array, v: jax.Array, field: jax.Array, le
     field: [batch, seq, heads] field value phi_t of each token.
     level: [batch, seq, heads] level l_j of each key.
     impl: "quadratic" (materialised T x T reference), "chunked" (flash-style tiling, O(T * block)
-      memory in forward and backward), or "recurrent" (scan with a KV cache and first-passage
-      state, the decode formulation). All exact and differentiable.
+      memory in forward and backward), "recurrent" (scan with a KV cache and first-passage
+      state, the decode formulation), "pallas" (the chunked tiling as Pallas kernels, see
+      `fpa_jax.ops.pallas`; interpret mode off TPU / GPU), or "auto" ("pallas" on TPU / GPU,
+      "chunked" elsewhere). All exact and differentiable.
     scale: logit scale, default head_dim ** -0.5.
     segment_ids: optional [batch, seq] int; tokens attend only inside their own segment.
-    block_size: chunked only; query/key tile size (default `chunked.DEFAULT_BLOCK`).
+    block_size: chunked / pallas / auto only; query/key tile size (default `chunked.DEFAULT_BLOCK`,
+      or `pallas.BlockSizes.default` of the backend; pallas and auto also take a `BlockSizes`,
+      of which auto on CPU uses `fwd`).
+    skip_tolerance: None (exact, the default) or a float eps in (0, 1); "chunked" only (other
+      impls, and "auto" where it picks "pallas", raise ValueError). Drops the tiles whose every
+      weight is provably <= eps / seq (bound in `fpa_jax.ops.chunked`), forward and backward:
+      each row loses total weight <= eps, each output component moves by <= 2 eps max|v|.
   Returns:
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
   """
   _v.check_impl(impl, block_size)
+  block_size = _v.resolve_block_size(impl, block_size)
   b, t, h, d = _v.check_qkv(q, k, v)
   _v.check_gate("field", field, (b, t, h))
   _v.check_gate("level", level, (b, t, h))
   _v.check_segment_ids(segment_ids, (b, t))
   scale = _v.default_scale(scale, d)
+  impl = _v.resolve_impl(impl)
+  _v.check_skip_tolerance(skip_tolerance, impl)
+  if impl == "pallas":
+    return _pallas.pallas_attention(q, k, v, _chunked.FPAGate(field, level), scale=scale,
+                                    segment_ids=segment_ids, block_sizes=block_size)
   if impl == "quadratic":
     bias = -first_passage_penalty(_bht(field), _bht(level))
     return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
@@ -56,12 +72,14 @@ def fpa_attention(q: jax.Array, k: jax.Array, v: jax.Array, field: jax.Array, le
     return recurrent_attention(q, k, v, field.astype(_v.STATS_DTYPE), level.astype(_v.STATS_DTYPE),
                                scale=scale, segment_ids=segment_ids)
   return _chunked.chunked_attention(q, k, v, _chunked.FPAGate(field, level), scale=scale,
-                                    segment_ids=segment_ids, block_size=block_size)
+                                    segment_ids=segment_ids, block_size=block_size,
+                                    skip_tolerance=skip_tolerance)
 
 
 def fox_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array, *,
                   impl: Implementation = "chunked", scale: float | None = None,
-                  segment_ids: jax.Array | None = None, block_size: int | None = None) -> jax.Array:
+                  segment_ids: jax.Array | None = None, block_size: int | None = None,
+                  skip_tolerance: float | None = None) -> jax.Array:
   """Forgetting Attention (FoX): logit_ij = scale * q_i.k_j + sum_{s=j+1..i} log_fgate_s.
 
   `quadratic` and `recurrent` go through the exact FPA special case field = level =
@@ -70,16 +88,24 @@ def fox_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array
 
   Args:
     log_fgate: [batch, seq, heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)).
+    skip_tolerance: as in `fpa_attention` (chunked only); the tile floor is min_J c - max_I c.
     Others as in `fpa_attention`.
   """
   _v.check_impl(impl, block_size)
+  block_size = _v.resolve_block_size(impl, block_size)
   b, t, h, d = _v.check_qkv(q, k, v)
   _v.check_gate("log_fgate", log_fgate, (b, t, h))
   _v.check_segment_ids(segment_ids, (b, t))
   c = jnp.cumsum(log_fgate.astype(_v.STATS_DTYPE), axis=1)
+  impl = _v.resolve_impl(impl)
+  _v.check_skip_tolerance(skip_tolerance, impl)
+  if impl == "pallas":
+    return _pallas.pallas_attention(q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d),
+                                    segment_ids=segment_ids, block_sizes=block_size)
   if impl == "chunked":
     return _chunked.chunked_attention(q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d),
-                                      segment_ids=segment_ids, block_size=block_size)
+                                      segment_ids=segment_ids, block_size=block_size,
+                                      skip_tolerance=skip_tolerance)
   return fpa_attention(q, k, v, c, c, impl=impl, scale=scale, segment_ids=segment_ids)
 
 

@@ -18,11 +18,29 @@ autodiff then routes S, C, R through the min-scans to the field. Both tile biase
 hand-written pullbacks (`_fpa_bias`, `_diag_bias`): autodiff of min/relu and of the scan was the
 backward pass's bottleneck. Nothing T x T is ever stored: the forward keeps out and logsumexp,
 the backward recomputes tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local).
+
+Skipping dead tiles (`skip_tolerance` = eps; None = exact). On an off-diagonal tile every penalty
+is at least a floor that ignores the query side (C_i can only deepen the dip; FoX's c is used
+as given, monotone or not):
+
+    FPA: floor[I, J] = min_{j in J} relu(level_j - min(S_j, R[I, J]))
+    FoX: floor[I, J] = min_{j in J} c_j - max_{i in I} c_i             (penalty c_j - c_i)
+
+Every logit obeys scale * q_i.k_j <= |scale| |q|_I |k|_J, and the row's diagonal logit (penalty
+0, never masked) is >= -|scale| |q|_I |k|_I, where |x|_X is the largest norm over block X in this
+call. So each weight of the tile is <= exp(U[I, J] - floor[I, J]) with U = |scale| |q|_I
+(|k|_J + |k|_I) <= 2 |scale| max|q| max|k|. A tile with floor >= U + log T - log eps is dropped
+for that (batch, head), in the forward and the backward alike: each row loses total weight
+delta <= eps (at most T keys, each <= eps / T), every output component moves by <= 2 eps max|v|,
+and the logit cotangent ds_ij by <= 2 A p_ij (dropped) or 4 A p_ij eps / (1 - eps) (kept), with
+A = max|do_i| max|v_j| (2-norms); gradients are sums of those. A tile's compute is skipped
+(`lax.cond`) when it is dead for every (batch, head); otherwise dead heads are masked in it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -71,12 +89,15 @@ def _fpa_bias_bwd(res, g):
   # continuous fields).
   lvl, suffix, prefix, r = res
   a = jnp.minimum(suffix, r)
-  # The penalty is level_j - A_j where C_i >= A_j and level_j > A_j ...
-  d_a = jnp.where(lvl > a, jnp.where(prefix >= a, g, 0.0).sum(-2, keepdims=True), 0.0)
-  # ... and level_j - C_i where C_i < min(A_j, level_j).
+  # The penalty is level_j - C_i where C_i < min(A_j, level_j) (g_c) ...
   g_c = jnp.where(prefix < jnp.minimum(a, lvl), g, 0.0)
+  col, col_c = g.sum(-2, keepdims=True), g_c.sum(-2, keepdims=True)
+  # ... else level_j - A_j where level_j > A_j, on the rows C_i >= A_j: the complement of g_c's
+  # rows there, so one masked tile pass serves both routes.
+  active = lvl > a
+  d_a = jnp.where(active, col - col_c, 0.0)
   to_s = suffix <= r
-  return (-(d_a + g_c.sum(-2, keepdims=True)), jnp.where(to_s, d_a, 0.0), g_c.sum(-1, keepdims=True),
+  return (-jnp.where(active, col, col_c), jnp.where(to_s, d_a, 0.0), g_c.sum(-1, keepdims=True),
           jnp.where(to_s, 0.0, d_a).sum(-1, keepdims=True))
 
 
@@ -116,6 +137,31 @@ def _diag_bias_fwd(lvl, phi):
   return -jax.nn.relu(lvl[..., None, :] - m), (lvl, phi, m)
 
 
+def _nse_pse(phi):
+  """Next strictly smaller / previous smaller-or-equal position of each phi_s, [..., n] -> two
+  [..., n] int (n / -1 where there is none).
+
+  Binary lifting over window minima, O(n log n) on vectors (the all-pairs compare was two
+  tile-sized passes): from s + 1 jump 2^k ahead while the window jumped over holds nothing
+  below phi_s, largest k first; likewise backwards.
+  """
+  n = phi.shape[-1]
+  inf = lambda w: jnp.full(phi.shape[:-1] + (w,), jnp.inf, phi.dtype)
+  ahead, behind = [phi], [phi]  # [k][t]: min of phi over [t, t + 2^k) / (t - 2^k, t]
+  while 2 ** len(ahead) <= n:
+    w = 2 ** (len(ahead) - 1)
+    ahead.append(jnp.minimum(ahead[-1], jnp.concatenate([ahead[-1][..., w:], inf(w)], -1)))
+    behind.append(jnp.minimum(behind[-1], jnp.concatenate([inf(w), behind[-1][..., :-w]], -1)))
+  at = lambda table, pos: jnp.take_along_axis(table, jnp.clip(pos, 0, n - 1), -1)
+  idx = jnp.arange(n)
+  nse, pse = jnp.broadcast_to(idx + 1, phi.shape), jnp.broadcast_to(idx - 1, phi.shape)
+  for k in reversed(range(len(ahead))):
+    w = 2 ** k
+    nse = jnp.where((nse + w <= n) & (at(ahead[k], nse) >= phi), nse + w, nse)
+    pse = jnp.where((pse - w >= -1) & (at(behind[k], pse) > phi), pse - w, pse)
+  return nse, pse
+
+
 def _diag_bias_bwd(res, g):
   # Autodiff through the associative scan costs ~100 tile-sized passes; this is a handful.
   # Column j's running min is phi_s exactly for rows s <= i < nse(s) (the next *strictly*
@@ -127,9 +173,7 @@ def _diag_bias_bwd(res, g):
   n = phi.shape[-1]
   dm = jnp.where(lvl[..., None, :] > m, g, 0.0)  # bias = m - level where the penalty is active
   idx = jnp.arange(n)
-  after = idx[None, :] > idx[:, None]  # [s, t]: t after s
-  nse = jnp.where(after & (phi[..., None, :] < phi[..., :, None]), idx, n).min(-1)  # [..., n]
-  pse = jnp.where(after.T & (phi[..., None, :] <= phi[..., :, None]), idx, -1).max(-1)
+  nse, pse = _nse_pse(phi)
   cum = jax.lax.associative_scan(jnp.add, dm, axis=dm.ndim - 2)  # 2x faster than jnp.cumsum on CPU
   end = jnp.take_along_axis(cum, jnp.broadcast_to((nse - 1)[..., :, None], cum.shape), axis=-2)
   rows = end - cum + dm  # [s, j] = sum_{i = s}^{nse(s) - 1} dm[i, j]
@@ -162,6 +206,14 @@ class FPAGate:
     (lvl, _), (_, phi) = kst, qst
     return _diag_bias(lvl, phi)
 
+  @staticmethod
+  def tile_floor(kst, qst, pst):
+    """Penalty lower bound per tile [B, H, nb (I), nb (J)]; meaningful for J < I."""
+    (lvl, suffix), (r,) = kst, pst
+    # One query block row at a time: O(T) intermediates instead of [B, H, nb, nb, blk].
+    row = lambda r_i: jax.nn.relu(lvl - jnp.minimum(suffix, r_i[..., None])).min(-1)
+    return jnp.moveaxis(jax.lax.map(row, jnp.moveaxis(r, 2, 0)), 0, 2)
+
 
 class FoXGate:
   """Forgetting Attention bias c_i - c_j from c = cumsum(log_fgate) [B, T, H]."""
@@ -178,6 +230,11 @@ class FoXGate:
     return qst[0][..., :, None] - kst[0][..., None, :]
 
   diag_bias = staticmethod(lambda kst, qst: FoXGate.off_bias(kst, qst, ()))
+
+  @staticmethod
+  def tile_floor(kst, qst, pst):
+    """Penalty lower bound per tile [B, H, nb (I), nb (J)]: min_J c - max_I c."""
+    return kst[0].min(-1)[..., None, :] - qst[0].max(-1)[..., :, None]
 
 
 def _take(x, i, axis=2):
@@ -197,11 +254,14 @@ def _tile(x, i, blk):
   return jax.lax.dynamic_slice_in_dim(x, i * blk, blk, axis=1)
 
 
-def _logits(q, k, bias, scale, seg, i, j, causal):
-  """q: [B, bq, H, K], k: [B, bk, H, K], bias: [B, H, bq, bk] -> masked logits [B, H, bq, bk]."""
+def _logits(q, k, bias, scale, seg, i, j, causal, keep=None):
+  """q: [B, bq, H, K], k: [B, bk, H, K], bias: [B, H, bq, bk] -> masked logits [B, H, bq, bk].
+
+  keep: optional [B, H] bool; False masks the whole tile for that (batch, head) (a dead tile).
+  """
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) * scale + bias
-  mask = None
-  if causal:
+  mask = None if keep is None else keep[:, :, None, None]
+  if causal:  # diagonal tiles only, which are never dead (keep is None)
     n = s.shape[-1]
     mask = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
   if seg is not None:
@@ -211,11 +271,22 @@ def _logits(q, k, bias, scale, seg, i, j, causal):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _core(gate, scale, blk, q, k, v, kst, qst, pst, seg):
-  return _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg)[0]
+def _core(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
+  return _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead)[0]
 
 
-def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg):
+def _visit(dead, i, j, body, skip, *operands):
+  """body(*operands) on tile (i, j) unless it is dead for every (batch, head): then skip(*operands).
+
+  dead: None (exact: no cond at all) or [B, H, nb, nb] bool. body gets keep [B, H] first.
+  """
+  if dead is None:
+    return body(None, *operands)
+  keep = ~dead[:, :, i, j]
+  return jax.lax.cond(keep.any(), lambda *o: body(keep, *o), skip, *operands)
+
+
+def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
   """q, k: [B, Tp, H, K], v: [B, Tp, H, Kv] -> (o [B, Tp, H, Kv], logsumexp [B, H, nb, blk])."""
   b, tp, h, _ = q.shape
   nb = tp // blk
@@ -230,16 +301,18 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg):
     acc = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
 
     def kv_block(j, c):
-      m, l, acc = c
-      bias = gate.off_bias(_takes(kst, j), qsti, _pair(pst, i, j))
-      s = _logits(qi, _tile(k, j, blk), bias, scale, seg, i, j, False)
-      m_new = jnp.maximum(m, s.max(-1))
-      corr = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new[..., None])
-      l = l * corr + p.sum(-1)
-      acc = acc * corr[..., None] + jnp.einsum(
-          "bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32)
-      return m_new, l, acc
+      def tile(keep, m, l, acc):
+        bias = gate.off_bias(_takes(kst, j), qsti, _pair(pst, i, j))
+        s = _logits(qi, _tile(k, j, blk), bias, scale, seg, i, j, False, keep)
+        m_new = jnp.maximum(m, s.max(-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum(
+            "bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32)
+        return m_new, l, acc
+
+      return _visit(dead, i, j, tile, lambda *c: c, *c)
 
     m, l, acc = jax.lax.fori_loop(0, i, kv_block, (m, l, acc))
     o_i = jnp.swapaxes(acc / l[..., None], 1, 2).astype(q.dtype)  # [B, bq, H, Kv]
@@ -251,13 +324,13 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg):
   return jax.lax.fori_loop(0, nb, q_block, init)
 
 
-def _core_fwd(gate, scale, blk, q, k, v, kst, qst, pst, seg):
-  o, lse = _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg)
-  return o, (q, k, v, kst, qst, pst, seg, o, lse)
+def _core_fwd(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
+  o, lse = _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead)
+  return o, (q, k, v, kst, qst, pst, seg, dead, o, lse)
 
 
 def _core_bwd(gate, scale, blk, res, do):
-  q, k, v, kst, qst, pst, seg, o, lse = res
+  q, k, v, kst, qst, pst, seg, dead, o, lse = res
   b, tp, h, _ = q.shape
   nb = tp // blk
   # delta_i = do_i . o_i, in the stats layout [B, H, nb, blk].
@@ -270,24 +343,37 @@ def _core_bwd(gate, scale, blk, res, do):
 
     def tile(i, c, diag):
       dq, dqst, dpst, dkj, dvj, dkstj = c
-      qi, doi, qsti = _tile(q, i, blk), _tile(do, i, blk), _takes(qst, i)
-      if diag:
-        bias, pull = jax.vjp(gate.diag_bias, kstj, qsti)
-      else:
-        bias, pull = jax.vjp(gate.off_bias, kstj, qsti, _pair(pst, i, j))
-      s = _logits(qi, kj, bias, scale, seg, i, j, diag)
-      p = jnp.exp(s - _take(lse, i)[..., None])  # masked entries: exactly 0
-      dvj = dvj + jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
-      dp = jnp.einsum("bqhd,bkhd->bhqk", doi, vj, preferred_element_type=F32)
-      ds = p * (dp - _take(delta, i)[..., None])  # d loss / d logit (= d loss / d bias)
-      dq_i = jnp.einsum("bhqk,bkhd->bqhd", ds, kj, preferred_element_type=F32) * scale
-      dq = jax.lax.dynamic_update_slice_in_dim(dq, _tile(dq, i, blk) + dq_i, i * blk, 1)
-      dkj = dkj + jnp.einsum("bhqk,bqhd->bkhd", ds, qi, preferred_element_type=F32) * scale
-      g = pull(ds)
-      dkstj = jax.tree.map(jnp.add, dkstj, g[0])
-      dqst = jax.tree.map(lambda a, x: a.at[:, :, i].add(x), dqst, g[1])
+      qsti, pij = _takes(qst, i), (() if diag else _pair(pst, i, j))
+
+      def body(keep, dq_i, dkj, dvj, dkstj):
+        # Tile-sized operands and results only: a cond carrying the full dQ buffer would copy it.
+        qi, doi = _tile(q, i, blk), _tile(do, i, blk)
+        if diag:
+          bias, pull = jax.vjp(gate.diag_bias, kstj, qsti)
+        else:
+          bias, pull = jax.vjp(gate.off_bias, kstj, qsti, pij)
+        s = _logits(qi, kj, bias, scale, seg, i, j, diag, keep)
+        p = jnp.exp(s - _take(lse, i)[..., None])  # masked entries: exactly 0
+        dvj = dvj + jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
+        dp = jnp.einsum("bqhd,bkhd->bhqk", doi, vj, preferred_element_type=F32)
+        ds = p * (dp - _take(delta, i)[..., None])  # d loss / d logit (= d loss / d bias)
+        # Stored once: else XLA re-derives ds from p and dp inside each of its four consumers
+        # (the dQ / dK matmuls, the bias pullback's passes), FPA's main extra backward cost
+        # over FoX's in the profile.
+        ds = jax.lax.optimization_barrier(ds)
+        dq_i = dq_i + jnp.einsum("bhqk,bkhd->bqhd", ds, kj, preferred_element_type=F32) * scale
+        dkj = dkj + jnp.einsum("bhqk,bqhd->bkhd", ds, qi, preferred_element_type=F32) * scale
+        g = pull(ds)
+        dkstj = jax.tree.map(jnp.add, dkstj, g[0])
+        return dq_i, dkj, dvj, dkstj, g[1], (() if diag else g[2])
+
+      skip = lambda dq_i, dkj, dvj, dkstj: (dq_i, dkj, dvj, dkstj, zeros(qsti), zeros(pij))
+      dq_i, dkj, dvj, dkstj, gq, gp = _visit(None if diag else dead, i, j, body, skip,
+                                             _tile(dq, i, blk), dkj, dvj, dkstj)
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * blk, 1)
+      dqst = jax.tree.map(lambda a, x: a.at[:, :, i].add(x), dqst, gq)
       if not diag:
-        dpst = jax.tree.map(lambda a, x: a.at[:, :, i, j].add(x), dpst, g[2])
+        dpst = jax.tree.map(lambda a, x: a.at[:, :, i, j].add(x), dpst, gp)
       return dq, dqst, dpst, dkj, dvj, dkstj
 
     c = (dq, dqst, dpst, jnp.zeros(kj.shape, F32), jnp.zeros(vj.shape, F32), zeros(kstj))
@@ -304,7 +390,7 @@ def _core_bwd(gate, scale, blk, res, do):
   init = (jnp.zeros(q.shape, F32), zeros(qst), zeros(pst), jnp.zeros(k.shape, k.dtype),
           jnp.zeros(v.shape, v.dtype), zeros(kst))
   dq, dqst, dpst, dk, dv, dkst = jax.lax.fori_loop(0, nb, k_block, init)
-  return (dq.astype(q.dtype), dk, dv, dkst, dqst, dpst, None)
+  return (dq.astype(q.dtype), dk, dv, dkst, dqst, dpst, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -322,11 +408,25 @@ def block_for(t: int, block_size: int | None) -> int:
   return min(blk, _round_up(t, 8))
 
 
-def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None):
+def _dead_tiles(q, k, gate, stats, scale, skip_tolerance, nb, blk):
+  """[B, H, nb, nb] bool: tiles (I, J), J < I, that the bound in the module docstring drops."""
+  t = q.shape[1]
+  norm = lambda x: _blocks(jnp.sqrt(jnp.sum(jnp.square(x.astype(F32)), -1)), nb, blk).max(-1)  # [B, H, nb]
+  qn, kn = norm(q), norm(k)
+  u = abs(scale) * qn[..., :, None] * (kn[..., None, :] + kn[..., :, None])
+  floor = gate.tile_floor(*stats)
+  below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]
+  # Piecewise constant in every input: no gradient flows through the choice of tiles.
+  return jax.lax.stop_gradient(below & (floor >= u + (math.log(t) - math.log(skip_tolerance))))
+
+
+def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None, skip_tolerance=None):
   """Tiled causal attention with a gate bias. q, k: [B, T, H, K], v: [B, T, H, Kv] -> [B, T, H, Kv].
 
   `gate` is an `FPAGate` or `FoXGate`. Any T: the sequence is padded to a multiple of the block
-  at the end, where causality alone keeps padding out of every real query.
+  at the end, where causality alone keeps padding out of every real query. skip_tolerance: None
+  (exact) or eps in (0, 1): drop the tiles whose weights the module docstring's bound puts below
+  eps / T, in the forward and the backward (each row loses total weight <= eps).
   """
   b, t, h, _ = q.shape
   blk = block_for(t, block_size)
@@ -337,5 +437,27 @@ def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None
   if segment_ids is not None:
     seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, nb * blk - t)], constant_values=-1)
     seg = seg.reshape(b, nb, blk)
-  o = _core(type(gate), float(scale), blk, pad(q), pad(k), pad(v), kst, qst, pst, seg)
+  dead = None
+  if skip_tolerance is not None:
+    dead = _dead_tiles(q, k, gate, (kst, qst, pst), scale, skip_tolerance, nb, blk)
+  o = _core(type(gate), float(scale), blk, pad(q), pad(k), pad(v), kst, qst, pst, seg, dead)
   return o[:, :t]
+
+
+def dead_tiles(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
+  """The tiles `chunked_attention(..., skip_tolerance=...)` drops: [B, H, nb, nb] bool (query block
+  I, key block J; only J < I can be True). q, k: [B, T, H, K]; scale defaults to K ** -0.5."""
+  t, d = q.shape[1], q.shape[-1]
+  blk = block_for(t, block_size)
+  nb = -(-t // blk)
+  scale = d ** -0.5 if scale is None else float(scale)
+  return _dead_tiles(q, k, gate, gate.stats(nb, blk), scale, skip_tolerance, nb, blk)
+
+
+def skipped_tile_fraction(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
+  """(per_head, all_heads): the fraction of off-diagonal (J < I) tiles dropped per (batch, head),
+  and the fraction dropped for every (batch, head) at once, whose compute is skipped. Floats."""
+  dead = dead_tiles(q, k, gate, skip_tolerance=skip_tolerance, scale=scale, block_size=block_size)
+  nb = dead.shape[-1]
+  n_off = max(nb * (nb - 1) // 2, 1)
+  return float(dead.sum(axis=(-2, -1)).mean()) / n_off, float(dead.all(axis=(0, 1)).sum()) / n_off

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+import jax
 import jax.numpy as jnp
 
 # The one definition of the implementation names (typed as `jax.nn.dot_product_attention` types
 # its `implementation`); IMPLS is derived from it for runtime checks and listings.
-Implementation = Literal["quadratic", "chunked", "recurrent"]
+Implementation = Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
 IMPLS: tuple[str, ...] = get_args(Implementation)
+# The tiled impls, which take a block_size ("auto" resolves to one of them).
+BLOCKED = ("chunked", "pallas", "auto")
 
 # Field, levels, penalties and softmax statistics are always fp32, whatever q/k/v are.
 STATS_DTYPE = jnp.float32
@@ -22,9 +25,30 @@ def _is_float(x) -> bool:
 def check_impl(impl: Implementation, block_size: int | None = None) -> None:
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if block_size is not None and impl != "chunked":
-    raise ValueError(f"block_size only applies to impl='chunked', got impl={impl!r}")
+  if block_size is not None and impl not in BLOCKED:
+    raise ValueError(f"block_size only applies to impl in {BLOCKED}, got impl={impl!r}")
 
+
+def resolve_impl(impl: Implementation) -> str:
+  """"auto": the Pallas kernels on TPU / GPU, the XLA-tiled "chunked" elsewhere (on CPU Pallas
+  only runs in its slow interpreter). Other names pass through."""
+  if impl != "auto":
+    return impl
+  return "pallas" if jax.default_backend() in ("tpu", "gpu") else "chunked"
+
+
+
+def resolve_block_size(impl: Implementation, block_size):
+  """The block_size to hand the impl `impl` resolves to. A `pallas.BlockSizes` under "auto" where
+  that picks "chunked" (CPU) becomes its forward block (chunked tiles its backward like its
+  forward, so `bwd` has no counterpart); with impl="chunked" itself it is an error. Others pass."""
+  from fpa_jax.ops.pallas.kernels import BlockSizes  # lazy: the pallas package imports this module
+  if not isinstance(block_size, BlockSizes) or resolve_impl(impl) != "chunked":
+    return block_size
+  if impl != "auto":
+    raise ValueError(f"impl={impl!r} takes an int block_size, got {block_size!r} (a BlockSizes is for "
+                     f"impl='pallas' / 'auto'); pass block_size={block_size.fwd}")
+  return block_size.fwd
 
 def check_qkv(q, k, v) -> tuple[int, int, int, int]:
   """q, k, v: [batch, seq, heads, head_dim] of one float dtype. Returns (B, T, H, D)."""
@@ -65,3 +89,14 @@ def check_segment_ids(segment_ids, bt: tuple[int, int]) -> None:
 
 def default_scale(scale, head_dim: int) -> float:
   return head_dim ** -0.5 if scale is None else float(scale)
+
+
+def check_skip_tolerance(skip_tolerance, impl: str) -> None:
+  """None (exact) or a Python float eps in (0, 1), for the chunked impl only (`impl` resolved)."""
+  if skip_tolerance is None:
+    return
+  # A Python float only: it sets a static threshold, so arrays / tracers have no meaning here.
+  if not isinstance(skip_tolerance, float) or not 0.0 < skip_tolerance < 1.0:
+    raise ValueError(f"skip_tolerance must be None or a float in (0, 1), got {skip_tolerance!r}")
+  if impl != "chunked":
+    raise ValueError(f"skip_tolerance only applies to impl='chunked', got impl={impl!r}")

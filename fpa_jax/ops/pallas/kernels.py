@@ -1,0 +1,435 @@
+"""FlashAttention-2-style Pallas kernels for First Passage Attention and FoX.
+
+  forward  grid (B, H, query block I): the diagonal tile, then key blocks J < I with an online
+           softmax; stores out and logsumexp. Tiles above the diagonal are never visited.
+  dK / dV  grid (B, H, key block J): the diagonal tile, then query blocks I > J; dK, dV and the
+           key-side gate cotangents (and dR[:, J]) stay local to the program.
+  dQ       grid (B, H, query block I): the diagonal tile, then J < I; dQ and the query-side gate
+           cotangents. Two backward kernels instead of atomics: every output block has one writer.
+
+Each tile's bias is computed in the kernel from small per-token stat vectors (`gate.py`); the
+stats are built outside the custom VJP by differentiable JAX, so the kernels only return stat
+cotangents and autodiff carries them to field / level / log_fgate (as in `fpa_jax.ops.chunked`).
+The looped-over operand (k / v in the forward and dQ kernels, q / dO in dK / dV) is one whole-T
+block per (batch, head), sliced with `pl.ds` inside the loop: the portable form for Mosaic and
+Triton alike, which needs it to fit in VMEM / be addressable (long T on TPU would want a 4-D grid
+with scratch accumulators instead; not done).
+
+Status: written for TPU (Mosaic) and GPU (Triton) lowering but run and tested only in interpret
+mode on CPU (`interpret=True`, the default there); the compiled paths are unverified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from fpa_jax.ops.chunked import FoXGate, FPAGate
+from fpa_jax.ops.pallas.gate import F32, INF, fox_stats, fpa_stats, n_levels, tile_bias
+
+NEG = -1e30  # finite mask value: exp(NEG - m) == 0 without any inf - inf
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Square tile sizes (query block = key block) of the forward and the two backward kernels.
+
+  TPU wants multiples of 128 (lanes) unless a block covers all of T; Triton wants powers of two
+  >= 16. Blocks shrink for short sequences; T is padded to a multiple of both sizes.
+  """
+  fwd: int
+  bwd: int | None = None  # None: same as fwd
+
+  @property
+  def backward(self) -> int:
+    return self.fwd if self.bwd is None else self.bwd
+
+  @classmethod
+  def default(cls, backend: str) -> "BlockSizes":
+    """backend: "tpu", "gpu", or anything else (interpret mode)."""
+    return _DEFAULT_BLOCKS.get(backend, _DEFAULT_BLOCKS["interpret"])
+
+
+_DEFAULT_BLOCKS = {"tpu": BlockSizes(128), "gpu": BlockSizes(64), "interpret": BlockSizes(32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  kind: str           # "fpa" | "fox"
+  scale: float
+  fwd: int
+  bwd: int
+  interpret: bool
+  backend: str        # "tpu" | "gpu" | "interpret"
+
+  def compiler_params(self):
+    if self.backend == "tpu":
+      from jax.experimental.pallas import tpu as pltpu
+      return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)  # every program writes its own blocks
+    if self.backend == "gpu":
+      from jax.experimental.pallas import triton as plgpu
+      return plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return None
+
+  def call(self, kernel, **kw):
+    return pl.pallas_call(kernel, interpret=self.interpret, compiler_params=self.compiler_params(), **kw)
+
+
+# ----------------------------------------------------------------------------- tile helpers
+
+
+def _dot_nt(a, b):  # a [m, k], b [n, k] -> a @ b.T [m, n] fp32
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot(a, b):  # a [m, k], b [k, n] -> [m, n] fp32
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _rows(j, blk):
+  return pl.ds(pl.multiple_of(j * blk, blk), blk)
+
+
+def _pick(row, idx):
+  """row[0, idx] of a [1, n] vector as [1, 1] (a masked reduce: no dynamic lane indexing)."""
+  iota = jax.lax.broadcasted_iota(jnp.int32, row.shape, 1)
+  return jnp.min(jnp.where(iota == idx, row, INF), axis=1, keepdims=True)
+
+
+def _logits(cfg, blk, q, k, kvec, qvec, r, qseg, kseg, diag):
+  """q [bq, K], k [bk, K] -> (masked logits [bq, bk] fp32, bias pullback)."""
+  dist = None
+  if diag:
+    dist = (jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0)
+            - jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1))
+  bias, pull = tile_bias(cfg.kind, n_levels(blk), kvec, qvec, r, dist)
+  s = _dot_nt(q, k) * cfg.scale + bias
+  mask = None if dist is None else dist >= 0
+  if qseg is not None:
+    same = qseg == kseg  # [bq, 1] == [1, bk]
+    mask = same if mask is None else mask & same
+  return (s if mask is None else jnp.where(mask, s, NEG)), pull
+
+
+def _unpack(refs, n_in, has_r, has_seg):
+  """Kernel refs -> (fixed inputs, r, qseg, kseg, outputs)."""
+  refs = list(refs)
+  fixed, rest = refs[:n_in], refs[n_in:]
+  r = rest.pop(0) if has_r else None
+  qseg, kseg = (rest.pop(0), rest.pop(0)) if has_seg else (None, None)
+  return fixed, r, qseg, kseg, rest
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
+  # q, qcol, qseg: this query block; k, v, krow, kseg: all of T; r: R[I, :].
+  (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, (o_ref, lse_ref) = _unpack(
+      refs, 5, has_r, has_seg)
+  i = pl.program_id(2)
+  q = q_ref[...]
+  qvec = lambda n: qcol_ref[:, n:n + 1]
+  qseg = qseg_ref[...] if has_seg else None
+
+  def logits(j, diag):
+    ks = _rows(j, blk)
+    r = _pick(r_ref[...], j) if has_r and not diag else None
+    kseg = kseg_ref[:, ks] if has_seg else None
+    s, _ = _logits(cfg, blk, q, k_ref[ks, :], lambda n: krow_ref[n:n + 1, ks], qvec, r, qseg, kseg, diag)
+    return s, v_ref[ks, :]
+
+  s, v = logits(i, True)  # the diagonal entry is never masked, so m is finite from here on
+  m = s.max(1, keepdims=True)
+  p = jnp.exp(s - m)
+  carry = (m, p.sum(1, keepdims=True), _dot(p.astype(v.dtype), v))
+
+  def body(j, carry):
+    m, l, acc = carry
+    s, v = logits(j, False)
+    m_new = jnp.maximum(m, s.max(1, keepdims=True))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    return m_new, l * corr + p.sum(1, keepdims=True), acc * corr + _dot(p.astype(v.dtype), v)
+
+  m, l, acc = jax.lax.fori_loop(0, i, body, carry)
+  o_ref[...] = (acc / l).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
+  # k, v, krow, kseg: this key block; q, dO, lse, delta, qcol, qseg: all of T; r: R[:, J].
+  fixed, r_ref, qseg_ref, kseg_ref, outs = _unpack(refs, 8, has_r, has_seg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
+  dk_ref, dv_ref, dkrow_ref = outs[:3]
+  j = pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]
+  kvec = lambda n: krow_ref[n:n + 1, :]
+  kseg = kseg_ref[...] if has_seg else None
+  r_col = r_ref[...] if has_r else None
+
+  def tile(i, carry, diag):
+    dk, dv, dkrow, dr = carry
+    qs = _rows(i, blk)
+    q, do = q_ref[qs, :], do_ref[qs, :]
+    r = _pick(r_col, i) if has_r and not diag else None
+    qseg = qseg_ref[qs, :] if has_seg else None
+    s, pull = _logits(cfg, blk, q, k, kvec, lambda n: qcol_ref[qs, n:n + 1], r, qseg, kseg, diag)
+    p = jnp.exp(s - lse_ref[qs, :])  # masked entries: exactly 0
+    dv = dv + _dot(p.astype(do.dtype).T, do)
+    ds = p * (_dot_nt(do, v) - delta_ref[qs, :])  # d loss / d logit = d loss / d bias
+    dk = dk + _dot(ds.astype(q.dtype).T, q) * cfg.scale
+    rows, d_r = pull(ds, "key")
+    dkrow = tuple(x + rows[n] if n in rows else x for n, x in enumerate(dkrow))
+    if d_r is not None:
+      dr = dr + jnp.where(jax.lax.broadcasted_iota(jnp.int32, dr.shape, 1) == i, d_r, 0.0)
+    return dk, dv, dkrow, dr
+
+  nr = krow_ref.shape[0]
+  carry = (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32), tuple(jnp.zeros((1, blk), F32) for _ in range(nr)),
+           jnp.zeros(r_col.shape, F32) if has_r else None)
+  carry = tile(j, carry, True)
+  dk, dv, dkrow, dr = jax.lax.fori_loop(j + 1, nb, lambda i, c: tile(i, c, False), carry)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+  for n, x in enumerate(dkrow):
+    dkrow_ref[n:n + 1, :] = x
+  if has_r:
+    outs[3][...] = dr
+
+
+def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
+  # q, dO, lse, delta, qcol, qseg: this query block; k, v, krow, kseg: all of T; r: R[I, :].
+  fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref) = _unpack(refs, 8, has_r, has_seg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
+  i = pl.program_id(2)
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  qvec = lambda n: qcol_ref[:, n:n + 1]
+  qseg = qseg_ref[...] if has_seg else None
+
+  def tile(j, carry, diag):
+    dq, dqcol = carry
+    ks = _rows(j, blk)
+    k, v = k_ref[ks, :], v_ref[ks, :]
+    r = _pick(r_ref[...], j) if has_r and not diag else None
+    s, pull = _logits(cfg, blk, q, k, lambda n: krow_ref[n:n + 1, ks], qvec, r, qseg,
+                      kseg_ref[:, ks] if has_seg else None, diag)
+    p = jnp.exp(s - lse)
+    ds = p * (_dot_nt(do, v) - delta)
+    dq = dq + _dot(ds.astype(k.dtype), k) * cfg.scale
+    cols = pull(ds, "query")
+    return dq, tuple(x + cols[n] if n in cols else x for n, x in enumerate(dqcol))
+
+  nc = qcol_ref.shape[1]
+  carry = tile(i, (jnp.zeros(q.shape, F32), tuple(jnp.zeros((blk, 1), F32) for _ in range(nc))), True)
+  dq, dqcol = jax.lax.fori_loop(0, i, lambda j, c: tile(j, c, False), carry)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  for n, x in enumerate(dqcol):
+    dqcol_ref[:, n:n + 1] = x
+
+
+# ----------------------------------------------------------------------------- pallas_calls
+
+
+def _tiled(blk, cols):  # [B, H, Tp, cols] in row tiles of T, indexed by the grid's third axis
+  return pl.BlockSpec((None, None, blk, cols), lambda b, h, x: (b, h, x, 0))
+
+
+def _whole(rows, cols):  # all of a [B, H, rows, cols] per (batch, head)
+  return pl.BlockSpec((None, None, rows, cols), lambda b, h, x: (b, h, 0, 0))
+
+
+def _r_rows(r, nbp):
+  """r [B, H, nb, nb] -> [B, H, nb, 1, nbp]: row x of a program's block is a [1, nbp] vector."""
+  r = jnp.pad(r, [(0, 0), (0, 0), (0, 0), (0, nbp - r.shape[-1])], constant_values=INF)
+  return r[:, :, :, None, :]
+
+
+_R_SPEC = lambda nbp: pl.BlockSpec((None, None, None, 1, nbp), lambda b, h, x: (b, h, x, 0, 0))
+
+
+def _seg_specs(seg, blk, tp, q_tiled):
+  """(qseg [B, Tp, 1], kseg [B, 1, Tp]) specs: the query side tiled or whole, the key side the other."""
+  qt = pl.BlockSpec((None, blk, 1), lambda b, h, x: (b, x, 0))
+  qw = pl.BlockSpec((None, tp, 1), lambda b, h, x: (b, 0, 0))
+  kt = pl.BlockSpec((None, 1, blk), lambda b, h, x: (b, 0, x))
+  kw = pl.BlockSpec((None, 1, tp), lambda b, h, x: (b, 0, 0))
+  return [qt, kw] if q_tiled else [qw, kt]
+
+
+def _nbp(cfg, nb):
+  return pl.next_power_of_2(nb) if cfg.backend == "gpu" else nb  # Triton: power-of-2 vectors
+
+
+def _forward(cfg, q, k, v, st, seg):
+  """q, k [B, H, Tp, K], v [B, H, Tp, Kv] -> (o [B, H, Tp, Kv], lse [B, H, Tp, 1] fp32)."""
+  b, h, tp, d = q.shape
+  dv, blk = v.shape[-1], cfg.fwd
+  nb = tp // blk
+  krow, qcol, r = st
+  nr, nc = krow.shape[2], qcol.shape[3]
+  args = [q, k, v, krow, qcol]
+  specs = [_tiled(blk, d), _whole(tp, d), _whole(tp, dv), _whole(nr, tp), _tiled(blk, nc)]
+  if r is not None:
+    args.append(_r_rows(r, _nbp(cfg, nb)))
+    specs.append(_R_SPEC(_nbp(cfg, nb)))
+  if seg is not None:
+    args += list(seg)
+    specs += _seg_specs(seg, blk, tp, q_tiled=True)
+  kernel = functools.partial(_fwd_kernel, cfg=cfg, blk=blk, has_r=r is not None, has_seg=seg is not None)
+  return cfg.call(kernel, grid=(b, h, nb), in_specs=specs,
+                  out_specs=[_tiled(blk, dv), _tiled(blk, 1)],
+                  out_shape=[jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
+                             jax.ShapeDtypeStruct((b, h, tp, 1), F32)],
+                  name=f"{cfg.kind}_attention_fwd")(*args)
+
+
+def _backward(cfg, q, k, v, do, lse, delta, st, seg):
+  """-> dq, dk, dv (input dtypes) and the stat cotangents (dkrow, dqcol, dr)."""
+  b, h, tp, d = q.shape
+  dv_, blk = v.shape[-1], cfg.bwd
+  nb = tp // blk
+  krow, qcol, r = st
+  nr, nc = krow.shape[2], qcol.shape[3]
+  has_r, has_seg = r is not None, seg is not None
+  nbp = _nbp(cfg, nb)
+  grid = (b, h, nb)
+  row_tile = pl.BlockSpec((None, None, nr, blk), lambda b, h, x: (b, h, 0, x))
+
+  # dK / dV: key block J per program.
+  args = [q, k, v, do, lse, delta, krow, qcol]
+  specs = [_whole(tp, d), _tiled(blk, d), _tiled(blk, dv_), _whole(tp, dv_), _whole(tp, 1), _whole(tp, 1),
+           row_tile, _whole(tp, nc)]
+  out_specs = [_tiled(blk, d), _tiled(blk, dv_), row_tile]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+               jax.ShapeDtypeStruct(krow.shape, F32)]
+  if has_r:
+    args.append(_r_rows(jnp.swapaxes(r, -1, -2), nbp))  # R^T: program J reads R[:, J] as a row
+    specs.append(_R_SPEC(nbp))
+    out_specs.append(_R_SPEC(nbp))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, nb, 1, nbp), F32))
+  if has_seg:
+    args += list(seg)
+    specs += _seg_specs(seg, blk, tp, q_tiled=False)
+  kernel = functools.partial(_dkv_kernel, cfg=cfg, blk=blk, nb=nb, has_r=has_r, has_seg=has_seg)
+  outs = cfg.call(kernel, grid=grid, in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+                  name=f"{cfg.kind}_attention_dkv")(*args)
+  dk, dv, dkrow = outs[:3]
+  dr = jnp.swapaxes(outs[3][:, :, :, 0, :nb], -1, -2) if has_r else None
+
+  # dQ: query block I per program.
+  args = [q, k, v, do, lse, delta, krow, qcol]
+  specs = [_tiled(blk, d), _whole(tp, d), _whole(tp, dv_), _tiled(blk, dv_), _tiled(blk, 1), _tiled(blk, 1),
+           _whole(nr, tp), _tiled(blk, nc)]
+  if has_r:
+    args.append(_r_rows(r, nbp))
+    specs.append(_R_SPEC(nbp))
+  if has_seg:
+    args += list(seg)
+    specs += _seg_specs(seg, blk, tp, q_tiled=True)
+  kernel = functools.partial(_dq_kernel, cfg=cfg, blk=blk, has_r=has_r, has_seg=has_seg)
+  dq, dqcol = cfg.call(kernel, grid=grid, in_specs=specs, out_specs=[_tiled(blk, d), _tiled(blk, nc)],
+                       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(qcol.shape, F32)],
+                       name=f"{cfg.kind}_attention_dq")(*args)
+  return dq, dk, dv, (dkrow, dqcol, dr)
+
+
+# ----------------------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, q, k, v, fst, bst, seg):
+  """fst / bst: the gate stats at the forward / backward tile size (bst None: the same tiles)."""
+  return _forward(cfg, q, k, v, fst, seg)[0]
+
+
+def _core_fwd(cfg, q, k, v, fst, bst, seg):
+  o, lse = _forward(cfg, q, k, v, fst, seg)
+  return o, (q, k, v, fst, bst, seg, o, lse)
+
+
+def _core_bwd(cfg, res, do):
+  q, k, v, fst, bst, seg, o, lse = res
+  delta = jnp.sum(do.astype(F32) * o.astype(F32), -1, keepdims=True)  # [B, H, Tp, 1]
+  dq, dk, dv, dst = _backward(cfg, q, k, v, do, lse, delta, fst if bst is None else bst, seg)
+  if bst is None:
+    dfst, dbst = dst, None
+  else:
+    dfst, dbst = jax.tree.map(jnp.zeros_like, fst), dst  # the forward's stats only shaped the output
+  return dq, dk, dv, dfst, dbst, jax.tree.map(lambda _: None, seg)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _fit(blk, t, pow2):
+  """The tile used for length t: the requested size, shrunk for short sequences."""
+  if pow2:
+    return min(blk, max(16, pl.next_power_of_2(t)))
+  return min(blk, -(-t // 8) * 8)
+
+
+def _check_blocks(block_sizes, mode):
+  if block_sizes is None:
+    return BlockSizes.default(mode)
+  if isinstance(block_sizes, int):
+    block_sizes = BlockSizes(block_sizes)
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block sizes must be an int or a BlockSizes, got {block_sizes!r}")
+  for n in (block_sizes.fwd, block_sizes.backward):
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"block sizes must be positive ints, got {block_sizes}")
+    if mode == "gpu" and (n < 16 or n & (n - 1)):
+      raise ValueError(f"Triton tiles must be powers of two >= 16, got {block_sizes}")
+  return block_sizes
+
+
+def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None, interpret=None):
+  """Causal attention with an FPA or FoX bias in Pallas kernels.
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, Kv]; fp32 or bf16.
+    gate: `chunked.FPAGate(field, level)` or `chunked.FoXGate(c)` (c = cumsum(log_fgate)), [B, T, H].
+    scale: logit scale.
+    segment_ids: optional [B, T] int.
+    block_sizes: `BlockSizes`, an int (both passes), or None (`BlockSizes.default` of the backend).
+    interpret: run the kernels in the Pallas interpreter; default: on anything but TPU / GPU.
+  Returns:
+    [B, T, H, Kv] in q's dtype.
+  """
+  b, t, h, d = q.shape
+  dv = v.shape[-1]
+  backend = jax.default_backend()
+  if interpret is None:
+    interpret = backend not in ("tpu", "gpu")
+  mode = "interpret" if interpret else backend
+  bs = _check_blocks(block_sizes, mode)
+  bf, bb = (_fit(n, t, mode == "gpu") for n in (bs.fwd, bs.backward))
+  tp = -(-t // math.lcm(bf, bb)) * math.lcm(bf, bb)
+  if isinstance(gate, FPAGate):
+    kind, stats = "fpa", lambda blk: fpa_stats(gate.field, gate.level, blk, tp)
+  elif isinstance(gate, FoXGate):
+    kind, stats = "fox", lambda blk: fox_stats(gate.c, tp)
+  else:
+    raise TypeError(f"gate must be an FPAGate or FoXGate, got {type(gate).__name__}")
+  fst = stats(bf)
+  bst = None if (bb == bf or kind == "fox") else stats(bb)
+  # [B, T, H, K] -> [B, H, Tp, K]: a tile is then a (rows, head_dim) block, the layout both
+  # Mosaic and Triton tile natively. Triton also wants power-of-2 head dims (zero columns).
+  dpad = lambda n: max(16, pl.next_power_of_2(n)) if mode == "gpu" else n
+  prep = lambda x, n: jnp.pad(jnp.swapaxes(x, 1, 2), [(0, 0), (0, 0), (0, tp - t), (0, n - x.shape[-1])])
+  seg = None
+  if segment_ids is not None:
+    s = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, tp - t)], constant_values=-1)
+    seg = (s[:, :, None], s[:, None, :])  # query column [B, Tp, 1], key row [B, 1, Tp]
+  cfg = _Cfg(kind, float(scale), bf, bb, bool(interpret), mode)
+  o = _core(cfg, prep(q, dpad(d)), prep(k, dpad(d)), prep(v, dpad(dv)), fst, bst, seg)
+  return jnp.swapaxes(o[:, :, :t, :dv], 1, 2)

@@ -1,0 +1,200 @@
+"""Layer scan (`Config.scan_layers`) and rematerialisation (`Config.remat`): same maths as the plain
+model, for the forward pass, the gradients, a sharded train step and cached decoding (CPU, tiny)."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from fpa_jax import configs as C
+from fpa_jax import sharding as S
+from fpa_jax.inference import cached_logits, generate, layer_logit_bounds
+from fpa_jax.models import (REMAT_POLICIES, abstract_model, build_model, convert_layers, count_params,
+                            weight_decay_mask)
+from fpa_jax.data import SyntheticPipeline
+from fpa_jax.train import TrainStep, create_state, lr_schedule, make_optimizer
+
+# A live gate (random read-outs) so the gate's parameters matter; 3 layers so stacking is not trivial.
+KW = dict(n_layers=3, step_init_std=0.05, absolute_init_std=0.05, offset_init_std=0.05)
+
+
+def _cfg(att="fpa", **kw):
+  return C.get_config("tiny", attention=att, **{**KW, **kw})
+
+
+def _tokens(b, t, vocab, seed=1):
+  return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
+
+
+def _per_layer(state, n_layers: int) -> dict[str, np.ndarray]:
+  """Flat {path: array} of a model's (or gradient's) state in the unscanned layout (blocks/i/...)."""
+  out = {}
+  for path, v in nnx.to_flat_state(state):
+    a = np.asarray(jax.device_get(v[...]))
+    if path[0] == "blocks" and not isinstance(path[1], int):  # stacked: split the leading [L] axis
+      out.update({"/".join(map(str, ("blocks", i) + path[1:])): a[i] for i in range(n_layers)})
+    else:
+      out["/".join(map(str, path))] = a
+  return out
+
+
+@nnx.jit
+def _loss_and_grads(model, tokens, segment_ids):
+  return nnx.value_and_grad(lambda m: jnp.mean(m(tokens, segment_ids) ** 2))(model)
+
+
+def test_stacked_params_layout_and_conversion_round_trip():
+  cfg = _cfg(scan_layers=True)
+  m = build_model(cfg, seed=0)
+  wq = nnx.state(m, nnx.Param)["blocks"]["attn"]["wq"]
+  assert wq.shape == (3, 32, 2, 16) and wq.get_metadata()["out_sharding"] == (S.LAYERS, S.EMBED, S.HEADS, S.HEAD_DIM)
+  u = convert_layers(m, False)
+  assert not u.cfg.scan_layers and len(u.blocks) == 3 and convert_layers(u, False) is u
+  back = convert_layers(u, True)
+  chex.assert_trees_all_equal(_per_layer(nnx.state(back), 3), _per_layer(nnx.state(m), 3))
+  assert back.cfg == cfg.model  # the model keeps only the model part
+  # base110m: same parameter count, every stacked parameter has the unsharded layer axis first
+  big = C.get_config("base110m")
+  stacked = abstract_model(C.replace(big, scan_layers=True))
+  assert count_params(stacked) == count_params(abstract_model(big))
+  mesh = S.make_mesh("data=4,model=2")
+  for path, v in nnx.to_flat_state(nnx.state(stacked, nnx.Param)):
+    spec = S.logical_to_spec(v.get_metadata()["out_sharding"], v.shape, mesh)
+    assert (path[0] == "blocks") == (v.shape[0] == big.n_layers and spec[0] is None and len(spec) == v.ndim), path
+
+
+@pytest.mark.parametrize("att", ["fpa", "softmax"])
+def test_scanned_equals_unscanned_logits_and_grads(att):
+  m = build_model(_cfg(att, scan_layers=True, qk_norm=True, output_gate=True), seed=0)
+  u = convert_layers(m, False)
+  tok = _tokens(2, 16, m.cfg.vocab_size)
+  seg = jnp.array([[1] * 9 + [2] * 7, [1] * 16])
+  (ls, gs), (lu, gu) = _loss_and_grads(m, tok, seg), _loss_and_grads(u, tok, seg)
+  np.testing.assert_allclose(m(tok, seg), u(tok, seg), atol=1e-5)
+  assert abs(float(ls) - float(lu)) <= 1e-6
+  chex.assert_trees_all_close(_per_layer(gs, 3), _per_layer(gu, 3), atol=1e-6, rtol=1e-5)
+
+
+def test_remat_policies_give_the_same_grads():
+  """Every policy, scanned and not, gives the plain model's loss and gradients; remat and scan are
+  really in the traced program (a `remat` primitive; a top-level scan over the 3 layers)."""
+  base = build_model(_cfg(), seed=0)
+  tok, seg = _tokens(2, 16, base.cfg.vocab_size), None
+  l0, g0 = _loss_and_grads(base, tok, seg)
+  g0 = _per_layer(g0, 3)
+  assert set(REMAT_POLICIES) | {"none"} == set(C.REMATS)
+  # (scanned, none) is test_scanned_equals_unscanned_logits_and_grads
+  for scan, remat in [(False, "full"), (True, "full"), (True, "dots"), (True, "dots_no_batch")]:
+    m = nnx.clone(convert_layers(base, scan))
+    m.cfg = C.replace(m.cfg, remat=remat)  # a static attribute: the policy is read at trace time
+    gd = nnx.graphdef(m)
+    jaxpr = jax.make_jaxpr(lambda s, gd=gd: nnx.grad(lambda mm: jnp.mean(mm(tok) ** 2))(nnx.merge(gd, s)))(
+        nnx.state(m)).jaxpr
+    assert "remat" in str(jaxpr), (scan, remat)
+    layer_scans = [e for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] == 3]
+    assert bool(layer_scans) == scan, (scan, remat)
+    loss, g = _loss_and_grads(m, tok, seg)
+    assert abs(float(loss) - float(l0)) <= 1e-6, (scan, remat)
+    chex.assert_trees_all_close(_per_layer(g, 3), g0, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(remat="sometimes"), r"unknown remat policy 'sometimes'; use one of \('none', 'full'"),
+    (dict(remat="Full"), "unknown remat policy"),
+])
+def test_bad_remat_config(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    C.get_config("tiny", **overrides)
+  assert C.parse_overrides(C.Tiny, ["scan_layers=true", "remat=dots"]) == {"scan_layers": True, "remat": "dots"}
+
+
+def test_cached_decoding_of_a_scanned_model():
+  """The per-layer cache path slices the stack: full-cache decoding equals the parallel logits, the
+  fpa policy's bounds equal the unscanned model's, and greedy generation is the same."""
+  m = build_model(_cfg(scan_layers=True, remat="full"), seed=0)
+  u = convert_layers(m, False)
+  tok = _tokens(2, 13, m.cfg.vocab_size)
+  logits, stats = cached_logits(m, tok)
+  np.testing.assert_allclose(logits, m(tok), atol=1e-4)
+  assert stats["cache_fraction"] == 1.0
+  for a, b in zip(layer_logit_bounds(m), layer_logit_bounds(u), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  prompts = [np.asarray(_tokens(1, n, m.cfg.vocab_size, seed=n))[0] for n in (5, 9)]
+  out_m, _ = generate(m, prompts, 5, policy="fpa", tolerance=1e-3)
+  out_u, _ = generate(u, prompts, 5, policy="fpa", tolerance=1e-3)
+  np.testing.assert_array_equal(out_m, out_u)
+
+
+def _tx(cfg):
+  """`train.make_optimizer` with a layout-aware decay mask (`models.weight_decay_mask`)."""
+  adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                      mask=weight_decay_mask(cfg))
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+
+
+def test_scanned_remat_train_step_on_the_8_device_mesh():
+  """One step of a scanned + remat model on (data=4, model=2): sharded params (layer axis whole),
+  and the unscanned model's loss, gradient norm and updated parameters (fp32, 1e-5)."""
+  cfg_s = C.get_config("tiny", task="synthetic", scan_layers=True, remat="dots", warmup_steps=0, **KW)
+  cfg_u = C.replace(cfg_s, scan_layers=False, remat="none")
+  mesh = S.make_mesh("data=4,model=2")
+  batch = S.shard_batch(next(SyntheticPipeline(vocab_size=cfg_s.vocab_size, seq_len=cfg_s.seq_len,
+                                               batch_size=cfg_s.batch_size)), mesh)
+  gd_s, st_s, sh_s, _ = create_state(cfg_s, mesh, _tx(cfg_s))
+  wq = st_s[0]["blocks"]["attn"]["wq"].get_value()
+  assert wq.shape == (3, 32, 2, 16) and wq.sharding.spec == jax.sharding.PartitionSpec(None, "data", "model", None)
+  assert wq.addressable_shards[0].data.shape == (3, 8, 1, 16)
+  # the unscanned run starts from the scanned run's weights
+  gd_u, st_u, sh_u, _ = create_state(cfg_u, mesh, _tx(cfg_u))
+  model_u, opt_u = nnx.merge(gd_u, st_u)
+  nnx.update(model_u, nnx.state(convert_layers(nnx.merge(gd_s, st_s)[0], False)))
+  st_u = jax.device_put(nnx.state((model_u, opt_u)), sh_u, may_alias=False)  # the steps donate their state
+  out = {}
+  for name, cfg, gd, st, sh in (("s", cfg_s, gd_s, st_s, sh_s), ("u", cfg_u, gd_u, st_u, sh_u)):
+    step = TrainStep(cfg, gd, sh, mesh, None)
+    new, metrics = step(st, batch)
+    assert step.traces == 1 and int(metrics["nonfinite"]) == 0
+    out[name] = (float(metrics["loss"]), float(metrics["grad_norm"]), _per_layer(new[0], 3))
+  assert abs(out["s"][0] - out["u"][0]) <= 1e-5 and abs(out["s"][1] - out["u"][1]) <= 1e-5 * out["u"][1]
+  chex.assert_trees_all_close(out["s"][2], out["u"][2], atol=1e-5, rtol=0)
+
+
+def _decayed(cfg, tx) -> set[str]:
+  """Per-layer names of the parameters `tx` moves when the gradient is zero (weight decay only)."""
+  params = nnx.as_pure(nnx.state(build_model(cfg, seed=0), nnx.Param))
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  moved = _per_layer(updates, cfg.n_layers)
+  return {k for k, v in moved.items() if np.any(v != 0)}
+
+
+def test_weight_decay_mask_is_layout_independent():
+  cfg = _cfg(warmup_steps=0)
+  decayed = _decayed(cfg, _tx(cfg))
+  assert decayed == _decayed(C.replace(cfg, scan_layers=True), _tx(C.replace(cfg, scan_layers=True)))
+  assert "blocks/0/attn/wq" in decayed and "blocks/0/attn_norm/scale" not in decayed
+
+
+def test_make_optimizer_decays_the_same_parameters_in_both_layouts():
+  cfg = _cfg(warmup_steps=0)
+  scanned = C.replace(cfg, scan_layers=True)
+  assert _decayed(cfg, make_optimizer(cfg)) == _decayed(scanned, make_optimizer(scanned))
+
+
+def test_scanned_step_keeps_activations_sharded():
+  """The activation constraints inside the scanned block still apply (no whole-batch activations on
+  a device) and the compiled step carries the stacked params' per-device shards."""
+  from test_sharding import _float_shapes
+
+  from experiments.bench_train import compile_train_step
+  b, t, d, v = 24, 32, 64, 4096  # as test_sharding's: 24 and 24 * 32 appear in no other dim
+  cfg = C.get_config("tiny", task="synthetic", batch_size=b, seq_len=t, n_layers=3, vocab_size=v, d_model=d,
+                     tie_embeddings=True, scan_layers=True, remat="full")
+  shapes = _float_shapes(compile_train_step(cfg, S.make_mesh("data=8")).as_text())
+  whole_batch = [s for s in shapes if (b in s or b * t in s) and np.prod(s) > b * t * d // 8]
+  assert not whole_batch, f"activations not sharded over data=8 (per-device shapes): {sorted(whole_batch)}"
+  assert (b // 8, t, v) in shapes and (3, d // 8, 2, d // 2) in shapes  # logits; wq [L, D/8, H, K]
