@@ -1,9 +1,9 @@
 """Shared helpers for the studies in `experiments/`: run metadata, results files, training, eval.
 
-    meta = run_meta(argv, configs={...}, seeds=[0, 1, 2], wall_s=...)   # commit, machine, command, ...
-    write_json("results/x.json", {...}); md_table(["a", "b"], [[1, 2]])
-    out = train_lm(cfg, workdir, data)   # resumable library trainer + cumulative train wall time
-    fwd = forward_fn(out["graphdef"], out["state"])   # jitted tokens [B, T] -> logits [B, T, V]
+meta = run_meta(argv, configs={...}, seeds=[0, 1, 2], wall_s=...)   # commit, machine, command, ...
+write_json("results/x.json", {...}); md_table(["a", "b"], [[1, 2]])
+out = train_lm(cfg, workdir, data)   # resumable library trainer + cumulative train wall time
+fwd = forward_fn(out["graphdef"], out["state"])   # jitted tokens [B, T] -> logits [B, T, V]
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # Metadata and results files
 # ------------------------------------------------------------------------------------------------
 
+
 def git_commit() -> str:
   """HEAD commit, with '+dirty' when the working tree has uncommitted changes; 'unknown' outside git."""
   try:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
+    sha = subprocess.run(
+      ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+      ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return sha + ("+dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
@@ -43,9 +46,17 @@ def git_commit() -> str:
 def machine() -> dict[str, Any]:
   import jax
 
-  return {"host": platform.node(), "platform": platform.platform(), "processor": platform.machine(),
-          "cpu_count": os.cpu_count(), "backend": jax.default_backend(), "devices": jax.device_count(),
-          "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()}
+  return {
+    "host": platform.node(),
+    "platform": platform.platform(),
+    "processor": platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "backend": jax.default_backend(),
+    "devices": jax.device_count(),
+    "device_kind": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+  }
 
 
 def command(module: str, argv: list[str] | None) -> str:
@@ -55,9 +66,15 @@ def command(module: str, argv: list[str] | None) -> str:
 
 
 def run_meta(module: str, argv: list[str] | None, *, wall_s: float, **extra: Any) -> dict[str, Any]:
-  return {"command": command(module, argv), "commit": git_commit(), "machine": machine(),
-          "load_avg_1_5_15min": [round(x, 1) for x in os.getloadavg()],  # shared machines: wall times depend on it
-          "wall_s": round(wall_s, 1), "finished": datetime.datetime.now().isoformat(timespec="seconds"), **extra}
+  return {
+    "command": command(module, argv),
+    "commit": git_commit(),
+    "machine": machine(),
+    "load_avg_1_5_15min": [round(x, 1) for x in os.getloadavg()],  # shared machines: wall times depend on it
+    "wall_s": round(wall_s, 1),
+    "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+    **extra,
+  }
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -119,6 +136,7 @@ def progress(it: Iterable, **kw):
 # Training and evaluation
 # ------------------------------------------------------------------------------------------------
 
+
 def train_lm(cfg, workdir: str, data, *, progress_bar: bool | None = None) -> dict[str, Any]:
   """`fpa_jax.train.train` (resumes from `workdir`'s checkpoints), plus the cumulative training
   wall time over all sessions in `workdir/study_wall.json`. Returns the trainer's summary with
@@ -143,8 +161,13 @@ def train_lm(cfg, workdir: str, data, *, progress_bar: bool | None = None) -> di
     wall["sessions"].append({"from": out["start_step"], "to": out["step"], "wall_s": round(dt, 1)})
     write_json(wall_path, wall)
   model, _ = nnx.merge(out["graphdef"], out["state"])
-  return {**out, "model": model, "train_wall_s": round(wall["train_wall_s"], 1), "sessions": wall["sessions"],
-          "init_config": init_config(workdir, out["config"])}
+  return {
+    **out,
+    "model": model,
+    "train_wall_s": round(wall["train_wall_s"], 1),
+    "sessions": wall["sessions"],
+    "init_config": init_config(workdir, out["config"]),
+  }
 
 
 def init_config(workdir: str, fallback=None) -> dict | None:

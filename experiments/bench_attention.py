@@ -43,21 +43,27 @@ TARGET_T, MEMORY_T = 4096, 16384
 
 
 def _methods(block_size):
-  fpa = lambda impl, **kw: (lambda q, k, v, f, l: fpa_attention(q, k, v, f, l, impl=impl, **kw))
+  fpa = lambda impl, **kw: lambda q, k, v, f, l: fpa_attention(q, k, v, f, l, impl=impl, **kw)
   return {
-      "fpa_chunked": (fpa("chunked", block_size=block_size), None),
-      "fox_chunked": (lambda q, k, v, f, l: fox_attention(q, k, v, f, block_size=block_size), None),
-      "xla_dense_softmax": (
-          lambda q, k, v, f, l: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"), None),
-      # Reference formulations: O(T^2) memory / O(T) sequential steps; run only where they fit.
-      "fpa_quadratic": (fpa("quadratic"), 8192),
-      "fpa_recurrent": (fpa("recurrent"), 1024),
-      # Accelerator kernels (`--backend gpu|tpu`; on CPU Pallas only runs in its slow interpreter).
-      "fpa_pallas": (fpa("pallas", block_size=block_size), None),
-      "fox_pallas": (lambda q, k, v, f, l: fox_attention(q, k, v, f, impl="pallas", block_size=block_size), None),
-      # cuDNN's fused attention takes fp16 / bf16 only: inputs cast to bf16 (fp32 softmax stats).
-      "cudnn_softmax_bf16": (lambda q, k, v, f, l: jax.nn.dot_product_attention(
-          *(x.astype(jnp.bfloat16) for x in (q, k, v)), is_causal=True, implementation="cudnn"), None),
+    "fpa_chunked": (fpa("chunked", block_size=block_size), None),
+    "fox_chunked": (lambda q, k, v, f, l: fox_attention(q, k, v, f, block_size=block_size), None),
+    "xla_dense_softmax": (
+      lambda q, k, v, f, l: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+      None,
+    ),
+    # Reference formulations: O(T^2) memory / O(T) sequential steps; run only where they fit.
+    "fpa_quadratic": (fpa("quadratic"), 8192),
+    "fpa_recurrent": (fpa("recurrent"), 1024),
+    # Accelerator kernels (`--backend gpu|tpu`; on CPU Pallas only runs in its slow interpreter).
+    "fpa_pallas": (fpa("pallas", block_size=block_size), None),
+    "fox_pallas": (lambda q, k, v, f, l: fox_attention(q, k, v, f, impl="pallas", block_size=block_size), None),
+    # cuDNN's fused attention takes fp16 / bf16 only: inputs cast to bf16 (fp32 softmax stats).
+    "cudnn_softmax_bf16": (
+      lambda q, k, v, f, l: jax.nn.dot_product_attention(
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)), is_causal=True, implementation="cudnn"
+      ),
+      None,
+    ),
   }
 
 
@@ -73,9 +79,12 @@ def _backend_methods(backend):
       devs = jax.devices(backend)
     except RuntimeError:
       devs = []
-    hint = (f"JAX sees {backend} devices {devs} but defaults to {have}: set JAX_PLATFORMS={backend}" if devs else
-            f"no {backend} device visible to JAX (default backend: {have}); install an accelerator jax "
-            f"(pip install 'fpa_jax[cuda]' or 'fpa_jax[tpu]') on a machine with one")
+    hint = (
+      f"JAX sees {backend} devices {devs} but defaults to {have}: set JAX_PLATFORMS={backend}"
+      if devs
+      else f"no {backend} device visible to JAX (default backend: {have}); install an accelerator jax "
+      f"(pip install 'fpa_jax[cuda]' or 'fpa_jax[tpu]') on a machine with one"
+    )
     raise SystemExit(f"--backend {backend}: {hint}")
   if backend == "cpu":
     return [m for m in _methods(None) if m not in ACCEL_METHODS]
@@ -159,13 +168,28 @@ def block_sweep(t, blocks, repeats):
   load_before = _load_avg()
   times = _time_side_by_side(compiled, repeats)
   rows = [{"method": kind, "block": blk, "fwdbwd_s": w, "fwdbwd_cpu_s": c} for (kind, blk), (w, c) in times.items()]
-  best = {kind: {clock: min((r for r in rows if r["method"] == kind), key=lambda r: r[key])
-                 for clock, key in (("wall", "fwdbwd_s"), ("cpu", "fwdbwd_cpu_s"))} for kind in kinds}
-  ratio = {clock: best["fpa_chunked"][clock][key] / best["fox_chunked"][clock][key]
-           for clock, key in (("wall", "fwdbwd_s"), ("cpu", "fwdbwd_cpu_s"))}
-  return {"T": t, "blocks": list(blocks), "repeats": repeats, "rows": rows, "best": best,
-          "fpa_over_fox_at_best_blocks": ratio, "load_avg_before": load_before, "load_avg_after": _load_avg(),
-          "cores": _cores()}
+  best = {
+    kind: {
+      clock: min((r for r in rows if r["method"] == kind), key=lambda r: r[key])
+      for clock, key in (("wall", "fwdbwd_s"), ("cpu", "fwdbwd_cpu_s"))
+    }
+    for kind in kinds
+  }
+  ratio = {
+    clock: best["fpa_chunked"][clock][key] / best["fox_chunked"][clock][key]
+    for clock, key in (("wall", "fwdbwd_s"), ("cpu", "fwdbwd_cpu_s"))
+  }
+  return {
+    "T": t,
+    "blocks": list(blocks),
+    "repeats": repeats,
+    "rows": rows,
+    "best": best,
+    "fpa_over_fox_at_best_blocks": ratio,
+    "load_avg_before": load_before,
+    "load_avg_after": _load_avg(),
+    "cores": _cores(),
+  }
 
 
 def scope_closure_inputs(t, seed=0, depth=100.0, scope=(256, 768)):
@@ -190,35 +214,59 @@ def scope_closure_inputs(t, seed=0, depth=100.0, scope=(256, 768)):
 def skip_bench(t, block, tolerance, repeats):
   """fwd+bwd with and without skip_tolerance on `scope_closure_inputs`, and the tiles dropped."""
   from fpa_jax.ops import chunked
+
   block = chunked.block_for(t, block)
   q, k, v, field, level, logf = scope_closure_inputs(t)
-  gates = {"fpa_chunked": ((q, k, v, field, level), chunked.FPAGate(field, level)),
-           "fox_chunked": ((q, k, v, logf, level), chunked.FoXGate(jnp.cumsum(logf, 1)))}
-  compiled = {(kind, skip): (_compile(_fwdbwd(_chunked(kind, block, skip)), args)[0], args)
-              for kind, (args, _) in gates.items() for skip in (None, tolerance)}
+  gates = {
+    "fpa_chunked": ((q, k, v, field, level), chunked.FPAGate(field, level)),
+    "fox_chunked": ((q, k, v, logf, level), chunked.FoXGate(jnp.cumsum(logf, 1))),
+  }
+  compiled = {
+    (kind, skip): (_compile(_fwdbwd(_chunked(kind, block, skip)), args)[0], args)
+    for kind, (args, _) in gates.items()
+    for skip in (None, tolerance)
+  }
   load_before = _load_avg()
   times = _time_side_by_side(compiled, repeats)
   rows = []
   for kind, (_, gate) in gates.items():
     per_head, all_heads = chunked.skipped_tile_fraction(q, k, gate, skip_tolerance=tolerance, block_size=block)
     (w0, c0), (w1, c1) = times[(kind, None)], times[(kind, tolerance)]
-    rows.append({"method": kind, "exact_fwdbwd_s": w0, "skip_fwdbwd_s": w1, "exact_fwdbwd_cpu_s": c0,
-                 "skip_fwdbwd_cpu_s": c1, "speedup_wall": w0 / w1, "speedup_cpu": c0 / c1,
-                 "tiles_skipped_per_head": per_head, "tiles_skipped_all_heads": all_heads})
-  return {"T": t, "block": block, "skip_tolerance": tolerance, "repeats": repeats, "rows": rows,
-          "load_avg_before": load_before, "load_avg_after": _load_avg(), "cores": _cores()}
+    rows.append(
+      {
+        "method": kind,
+        "exact_fwdbwd_s": w0,
+        "skip_fwdbwd_s": w1,
+        "exact_fwdbwd_cpu_s": c0,
+        "skip_fwdbwd_cpu_s": c1,
+        "speedup_wall": w0 / w1,
+        "speedup_cpu": c0 / c1,
+        "tiles_skipped_per_head": per_head,
+        "tiles_skipped_all_heads": all_heads,
+      }
+    )
+  return {
+    "T": t,
+    "block": block,
+    "skip_tolerance": tolerance,
+    "repeats": repeats,
+    "rows": rows,
+    "load_avg_before": load_before,
+    "load_avg_after": _load_avg(),
+    "cores": _cores(),
+  }
 
 
 def matmul_gflops(n=2048, repeats=5):
   """The machine's measured fp32 matmul throughput (jit, n x n x n)."""
   a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
   f = jax.jit(lambda x, y: x @ y)
-  return 2 * n ** 3 / _time(f.lower(a, a).compile(), (a, a), repeats) / 1e9
+  return 2 * n**3 / _time(f.lower(a, a).compile(), (a, a), repeats) / 1e9
 
 
 def run(seq_lens, repeats, block_size, mem_budget_gib, only=None):
   rows = []
-  budget = mem_budget_gib * 2 ** 30
+  budget = mem_budget_gib * 2**30
   methods = _methods(block_size)
   if only:
     unknown = sorted(set(only) - set(methods))
@@ -264,22 +312,30 @@ def targets(rows, sweep=None):
   fpa = _get(rows, "fpa_chunked", TARGET_T, "fwdbwd_s")
   mem = _get(rows, "fpa_chunked", MEMORY_T, "fwdbwd_temp_bytes")
   out = {
-      f"fpa_chunked_fwdbwd_over_xla_dense_T{TARGET_T}": (
-          ratio(fpa, _get(rows, "xla_dense_softmax", TARGET_T, "fwdbwd_s")), 1.0),
-      f"fpa_chunked_fwdbwd_over_fox_chunked_T{TARGET_T}": (
-          ratio(fpa, _get(rows, "fox_chunked", TARGET_T, "fwdbwd_s")), 1.25),
-      f"fpa_chunked_fwdbwd_temp_over_dense_TxT_fp32_T{MEMORY_T}": (
-          ratio(mem, MEMORY_T * MEMORY_T * 4), 1 / 16),
-      f"fpa_chunked_fwd_over_xla_dense_T{TARGET_T}": (
-          ratio(_get(rows, "fpa_chunked", TARGET_T, "fwd_s"),
-                _get(rows, "xla_dense_softmax", TARGET_T, "fwd_s")), None),
+    f"fpa_chunked_fwdbwd_over_xla_dense_T{TARGET_T}": (
+      ratio(fpa, _get(rows, "xla_dense_softmax", TARGET_T, "fwdbwd_s")),
+      1.0,
+    ),
+    f"fpa_chunked_fwdbwd_over_fox_chunked_T{TARGET_T}": (
+      ratio(fpa, _get(rows, "fox_chunked", TARGET_T, "fwdbwd_s")),
+      1.25,
+    ),
+    f"fpa_chunked_fwdbwd_temp_over_dense_TxT_fp32_T{MEMORY_T}": (ratio(mem, MEMORY_T * MEMORY_T * 4), 1 / 16),
+    f"fpa_chunked_fwd_over_xla_dense_T{TARGET_T}": (
+      ratio(_get(rows, "fpa_chunked", TARGET_T, "fwd_s"), _get(rows, "xla_dense_softmax", TARGET_T, "fwd_s")),
+      None,
+    ),
   }
   if sweep is not None:
     for clock in ("wall", "cpu"):
       out[f"fpa_chunked_fwdbwd_over_fox_chunked_best_blocks_{clock}_T{sweep['T']}"] = (
-          sweep["fpa_over_fox_at_best_blocks"][clock], 1.1)
-  return {k: {"measured": v, "target_max": tgt,
-              "met": None if v is None or tgt is None else bool(v <= tgt)} for k, (v, tgt) in out.items()}
+        sweep["fpa_over_fox_at_best_blocks"][clock],
+        1.1,
+      )
+  return {
+    k: {"measured": v, "target_max": tgt, "met": None if v is None or tgt is None else bool(v <= tgt)}
+    for k, (v, tgt) in out.items()
+  }
 
 
 def _fmt(x, kind):
@@ -293,17 +349,22 @@ def _fmt(x, kind):
 
 
 def markdown(result):
-  lines = [f"B={B}, H={H}, D={D}, fp32, block={result['block_size']}, {result['machine']}; "
-           f"measured fp32 matmul: {result['matmul_gflops']:.1f} GFLOP/s.", "",
-           "| method | T | fwd ms | fwd+bwd ms | fwd+bwd GFLOP/s | fwd temp MiB | fwd+bwd temp MiB |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+  lines = [
+    f"B={B}, H={H}, D={D}, fp32, block={result['block_size']}, {result['machine']}; "
+    f"measured fp32 matmul: {result['matmul_gflops']:.1f} GFLOP/s.",
+    "",
+    "| method | T | fwd ms | fwd+bwd ms | fwd+bwd GFLOP/s | fwd temp MiB | fwd+bwd temp MiB |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
   for r in result["rows"]:
     if "skipped" in r:
       continue
     fb = _fmt(r.get("fwdbwd_s"), "s") if "fwdbwd_skipped" not in r else "skipped (memory)"
     fw = _fmt(r.get("fwd_s"), "s") if "fwd_skipped" not in r else "skipped (memory)"
-    lines.append(f"| {r['method']} | {r['T']} | {fw} | {fb} | {_fmt(r.get('fwdbwd_gflops'), 'g')} | "
-                 f"{_fmt(r.get('fwd_temp_bytes'), 'b')} | {_fmt(r.get('fwdbwd_temp_bytes'), 'b')} |")
+    lines.append(
+      f"| {r['method']} | {r['T']} | {fw} | {fb} | {_fmt(r.get('fwdbwd_gflops'), 'g')} | "
+      f"{_fmt(r.get('fwd_temp_bytes'), 'b')} | {_fmt(r.get('fwdbwd_temp_bytes'), 'b')} |"
+    )
   lines += ["", "| target | measured | required | met |", "|---|---:|---:|---|"]
   for k, t in result["targets"].items():
     m = "—" if t["measured"] is None else f"{t['measured']:.3f}"
@@ -317,29 +378,44 @@ def markdown_sections(result):
   lines = []
   if "block_sweep" in result:
     s = result["block_sweep"]
-    lines += ["", f"Block sweep, T={s['T']}, fwd+bwd, best of {s['repeats']} interleaved runs on {s['cores']} "
-              f"core(s); load average {s['load_avg_before']} before, {s['load_avg_after']} after "
-              f"(`{s['command']}`):", "",
-              "| method | block | fwd+bwd ms (wall) | fwd+bwd ms (process CPU) |", "|---|---:|---:|---:|"]
+    lines += [
+      "",
+      f"Block sweep, T={s['T']}, fwd+bwd, best of {s['repeats']} interleaved runs on {s['cores']} "
+      f"core(s); load average {s['load_avg_before']} before, {s['load_avg_after']} after "
+      f"(`{s['command']}`):",
+      "",
+      "| method | block | fwd+bwd ms (wall) | fwd+bwd ms (process CPU) |",
+      "|---|---:|---:|---:|",
+    ]
     for r in s["rows"]:
       lines.append(f"| {r['method']} | {r['block']} | {_fmt(r['fwdbwd_s'], 's')} | {_fmt(r['fwdbwd_cpu_s'], 's')} |")
     best = lambda kind, clock: s["best"][kind][clock]["block"]
-    lines += ["", f"At each kernel's best block, FPA / FoX = {s['fpa_over_fox_at_best_blocks']['wall']:.3f} wall "
-              f"(blocks {best('fpa_chunked', 'wall')} / {best('fox_chunked', 'wall')}), "
-              f"{s['fpa_over_fox_at_best_blocks']['cpu']:.3f} process CPU "
-              f"(blocks {best('fpa_chunked', 'cpu')} / {best('fox_chunked', 'cpu')})."]
+    lines += [
+      "",
+      f"At each kernel's best block, FPA / FoX = {s['fpa_over_fox_at_best_blocks']['wall']:.3f} wall "
+      f"(blocks {best('fpa_chunked', 'wall')} / {best('fox_chunked', 'wall')}), "
+      f"{s['fpa_over_fox_at_best_blocks']['cpu']:.3f} process CPU "
+      f"(blocks {best('fpa_chunked', 'cpu')} / {best('fox_chunked', 'cpu')}).",
+    ]
   if "skipping" in result:
     s = result["skipping"]
-    lines += ["", f"Dead-tile skipping, T={s['T']}, block {s['block']}, skip_tolerance={s['skip_tolerance']:g}, "
-              f"walk with scope closures every 256-768 tokens (`scope_closure_inputs`); best of {s['repeats']} "
-              f"on {s['cores']} core(s); load average {s['load_avg_before']} before, {s['load_avg_after']} after "
-              f"(`{s['command']}`):", "",
-              "| method | exact fwd+bwd ms | skipping fwd+bwd ms | speedup (wall / CPU) | tiles dropped "
-              "per head | tiles skipped (all heads) |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+      "",
+      f"Dead-tile skipping, T={s['T']}, block {s['block']}, skip_tolerance={s['skip_tolerance']:g}, "
+      f"walk with scope closures every 256-768 tokens (`scope_closure_inputs`); best of {s['repeats']} "
+      f"on {s['cores']} core(s); load average {s['load_avg_before']} before, {s['load_avg_after']} after "
+      f"(`{s['command']}`):",
+      "",
+      "| method | exact fwd+bwd ms | skipping fwd+bwd ms | speedup (wall / CPU) | tiles dropped "
+      "per head | tiles skipped (all heads) |",
+      "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in s["rows"]:
-      lines.append(f"| {r['method']} | {_fmt(r['exact_fwdbwd_s'], 's')} | {_fmt(r['skip_fwdbwd_s'], 's')} | "
-                   f"{r['speedup_wall']:.2f} / {r['speedup_cpu']:.2f} | {r['tiles_skipped_per_head']:.2f} | "
-                   f"{r['tiles_skipped_all_heads']:.2f} |")
+      lines.append(
+        f"| {r['method']} | {_fmt(r['exact_fwdbwd_s'], 's')} | {_fmt(r['skip_fwdbwd_s'], 's')} | "
+        f"{r['speedup_wall']:.2f} / {r['speedup_cpu']:.2f} | {r['tiles_skipped_per_head']:.2f} | "
+        f"{r['tiles_skipped_all_heads']:.2f} |"
+      )
   if lines and result.get("sweep_kept_from"):
     lines += ["", f"(The T sweep above is the earlier run `{result['sweep_kept_from']}`.)"]
   return "\n".join(lines) + ("\n" if lines else "")
@@ -347,8 +423,10 @@ def markdown_sections(result):
 
 def plot(result, path):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for name in dict.fromkeys(r["method"] for r in result["rows"]):
     rs = [r for r in result["rows"] if r["method"] == name]
@@ -369,25 +447,39 @@ def plot(result, path):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")],
-                 default=[512, 1024, 2048, 4096, 8192, 16384])
+  p.add_argument(
+    "--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048, 4096, 8192, 16384]
+  )
   p.add_argument("--quick", action="store_true", help="T = 512, 1024 only")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--block-size", type=int, default=None)
   p.add_argument("--mem-budget-gib", type=float, default=6.0)
-  p.add_argument("--methods", type=lambda s: s.split(","), default=None,
-                 help="comma-separated subset of methods (default: all)")
+  p.add_argument(
+    "--methods", type=lambda s: s.split(","), default=None, help="comma-separated subset of methods (default: all)"
+  )
   p.add_argument("--out-dir", default="results")
-  p.add_argument("--backend", choices=("cpu", "gpu", "tpu"), default=None,
-                 help="require this JAX backend and run its default methods (gpu / tpu: Pallas vs chunked vs "
-                      "XLA / cuDNN softmax) into results/bench_attention_<backend>.*")
-  p.add_argument("--blocks", type=int, nargs="+", default=None,
-                 help="block sizes for the chunked FPA vs FoX sweep at --sweep-t (each kernel at its best)")
+  p.add_argument(
+    "--backend",
+    choices=("cpu", "gpu", "tpu"),
+    default=None,
+    help="require this JAX backend and run its default methods (gpu / tpu: Pallas vs chunked vs "
+    "XLA / cuDNN softmax) into results/bench_attention_<backend>.*",
+  )
+  p.add_argument(
+    "--blocks",
+    type=int,
+    nargs="+",
+    default=None,
+    help="block sizes for the chunked FPA vs FoX sweep at --sweep-t (each kernel at its best)",
+  )
   p.add_argument("--sweep-t", type=int, default=TARGET_T)
   p.add_argument("--skip-bench", action="store_true", help="fwd+bwd with vs without skip_tolerance at --sweep-t")
   p.add_argument("--skip-tolerance", type=float, default=1e-3)
-  p.add_argument("--no-sweep", action="store_true",
-                 help="run no T sweep: keep the rows of the existing results JSON, add --blocks / --skip-bench")
+  p.add_argument(
+    "--no-sweep",
+    action="store_true",
+    help="run no T sweep: keep the rows of the existing results JSON, add --blocks / --skip-bench",
+  )
   a = p.parse_args(argv)
   command = "python -m experiments.bench_attention " + " ".join(argv if argv is not None else sys.argv[1:])
   if a.backend is not None:
@@ -398,17 +490,18 @@ def main(argv=None):
   stem = "bench_attention" if a.backend in (None, "cpu") else f"bench_attention_{a.backend}"
   seq_lens = [512, 1024] if a.quick else a.seq_lens
   from fpa_jax.ops.chunked import DEFAULT_BLOCK, block_for
+
   out = Path(a.out_dir)
   if a.no_sweep:
     result = json.loads((out / f"{stem}.json").read_text())
     result["sweep_kept_from"] = result["command"]
   else:
     result = {
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()} "
-                   f"({jax.devices()[0].device_kind})",
-        "block_size": block_for(max(seq_lens), a.block_size),
-        "matmul_gflops": matmul_gflops(),
-        "command": command,
+      "machine": f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()} "
+      f"({jax.devices()[0].device_kind})",
+      "block_size": block_for(max(seq_lens), a.block_size),
+      "matmul_gflops": matmul_gflops(),
+      "command": command,
     }
     result["rows"] = run(seq_lens, a.repeats, a.block_size, a.mem_budget_gib, a.methods)
   if a.blocks:

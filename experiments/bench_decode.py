@@ -50,10 +50,15 @@ def decode_timer(model, prompt, n_new: int, policy):
   @jax.jit
   def prefill(state, prompt):
     m = nnx.merge(graphdef, state)
-    attend = functools.partial(prefill_attend, policy=policy, scale=m.cfg.head_dim ** -0.5, lengths=lengths,
-                               block_size=m.cfg.block_size or None)
-    logits, caches = m(prompt, positions=jnp.broadcast_to(jnp.arange(p), (b, p)),
-                       caches=init_caches(m, b, policy, p + n_new), attend=attend)
+    attend = functools.partial(
+      prefill_attend, policy=policy, scale=m.cfg.head_dim**-0.5, lengths=lengths, block_size=m.cfg.block_size or None
+    )
+    logits, caches = m(
+      prompt,
+      positions=jnp.broadcast_to(jnp.arange(p), (b, p)),
+      caches=init_caches(m, b, policy, p + n_new),
+      attend=attend,
+    )
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
 
   @jax.jit
@@ -113,9 +118,16 @@ def main(argv=None) -> dict:
     prompt = rng.integers(3, cfg.vocab_size, (a.batch, p))
     pol = make_policy(policy, p + a.new_tokens, budget=budget)
     per_token = time_decode(model, prompt, a.new_tokens, a.repeats, pol)
-    r = {"context": p, "multiple": mult, "policy": policy, "budget": budget, "capacity": pol.capacity,
-         "cache_bytes": cache_bytes(model, a.batch, pol), "decode_ms_per_token": per_token * 1e3,
-         "tokens_per_s": a.batch / per_token}
+    r = {
+      "context": p,
+      "multiple": mult,
+      "policy": policy,
+      "budget": budget,
+      "capacity": pol.capacity,
+      "cache_bytes": cache_bytes(model, a.batch, pol),
+      "decode_ms_per_token": per_token * 1e3,
+      "tokens_per_s": a.batch / per_token,
+    }
     rows[f"{mult}x/{policy}"] = r
   for mult in a.multiples:
     full = rows[f"{mult}x/full"]
@@ -123,28 +135,56 @@ def main(argv=None) -> dict:
       r = rows[f"{mult}x/{policy}"]
       r["cache_bytes_over_full"] = r["cache_bytes"] / full["cache_bytes"]
       r["decode_time_over_full"] = r["decode_ms_per_token"] / full["decode_ms_per_token"]
-      table.append([f"{mult}x ({r['context']})", policy, r["capacity"], f"{r['cache_bytes'] / 2**20:.2f}",
-                    f"{r['cache_bytes_over_full']:.3f}", f"{r['decode_ms_per_token']:.2f}",
-                    f"{r['decode_time_over_full']:.3f}", f"{r['tokens_per_s']:.0f}"])
+      table.append(
+        [
+          f"{mult}x ({r['context']})",
+          policy,
+          r["capacity"],
+          f"{r['cache_bytes'] / 2**20:.2f}",
+          f"{r['cache_bytes_over_full']:.3f}",
+          f"{r['decode_ms_per_token']:.2f}",
+          f"{r['decode_time_over_full']:.3f}",
+          f"{r['tokens_per_s']:.0f}",
+        ]
+      )
   top = max(a.multiples)
-  targets = {f"fpa_budget_cache_bytes_over_full_{top}x": rows[f"{top}x/fpa_budget"]["cache_bytes_over_full"],
-             f"fpa_budget_decode_time_over_full_{top}x": rows[f"{top}x/fpa_budget"]["decode_time_over_full"]}
-  meta = run_meta("experiments.bench_decode", argv, wall_s=time.perf_counter() - t_start,
-                  config={"name": cfg.name, "attention": cfg.attention, "d_model": cfg.d_model,
-                          "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "train_length": length},
-                  batch=a.batch, new_tokens=a.new_tokens, workdir=a.workdir)
+  targets = {
+    f"fpa_budget_cache_bytes_over_full_{top}x": rows[f"{top}x/fpa_budget"]["cache_bytes_over_full"],
+    f"fpa_budget_decode_time_over_full_{top}x": rows[f"{top}x/fpa_budget"]["decode_time_over_full"],
+  }
+  meta = run_meta(
+    "experiments.bench_decode",
+    argv,
+    wall_s=time.perf_counter() - t_start,
+    config={
+      "name": cfg.name,
+      "attention": cfg.attention,
+      "d_model": cfg.d_model,
+      "n_layers": cfg.n_layers,
+      "n_heads": cfg.n_heads,
+      "train_length": length,
+    },
+    batch=a.batch,
+    new_tokens=a.new_tokens,
+    workdir=a.workdir,
+  )
   out = {"rows": rows, "targets": targets, "meta": meta}
   write_json(a.out + ".json", out)
-  head = (f"`{meta['command']}`: {cfg.name} {cfg.attention} model (d_model {cfg.d_model}, {cfg.n_layers} layers, "
-          f"{cfg.n_heads} heads, training length {length}), batch {a.batch}, {a.new_tokens} new tokens after a "
-          f"prompt of the given context (parallel prefill, excluded), {meta['machine']['backend']}, "
-          f"{meta['machine']['cpu_count']} cores.\n\n")
-  md = head + md_table(["context", "policy", "capacity", "cache MiB", "cache / full", "decode ms/token",
-                        "time / full", "tokens/s"], table)
+  head = (
+    f"`{meta['command']}`: {cfg.name} {cfg.attention} model (d_model {cfg.d_model}, {cfg.n_layers} layers, "
+    f"{cfg.n_heads} heads, training length {length}), batch {a.batch}, {a.new_tokens} new tokens after a "
+    f"prompt of the given context (parallel prefill, excluded), {meta['machine']['backend']}, "
+    f"{meta['machine']['cpu_count']} cores.\n\n"
+  )
+  md = head + md_table(
+    ["context", "policy", "capacity", "cache MiB", "cache / full", "decode ms/token", "time / full", "tokens/s"], table
+  )
   tb, tt = targets.values()
-  md += (f"\nAt {top}x: fpa_budget 25% holds **{tb:.3f}x** the cache bytes of full (target <= 0.3: "
-         f"{'met' if tb <= 0.3 else 'not met'}) and decodes a token in **{tt:.3f}x** full's time (target < 1: "
-         f"{'met' if tt < 1 else 'not met'}).\n")
+  md += (
+    f"\nAt {top}x: fpa_budget 25% holds **{tb:.3f}x** the cache bytes of full (target <= 0.3: "
+    f"{'met' if tb <= 0.3 else 'not met'}) and decodes a token in **{tt:.3f}x** full's time (target < 1: "
+    f"{'met' if tt < 1 else 'not met'}).\n"
+  )
   with open(a.out + ".md", "w") as f:
     f.write(md)
   print(md)

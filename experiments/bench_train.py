@@ -47,7 +47,7 @@ MEMORY_MESHES = ("single", "data=8", "data=4,model=2")  # "single": one device (
 MEMORY_DEFAULTS = {"n_layers": 2, "seq_len": 2048, "batch_size": 8}
 SCAN_DEFAULTS = {"seq_len": 2048, "batch_size": 8}
 SCAN_HEADING = "## Layer scan and remat (compile only)"  # starts --scan's part of bench_train.md
-GIB = 2.0 ** 30
+GIB = 2.0**30
 
 
 def bench_one(cfg: C.Config, mesh, steps: int, warmup: int) -> dict:
@@ -70,8 +70,14 @@ def bench_one(cfg: C.Config, mesh, steps: int, warmup: int) -> dict:
     times.append(time.perf_counter() - t)
   tokens = cfg.batch_size * cfg.seq_len
   med = statistics.median(times)
-  return {"tokens_per_s": tokens / med, "step_s_median": med, "step_s_min": min(times),
-          "compile_s": compile_s, "final_loss": float(m["loss"]), "traces": step.traces}
+  return {
+    "tokens_per_s": tokens / med,
+    "step_s_median": med,
+    "step_s_min": min(times),
+    "compile_s": compile_s,
+    "final_loss": float(m["loss"]),
+    "traces": step.traces,
+  }
 
 
 def compile_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
@@ -93,8 +99,10 @@ def lower_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
   state = abstract_with_shardings(abstract, shardings)
   bt = (cfg.batch_size, cfg.seq_len)
   sh = S.batch_sharding(mesh)
-  batch = {k: jax.ShapeDtypeStruct(bt, dt, sharding=sh) for k, dt in
-           (("inputs", "int32"), ("targets", "int32"), ("segment_ids", "int32"), ("loss_mask", "float32"))}
+  batch = {
+    k: jax.ShapeDtypeStruct(bt, dt, sharding=sh)
+    for k, dt in (("inputs", "int32"), ("targets", "int32"), ("segment_ids", "int32"), ("loss_mask", "float32"))
+  }
   return step.jitted.lower(state, batch) if constrained else step.jitted.jitted.lower(state, batch)
 
 
@@ -103,19 +111,28 @@ def memory_one(cfg: C.Config, mesh, constrained: bool) -> dict:
   compiled = compile_train_step(cfg, mesh, constrained=constrained)
   secs = time.perf_counter() - t0
   m = compiled.memory_analysis()
-  return {"temp_gib": m.temp_size_in_bytes / GIB, "argument_gib": m.argument_size_in_bytes / GIB,
-          "output_gib": m.output_size_in_bytes / GIB, "alias_gib": m.alias_size_in_bytes / GIB,
-          "compile_s": secs}
+  return {
+    "temp_gib": m.temp_size_in_bytes / GIB,
+    "argument_gib": m.argument_size_in_bytes / GIB,
+    "output_gib": m.output_size_in_bytes / GIB,
+    "alias_gib": m.alias_size_in_bytes / GIB,
+    "compile_s": secs,
+  }
 
 
 def _ensure_cpu_devices(n: int) -> None:
   """Simulate n CPU devices if the backend is not up yet (XLA_FLAGS may already ask for them)."""
   from jax._src import xla_bridge
-  if not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+
+  if not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+  ):
     jax.config.update("jax_num_cpu_devices", n)
   if jax.device_count() < n:
-    raise SystemExit(f"--memory needs {n} devices, have {jax.device_count()}: run it in a fresh process "
-                     f"or with XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    raise SystemExit(
+      f"--memory needs {n} devices, have {jax.device_count()}: run it in a fresh process "
+      f"or with XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+    )
 
 
 def memory_main(args, argv) -> dict:
@@ -127,22 +144,35 @@ def memory_main(args, argv) -> dict:
   cfg = C.get_config(config, **{**overrides, "attention": att, "task": "synthetic"})
   rows = []
   for spec in MEMORY_MESHES:
-    mesh = (S.make_mesh("data=1,model=1", devices=jax.devices()[:1]) if spec == "single"
-            else S.make_mesh(spec, devices=jax.devices()[:8]))
+    mesh = (
+      S.make_mesh("data=1,model=1", devices=jax.devices()[:1])
+      if spec == "single"
+      else S.make_mesh(spec, devices=jax.devices()[:8])
+    )
     cfg.validate_mesh(dict(mesh.shape))
     row = {"mesh": spec, "devices": mesh.size}
     for constrained in (False, True):
       r = memory_one(cfg, mesh, constrained)
       row["constrained" if constrained else "unconstrained"] = r
-      print(f"{spec:16s} {'with' if constrained else 'without'} activation constraints: temp "
-            f"{r['temp_gib']:.2f} GiB/device (args {r['argument_gib']:.2f}, compile {r['compile_s']:.0f} s)", flush=True)
+      print(
+        f"{spec:16s} {'with' if constrained else 'without'} activation constraints: temp "
+        f"{r['temp_gib']:.2f} GiB/device (args {r['argument_gib']:.2f}, compile {r['compile_s']:.0f} s)",
+        flush=True,
+      )
     rows.append(row)
   single = rows[0]["constrained"]["temp_gib"]
   for row in rows:
     row["temp_single_over_this"] = single / row["constrained"]["temp_gib"]
-  out = {"config": config, "overrides": overrides, "attention": att, "backend": jax.default_backend(),
-         "jax": jax.__version__, "host": platform.node(), "rows": rows,
-         "command": "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])}
+  out = {
+    "config": config,
+    "overrides": overrides,
+    "attention": att,
+    "backend": jax.default_backend(),
+    "jax": jax.__version__,
+    "host": platform.node(),
+    "rows": rows,
+    "command": "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:]),
+  }
   path = args.out if args.out_given else "results/bench_train_memory.json"
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
@@ -157,17 +187,23 @@ def memory_main(args, argv) -> dict:
 def memory_markdown(out: dict) -> str:
   """The --memory results as a README table."""
   o = out["overrides"]
-  lines = [f"`{out['command'].strip()}`: config `{out['config']}` ({out['attention']}, {o['n_layers']} layers, "
-           f"seq {o['seq_len']}, global batch {o['batch_size']}), train step compiled (not run) on simulated "
-           f"{out['backend']} devices, jax {out['jax']}. Per-device XLA `memory_analysis()`; \"without\" = the "
-           "same step traced with no mesh in context (activation constraints off, the layout before them).", "",
-           "| mesh | devices | temp GiB/device without | temp GiB/device with | args GiB/device | "
-           "one device temp / this temp |", "|---|---:|---:|---:|---:|---:|"]
+  lines = [
+    f"`{out['command'].strip()}`: config `{out['config']}` ({out['attention']}, {o['n_layers']} layers, "
+    f"seq {o['seq_len']}, global batch {o['batch_size']}), train step compiled (not run) on simulated "
+    f"{out['backend']} devices, jax {out['jax']}. Per-device XLA `memory_analysis()`; \"without\" = the "
+    "same step traced with no mesh in context (activation constraints off, the layout before them).",
+    "",
+    "| mesh | devices | temp GiB/device without | temp GiB/device with | args GiB/device | "
+    "one device temp / this temp |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
   for r in out["rows"]:
     name = "one device (data=1)" if r["mesh"] == "single" else r["mesh"]
-    lines.append(f"| {name} | {r['devices']} | {r['unconstrained']['temp_gib']:.2f} | "
-                 f"{r['constrained']['temp_gib']:.2f} | {r['constrained']['argument_gib']:.2f} | "
-                 f"{r['temp_single_over_this']:.1f}x |")
+    lines.append(
+      f"| {name} | {r['devices']} | {r['unconstrained']['temp_gib']:.2f} | "
+      f"{r['constrained']['temp_gib']:.2f} | {r['constrained']['argument_gib']:.2f} | "
+      f"{r['temp_single_over_this']:.1f}x |"
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -181,31 +217,50 @@ def scan_main(args, argv) -> dict:
   mesh = S.make_mesh(spec, devices=jax.devices()[:8])
   depths = [int(d) for d in args.depths.split(",")]
   remats = args.remats.split(",")
-  out = {"config": config, "overrides": overrides, "attention": att, "mesh": spec, "backend": jax.default_backend(),
-         "jax": jax.__version__, "host": platform.node(), "rows": [],
-         "command": "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])}
+  out = {
+    "config": config,
+    "overrides": overrides,
+    "attention": att,
+    "mesh": spec,
+    "backend": jax.default_backend(),
+    "jax": jax.__version__,
+    "host": platform.node(),
+    "rows": [],
+    "command": "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:]),
+  }
   grid = [(d, sc, r) for d in depths for sc in (False, True) for r in remats]
   rows = {}
   # Wall-clock seconds on a shared host drift with its load: every cell is compiled `repeats` times,
   # odd passes in reverse order, and the table keeps the fastest (temp memory is deterministic).
   for rep in range(args.repeats):
-    for depth, scan, remat in (grid if rep % 2 == 0 else grid[::-1]):
-      cfg = C.get_config(config, **{**overrides, "n_layers": depth, "scan_layers": scan, "remat": remat,
-                                    "attention": att, "task": "synthetic"})
+    for depth, scan, remat in grid if rep % 2 == 0 else grid[::-1]:
+      cfg = C.get_config(
+        config,
+        **{**overrides, "n_layers": depth, "scan_layers": scan, "remat": remat, "attention": att, "task": "synthetic"},
+      )
       cfg.validate_mesh(dict(mesh.shape))
       t0 = time.perf_counter()
       lowered = lower_train_step(cfg, mesh)
       t1 = time.perf_counter()
       m = lowered.compile().memory_analysis()
       t2 = time.perf_counter()
-      row = rows.setdefault((depth, scan, remat), {"n_layers": depth, "scan_layers": scan, "remat": remat,
-                                                   "lower_s_all": [], "compile_s_all": []})
+      row = rows.setdefault(
+        (depth, scan, remat),
+        {"n_layers": depth, "scan_layers": scan, "remat": remat, "lower_s_all": [], "compile_s_all": []},
+      )
       row["lower_s_all"].append(t1 - t0)
       row["compile_s_all"].append(t2 - t1)
-      row.update(lower_s=min(row["lower_s_all"]), compile_s=min(row["compile_s_all"]),
-                 temp_gib=m.temp_size_in_bytes / GIB, argument_gib=m.argument_size_in_bytes / GIB)
-      print(f"{depth:2d} layers {'scanned' if scan else 'unrolled':8s} remat {remat:13s} lower {t1 - t0:6.1f} s  "
-            f"compile {t2 - t1:6.1f} s  temp {row['temp_gib']:.2f} GiB/device", flush=True)
+      row.update(
+        lower_s=min(row["lower_s_all"]),
+        compile_s=min(row["compile_s_all"]),
+        temp_gib=m.temp_size_in_bytes / GIB,
+        argument_gib=m.argument_size_in_bytes / GIB,
+      )
+      print(
+        f"{depth:2d} layers {'scanned' if scan else 'unrolled':8s} remat {remat:13s} lower {t1 - t0:6.1f} s  "
+        f"compile {t2 - t1:6.1f} s  temp {row['temp_gib']:.2f} GiB/device",
+        flush=True,
+      )
       out["rows"] = [rows[k] for k in grid if k in rows]
       out["repeats"] = rep + 1
       _write_scan(args.out, out)  # after every compile: a long run leaves its partial table
@@ -234,16 +289,24 @@ def _write_scan(path: str, scan: dict) -> None:
 def scan_markdown(out: dict) -> str:
   """The --scan results as a README table (one row per depth x layout x remat)."""
   o = out["overrides"]
-  lines = [SCAN_HEADING, "", f"`{out['command'].strip()}`: config `{out['config']}` ({out['attention']}, seq "
-           f"{o['seq_len']}, global batch {o['batch_size']}), train step traced, lowered and compiled (not run) on "
-           f"{out['mesh']} simulated {out['backend']} devices, jax {out['jax']}. `lower s`: Python tracing + "
-           "lowering; `compile s`: XLA; fastest of "
-           f"{out.get('repeats', 1)} compile(s) per row, wall-clock on a shared CPU host (compare within the table "
-           "only); temp: per-device `memory_analysis().temp_size_in_bytes`.", "",
-           "| layers | blocks | remat | lower s | compile s | temp GiB/device |", "|---:|---|---|---:|---:|---:|"]
+  lines = [
+    SCAN_HEADING,
+    "",
+    f"`{out['command'].strip()}`: config `{out['config']}` ({out['attention']}, seq "
+    f"{o['seq_len']}, global batch {o['batch_size']}), train step traced, lowered and compiled (not run) on "
+    f"{out['mesh']} simulated {out['backend']} devices, jax {out['jax']}. `lower s`: Python tracing + "
+    "lowering; `compile s`: XLA; fastest of "
+    f"{out.get('repeats', 1)} compile(s) per row, wall-clock on a shared CPU host (compare within the table "
+    "only); temp: per-device `memory_analysis().temp_size_in_bytes`.",
+    "",
+    "| layers | blocks | remat | lower s | compile s | temp GiB/device |",
+    "|---:|---|---|---:|---:|---:|",
+  ]
   for r in out["rows"]:
-    lines.append(f"| {r['n_layers']} | {'scanned' if r['scan_layers'] else 'unrolled'} | {r['remat']} | "
-                 f"{r['lower_s']:.1f} | {r['compile_s']:.1f} | {r['temp_gib']:.2f} |")
+    lines.append(
+      f"| {r['n_layers']} | {'scanned' if r['scan_layers'] else 'unrolled'} | {r['remat']} | "
+      f"{r['lower_s']:.1f} | {r['compile_s']:.1f} | {r['temp_gib']:.2f} |"
+    )
   return "\n".join(lines + _scan_summary(out["rows"])) + "\n"
 
 
@@ -258,13 +321,16 @@ def _scan_summary(rows: list[dict]) -> list[str]:
     name = "scanned" if scan else "unrolled"
     a, b = cell.get((lo, scan, "none")), cell.get((hi, scan, "none"))
     if a and b and hi > lo:
-      out.append(f"- {name}, remat none: lower + compile {secs(a):.0f} s at {lo} layers, {secs(b):.0f} s at {hi} "
-                 f"({secs(b) / secs(a):.2f}x for {hi / lo:.0f}x the layers).")
+      out.append(
+        f"- {name}, remat none: lower + compile {secs(a):.0f} s at {lo} layers, {secs(b):.0f} s at {hi} "
+        f"({secs(b) / secs(a):.2f}x for {hi / lo:.0f}x the layers)."
+      )
     base = cell.get((hi, scan, "none"))
     for r in rows:
       if base and r["n_layers"] == hi and r["scan_layers"] == scan and r["remat"] != "none":
-        out.append(f"- {name}, {hi} layers, remat {r['remat']}: temp {r['temp_gib'] / base['temp_gib']:.2f}x "
-                   "remat none's.")
+        out.append(
+          f"- {name}, {hi} layers, remat {r['remat']}: temp {r['temp_gib'] / base['temp_gib']:.2f}x remat none's."
+        )
   return [""] + out if out else []
 
 
@@ -278,12 +344,18 @@ def main(argv=None) -> dict:
   ap.add_argument("--mesh", default=None)
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
   ap.add_argument("--out", default="results/bench_train.json")
-  ap.add_argument("--memory", action="store_true",
-                  help="compile only: per-device memory of base110m (2 layers, seq 2048, batch 8) on 1 device, "
-                       "data=8 and data=4,model=2 -> results/bench_train_memory.{json,md}")
-  ap.add_argument("--scan", action="store_true",
-                  help="compile only: compile s and temp memory of base110m (seq 2048, batch 8, data=8) for "
-                       "{unscanned, scanned} x --remats x --depths -> a section of results/bench_train.{json,md}")
+  ap.add_argument(
+    "--memory",
+    action="store_true",
+    help="compile only: per-device memory of base110m (2 layers, seq 2048, batch 8) on 1 device, "
+    "data=8 and data=4,model=2 -> results/bench_train_memory.{json,md}",
+  )
+  ap.add_argument(
+    "--scan",
+    action="store_true",
+    help="compile only: compile s and temp memory of base110m (seq 2048, batch 8, data=8) for "
+    "{unscanned, scanned} x --remats x --depths -> a section of results/bench_train.{json,md}",
+  )
   ap.add_argument("--depths", default="2,8", help="--scan: comma-separated n_layers values")
   ap.add_argument("--remats", default="none,full,dots", help=f"--scan: comma-separated, from {C.REMATS}")
   ap.add_argument("--repeats", type=int, default=2, help="--scan: compiles per cell (the fastest is reported)")
@@ -303,11 +375,22 @@ def main(argv=None) -> dict:
     cfg = C.get_config(args.config, **{**overrides, "attention": att, "task": "synthetic"})
     cfg.validate_mesh(dict(mesh.shape))
     results[att] = bench_one(cfg, mesh, args.steps, args.warmup)
-    print(f"{att:8s} {results[att]['tokens_per_s']:12.0f} tokens/s  (step {results[att]['step_s_median'] * 1e3:.1f} ms, "
-          f"compile {results[att]['compile_s']:.1f} s)", flush=True)
-  out = {"config": args.config, "overrides": overrides, "mesh": dict(mesh.shape), "steps": args.steps,
-         "backend": jax.default_backend(), "devices": jax.device_count(), "host": platform.node(),
-         "jax": jax.__version__, "results": results}
+    print(
+      f"{att:8s} {results[att]['tokens_per_s']:12.0f} tokens/s  (step {results[att]['step_s_median'] * 1e3:.1f} ms, "
+      f"compile {results[att]['compile_s']:.1f} s)",
+      flush=True,
+    )
+  out = {
+    "config": args.config,
+    "overrides": overrides,
+    "mesh": dict(mesh.shape),
+    "steps": args.steps,
+    "backend": jax.default_backend(),
+    "devices": jax.device_count(),
+    "host": platform.node(),
+    "jax": jax.__version__,
+    "results": results,
+  }
   if "fpa" in results and "fox" in results:
     out["fpa_over_fox"] = results["fpa"]["tokens_per_s"] / results["fox"]["tokens_per_s"]
     print(f"FPA / FoX throughput: {out['fpa_over_fox']:.3f} (target >= 0.9)")
@@ -331,10 +414,14 @@ def main(argv=None) -> dict:
 def markdown(out: dict) -> str:
   """The results as a README table."""
   cfg = C.get_config(out["config"], **out["overrides"])
-  lines = [f"`{out['command'].strip()}`: config `{out['config']}` (d_model {cfg.d_model}, {cfg.n_layers} layers, "
-           f"{cfg.n_heads} heads, seq {cfg.seq_len}, batch {cfg.batch_size}, block {cfg.block_size or 'default'}), "
-           f"{out['devices']} {out['backend']} device(s), jax {out['jax']}, median of {out['steps']} steps.", "",
-           "| attention | tokens/s | step ms (median) | compile s |", "|---|---:|---:|---:|"]
+  lines = [
+    f"`{out['command'].strip()}`: config `{out['config']}` (d_model {cfg.d_model}, {cfg.n_layers} layers, "
+    f"{cfg.n_heads} heads, seq {cfg.seq_len}, batch {cfg.batch_size}, block {cfg.block_size or 'default'}), "
+    f"{out['devices']} {out['backend']} device(s), jax {out['jax']}, median of {out['steps']} steps.",
+    "",
+    "| attention | tokens/s | step ms (median) | compile s |",
+    "|---|---:|---:|---:|",
+  ]
   for att, r in out["results"].items():
     lines.append(f"| {att} | {r['tokens_per_s']:.0f} | {r['step_s_median'] * 1e3:.1f} | {r['compile_s']:.1f} |")
   if "fpa_over_fox" in out:

@@ -51,28 +51,34 @@ def passkey_accuracy(model, examples: list[dict], *, policy: str, prefill: str, 
   n_new = max(n for _, n in spans)
   ok, frac, overflow = [], 0.0, False
   for i in range(0, len(examples), batch):
-    chunk = examples[i:i + batch]
-    prompts = [np.asarray(ex["tokens"][:a0]) for ex, (a0, _) in zip(chunk, spans[i:i + batch])]
-    while len(prompts) < batch:           # fixed batch: one compile per cell
+    chunk = examples[i : i + batch]
+    prompts = [np.asarray(ex["tokens"][:a0]) for ex, (a0, _) in zip(chunk, spans[i : i + batch])]
+    while len(prompts) < batch:  # fixed batch: one compile per cell
       prompts.append(prompts[-1])
     out, stats = generate(model, prompts, n_new, policy=policy, prefill=prefill, **kw)
-    for r, (ex, (a0, n)) in enumerate(zip(chunk, spans[i:i + batch])):
-      ok.append(bool(np.array_equal(out[r, :n], np.asarray(ex["tokens"][a0:a0 + n]))))
+    for r, (ex, (a0, n)) in enumerate(zip(chunk, spans[i : i + batch])):
+      ok.append(bool(np.array_equal(out[r, :n], np.asarray(ex["tokens"][a0 : a0 + n]))))
     frac, overflow = max(frac, stats["cache_fraction"]), overflow or stats["overflow"]
   return {"accuracy": float(np.mean(ok)), "cache_fraction": frac, "overflow": overflow, "n": len(ok)}
 
 
 def markdown(res: dict) -> str:
   meta = res["meta"]
-  lines = [f"`{meta['command']}`: greedy passkey exact match at {res['multiple']}x the training length "
-           f"({res['train_length']} -> {res['train_length'] * res['multiple']} tokens), {res['n_prompts']} prompts "
-           f"per cell (depths {', '.join(map(str, res['depths']))}%), prefill `{res['prefill']}`; "
-           "cache = peak keys held / sequence"
-           + (". Parallel prefill: the prompt goes through the chunked kernel with the whole prompt in view, "
-              "then the policy cuts the cache to its budget before the answer is generated; h2o (which ranks keys by "
-              "the attention each received while decoding) needs `--prefill decode`: —" if res["prefill"] == "parallel"
-              else ". Decode prefill: the prompt is fed token by token under the policy, so no query ever sees more "
-                   "than the budget") + ".\n"]
+  lines = [
+    f"`{meta['command']}`: greedy passkey exact match at {res['multiple']}x the training length "
+    f"({res['train_length']} -> {res['train_length'] * res['multiple']} tokens), {res['n_prompts']} prompts "
+    f"per cell (depths {', '.join(map(str, res['depths']))}%), prefill `{res['prefill']}`; "
+    "cache = peak keys held / sequence"
+    + (
+      ". Parallel prefill: the prompt goes through the chunked kernel with the whole prompt in view, "
+      "then the policy cuts the cache to its budget before the answer is generated; h2o (which ranks keys by "
+      "the attention each received while decoding) needs `--prefill decode`: —"
+      if res["prefill"] == "parallel"
+      else ". Decode prefill: the prompt is fed token by token under the policy, so no query ever sees more "
+      "than the budget"
+    )
+    + ".\n"
+  ]
   models = sorted({k.split("/")[0] for k in res["cells"]})
   head = ["model", "full", f"fpa ε={res['tolerance']:g} (cache)"] + [f"{p} {b:g}" for b in BUDGETS for p in BUDGETED]
   rows = []
@@ -94,6 +100,7 @@ def _acc(cell) -> str:
 
 def figure(res: dict, path: Path) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -104,13 +111,21 @@ def figure(res: dict, path: Path) -> None:
     full = c.get(f"{m}/full", {}).get("1")
     for p in BUDGETED:
       xs = [1.0] + list(BUDGETS)
-      ys = [full["accuracy"] if full else np.nan] + [c.get(f"{m}/{p}", {}).get(f"{b:g}", {}).get("accuracy", np.nan)
-                                                     for b in BUDGETS]
+      ys = [full["accuracy"] if full else np.nan] + [
+        c.get(f"{m}/{p}", {}).get(f"{b:g}", {}).get("accuracy", np.nan) for b in BUDGETS
+      ]
       ax.plot(xs, ys, marker="o", label=p)
     tol = c.get(f"{m}/fpa", {}).get("tol")
     if tol:
-      ax.scatter([tol["cache_fraction"]], [tol["accuracy"]], marker="*", s=150, c="k", zorder=5,
-                 label=f"fpa ε={res['tolerance']:g}")
+      ax.scatter(
+        [tol["cache_fraction"]],
+        [tol["accuracy"]],
+        marker="*",
+        s=150,
+        c="k",
+        zorder=5,
+        label=f"fpa ε={res['tolerance']:g}",
+      )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV cache (fraction of the sequence)")
     ax.set_title(m)
@@ -137,8 +152,9 @@ def parse_args(argv=None):
   ap.add_argument("--batch", type=int, default=20)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out-dir", default=str(U.ROOT / "results"))
-  ap.add_argument("--scale", choices=["cpu", "base110m"], default="cpu",
-                  help="base110m: print the accelerator recipe and exit")
+  ap.add_argument(
+    "--scale", choices=["cpu", "base110m"], default="cpu", help="base110m: print the accelerator recipe and exit"
+  )
   return ap.parse_args(argv)
 
 
@@ -170,12 +186,23 @@ def main(argv=None) -> dict:
   models = a.models or [m for m, v in pk.items() if isinstance(v, dict) and v.get("workdir")]
   out_json = Path(a.out_dir) / "kv_compression.json"
   res = U.read_json(out_json, None) or {}
-  same = (res.get("train_length") == train_len and res.get("multiple") == a.multiple and res.get("prefill") == a.prefill
-          and res.get("tolerance") == a.tolerance and res.get("n_prompts") == a.n * len(a.depths))
+  same = (
+    res.get("train_length") == train_len
+    and res.get("multiple") == a.multiple
+    and res.get("prefill") == a.prefill
+    and res.get("tolerance") == a.tolerance
+    and res.get("n_prompts") == a.n * len(a.depths)
+  )
   if not same:
     res = {"cells": {}}
-  res.update(train_length=train_len, multiple=a.multiple, prefill=a.prefill, tolerance=a.tolerance,
-             n_prompts=a.n * len(a.depths), depths=a.depths)
+  res.update(
+    train_length=train_len,
+    multiple=a.multiple,
+    prefill=a.prefill,
+    tolerance=a.tolerance,
+    n_prompts=a.n * len(a.depths),
+    depths=a.depths,
+  )
   # A model retrained since (more passkey stages) invalidates its cells.
   steps = res.setdefault("model_steps", {})
   for m in models:
@@ -186,10 +213,17 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   policies = [p for p in a.policies if not (p in DECODE_ONLY and a.prefill == "parallel")]
   if len(policies) < len(a.policies):
-    print(f"[kv_compression] skipping {sorted(set(a.policies) - set(policies))}: they rank keys by the attention "
-          "each received, which a parallel prefill does not record (use --prefill decode)", file=sys.stderr)
-  todo = [(m, p, b, kw) for m in models for p, b, kw in cells(a.tolerance, policies, a.budgets)
-          if b not in res["cells"].get(f"{m}/{p}", {})]
+    print(
+      f"[kv_compression] skipping {sorted(set(a.policies) - set(policies))}: they rank keys by the attention "
+      "each received, which a parallel prefill does not record (use --prefill decode)",
+      file=sys.stderr,
+    )
+  todo = [
+    (m, p, b, kw)
+    for m in models
+    for p, b, kw in cells(a.tolerance, policies, a.budgets)
+    if b not in res["cells"].get(f"{m}/{p}", {})
+  ]
   loaded = {}
   for m, p, b, kw in U.progress(todo, desc="kv_compression"):
     if m not in loaded:
@@ -197,9 +231,15 @@ def main(argv=None) -> dict:
       loaded = {m: load_model(workdir if Path(workdir).is_absolute() else U.ROOT / workdir)[0]}
     cell = passkey_accuracy(loaded[m], examples, policy=p, prefill=a.prefill, batch=min(a.batch, len(examples)), **kw)
     res["cells"].setdefault(f"{m}/{p}", {})[b] = cell
-    res["meta"] = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, seed=a.seed, models=models,
-                             passkey_meta=pk.get("meta", {}).get("commit"))
-    U.write_json(out_json, res)    # after every cell: a killed run resumes where it stopped
+    res["meta"] = U.run_meta(
+      MODULE,
+      argv,
+      wall_s=time.perf_counter() - t0,
+      seed=a.seed,
+      models=models,
+      passkey_meta=pk.get("meta", {}).get("commit"),
+    )
+    U.write_json(out_json, res)  # after every cell: a killed run resumes where it stopped
   if "meta" not in res:
     res["meta"] = U.run_meta(MODULE, argv, wall_s=0.0, seed=a.seed, models=models)
   md = markdown(res)

@@ -61,25 +61,28 @@ DEFAULTS = dict(steps=1500, batch=16, lr=3e-3, pool=2048, n_eval=256, chunk=50)
 SMALL = dict(steps=600, pool=512, n_eval=64)  # ~70 s for 4 methods x 2 seeds on scopes (2-core CPU)
 # Study 5: gate choices on the coverage objective (3 seeds); the defaults are rerun alongside.
 ABLATIONS = {
-    "fpa (default)": dict(attention="fpa"),
-    "fpa gate_forget=True": dict(attention="fpa", gate_forget=True),
-    "fpa step_scale=1": dict(attention="fpa", step_scale=1.0),
-    "fpa absolute_scale=1": dict(attention="fpa", absolute_scale=1.0),
-    "fpa offset_scale=1": dict(attention="fpa", offset_scale=1.0),
-    "fpa no absolute (step,offset)": dict(attention="fpa", gate_terms_override="step,offset"),
-    # no walk at all: the field says "this dip reaches value v" whatever came before
-    "fpa no walk (absolute,offset)": dict(attention="fpa", gate_terms_override="absolute,offset"),
-    "stack (default)": dict(attention="stack"),
-    "stack gate_forget=True": dict(attention="stack", gate_forget=True),
-    # init: an all-zero gate gets no gradient (relu'(0) = 0); two ways to break the tie
-    "fpa all-zero init": dict(attention="fpa", step_bias_init=0.0, step_init_std=0.0, absolute_init_std=0.0,
-                              offset_init_std=0.0),
-    "fpa step_bias_init=-1e-3, zero weights": dict(attention="fpa", step_bias_init=-1e-3, step_init_std=0.0,
-                                                   absolute_init_std=0.0, offset_init_std=0.0),
-    "fpa weights ~N(0, 1e-3), no bias": dict(attention="fpa", step_bias_init=0.0, step_init_std=1e-3,
-                                             absolute_init_std=1e-3, offset_init_std=1e-3),
-    "stack step_bias_init=-1e-3, zero weights": dict(attention="stack", step_bias_init=-1e-3, step_init_std=0.0),
-    "stack weights ~N(0, 1e-3), no bias": dict(attention="stack", step_bias_init=0.0, step_init_std=1e-3),
+  "fpa (default)": dict(attention="fpa"),
+  "fpa gate_forget=True": dict(attention="fpa", gate_forget=True),
+  "fpa step_scale=1": dict(attention="fpa", step_scale=1.0),
+  "fpa absolute_scale=1": dict(attention="fpa", absolute_scale=1.0),
+  "fpa offset_scale=1": dict(attention="fpa", offset_scale=1.0),
+  "fpa no absolute (step,offset)": dict(attention="fpa", gate_terms_override="step,offset"),
+  # no walk at all: the field says "this dip reaches value v" whatever came before
+  "fpa no walk (absolute,offset)": dict(attention="fpa", gate_terms_override="absolute,offset"),
+  "stack (default)": dict(attention="stack"),
+  "stack gate_forget=True": dict(attention="stack", gate_forget=True),
+  # init: an all-zero gate gets no gradient (relu'(0) = 0); two ways to break the tie
+  "fpa all-zero init": dict(
+    attention="fpa", step_bias_init=0.0, step_init_std=0.0, absolute_init_std=0.0, offset_init_std=0.0
+  ),
+  "fpa step_bias_init=-1e-3, zero weights": dict(
+    attention="fpa", step_bias_init=-1e-3, step_init_std=0.0, absolute_init_std=0.0, offset_init_std=0.0
+  ),
+  "fpa weights ~N(0, 1e-3), no bias": dict(
+    attention="fpa", step_bias_init=0.0, step_init_std=1e-3, absolute_init_std=1e-3, offset_init_std=1e-3
+  ),
+  "stack step_bias_init=-1e-3, zero weights": dict(attention="stack", step_bias_init=-1e-3, step_init_std=0.0),
+  "stack weights ~N(0, 1e-3), no bias": dict(attention="stack", step_bias_init=0.0, step_init_std=1e-3),
 }
 
 
@@ -105,9 +108,12 @@ def token_names(task: str) -> list[str]:
     c = gen_config(task, TRAIN_LEN).n_symbols
     return ["pad", "bos", "eos", "(", ")", "?", "none"] + [f"c{s}" for s in range(c)] + [f"A{s}" for s in range(c)]
   cfg = gen_config(task, TRAIN_LEN)
-  return (["pad", "bos", "eos", "?", "none"] + [f"dip{v}" for v in range(cfg.n_levels)]
-          + [f"L{l}c{s}" for l in range(cfg.n_levels) for s in range(cfg.n_symbols)]
-          + [f"A{s}" for s in range(cfg.n_symbols)])
+  return (
+    ["pad", "bos", "eos", "?", "none"]
+    + [f"dip{v}" for v in range(cfg.n_levels)]
+    + [f"L{l}c{s}" for l in range(cfg.n_levels) for s in range(cfg.n_symbols)]
+    + [f"A{s}" for s in range(cfg.n_symbols)]
+  )
 
 
 def make_examples(task: str, n: int, length: int, seed: int) -> dict[str, np.ndarray]:
@@ -179,8 +185,8 @@ def losses(logits, target):
   """logits [B, T, T] (masked entries very negative) -> (mass loss, coverage loss), means over scored rows."""
   rows = query_rows(target)
   n = jnp.maximum(rows.sum(), 1)
-  lse = jax.nn.logsumexp(logits, -1)                                                 # [B, T]
-  mass = -(jax.nn.logsumexp(jnp.where(target, logits, -1e30), -1) - lse)             # -log mass on the set
+  lse = jax.nn.logsumexp(logits, -1)  # [B, T]
+  mass = -(jax.nn.logsumexp(jnp.where(target, logits, -1e30), -1) - lse)  # -log mass on the set
   n_live = jnp.maximum(target.sum(-1), 1)
   # KL(u || p) = -mean_{j in set} log p_j - log |set|
   kl = -jnp.where(target, logits - lse[..., None], 0.0).sum(-1) / n_live - jnp.log(n_live)
@@ -207,8 +213,8 @@ class Head(nnx.Module):
     """[B, H, T, T] attention logits of the quadratic formulation: q.k / sqrt(K) - penalty, causal."""
     x = self.inputs(tokens)
     b, t = tokens.shape
-    q, k, _ = self.attn.project(x, jnp.broadcast_to(jnp.arange(t), (b, t)))          # [B, T, H, K]
-    field, level, _ = self.attn.field_level(x)                                        # [B, T, H]
+    q, k, _ = self.attn.project(x, jnp.broadcast_to(jnp.arange(t), (b, t)))  # [B, T, H, K]
+    field, level, _ = self.attn.field_level(x)  # [B, T, H]
     pen = first_passage_penalty(jnp.swapaxes(field, 1, 2), jnp.swapaxes(level, 1, 2))  # [B, H, T, T]
     causal = jnp.tril(jnp.ones((t, t), bool))
     s = jnp.einsum("bihk,bjhk->bhij", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5
@@ -250,8 +256,9 @@ def check_quadratic_matches_layer(model: Head, tokens, atol=2e-5) -> float:
   a, b = _both_outputs(model, tokens)
   diff = float(jnp.max(jnp.abs(a - b)))
   scale = float(jnp.max(jnp.abs(b))) + 1e-6
-  assert diff <= atol + 1e-4 * scale, (f"quadratic weights do not match the layer: max |diff| {diff:.3g} "
-                                       f"(scale {scale:.3g})")
+  assert diff <= atol + 1e-4 * scale, (
+    f"quadratic weights do not match the layer: max |diff| {diff:.3g} (scale {scale:.3g})"
+  )
   return diff
 
 
@@ -259,8 +266,21 @@ def check_quadratic_matches_layer(model: Head, tokens, atol=2e-5) -> float:
 # training (all replicas of one method at once)
 
 
-def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[str, ...], *, steps: int, batch: int,
-                  lr: float, pool: int, n_eval: int, chunk: int, eval_sets: dict, desc: str = "") -> dict:
+def train_variant(
+  cfg: C.Config,
+  task: str,
+  seeds: list[int],
+  objectives: tuple[str, ...],
+  *,
+  steps: int,
+  batch: int,
+  lr: float,
+  pool: int,
+  n_eval: int,
+  chunk: int,
+  eval_sets: dict,
+  desc: str = "",
+) -> dict:
   """Trains len(seeds) x len(objectives) heads; returns per-replica metrics and the figure maps."""
   reps = [(s, o) for s in seeds for o in objectives]
   rep_seed = np.array([seeds.index(s) for s, _ in reps])
@@ -272,12 +292,12 @@ def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[
   tx = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=0.1))
   opt = jax.vmap(tx.init)(params)
   data = [make_examples(task, pool, TRAIN_LEN, train_seed(task, s)) for s in seeds]
-  tokens = jnp.asarray(np.stack([d["tokens"] for d in data]))                     # [S, N, T]
-  target = jnp.asarray(np.stack([d["target"] for d in data]))                     # [S, N, T, T]
+  tokens = jnp.asarray(np.stack([d["tokens"] for d in data]))  # [S, N, T]
+  target = jnp.asarray(np.stack([d["target"] for d in data]))  # [S, N, T, T]
   rngs = [np.random.default_rng(train_seed(task, s) + 77) for s in seeds]  # per seed: batches do not depend on grouping
 
   def loss_fn(p, obj, tok, tgt):
-    lg = nnx.merge(graphdef, p).logits(tok)[:, 0]                                   # [B, T, T]
+    lg = nnx.merge(graphdef, p).logits(tok)[:, 0]  # [B, T, T]
     lm, lc = losses(lg, tgt)
     return jnp.where(obj == 0, lm, lc)
 
@@ -290,10 +310,11 @@ def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[
   def run_chunk(p, o, tokens, target, idx):  # idx [n, R, B] example indices into each replica's seed pool
     def body(carry, ix):
       p, o = carry
-      tok = tokens[rep_seed[:, None], ix]                                            # [R, B, T]
+      tok = tokens[rep_seed[:, None], ix]  # [R, B, T]
       tgt = target[rep_seed[:, None], ix]
       p, o, loss = jax.vmap(one_step)(p, o, rep_obj, tok, tgt)
       return (p, o), loss
+
     (p, o), loss = jax.lax.scan(body, (p, o), idx)
     return p, o, loss[-1]
 
@@ -312,7 +333,7 @@ def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[
 
   @jax.jit
   def evaluate(p, tok, tgt):
-    w = jax.vmap(lambda p: nnx.merge(graphdef, p).weights(tok)[:, 0])(p)          # [R, B, T, T]
+    w = jax.vmap(lambda p: nnx.merge(graphdef, p).weights(tok)[:, 0])(p)  # [R, B, T, T]
     rows = query_rows(tgt).sum()
     per = lambda f: jax.vmap(lambda w: f(w, tgt))(w) * rows  # noqa: E731
     return per(target_mass), per(coverage), rows, w[:, 0]
@@ -325,7 +346,9 @@ def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[
     ev = pad_examples(ev, t_max)
     m = c = r = 0.0
     for lo in range(0, len(ev["tokens"]), 32):
-      dm, dc, dr, w0 = evaluate(params, jnp.asarray(ev["tokens"][lo:lo + 32]), jnp.asarray(ev["target"][lo:lo + 32]))
+      dm, dc, dr, w0 = evaluate(
+        params, jnp.asarray(ev["tokens"][lo : lo + 32]), jnp.asarray(ev["target"][lo : lo + 32])
+      )
       m, c, r = m + np.asarray(dm), c + np.asarray(dc), r + float(dr)
       if name == "1x" and lo == 0:  # the figure's example: the first held-out example at 1x
         t1 = eval_sets["1x"]["tokens"].shape[1]
@@ -340,8 +363,9 @@ def train_variant(cfg: C.Config, task: str, seeds: list[int], objectives: tuple[
     if s != seeds[0]:
       continue
     model = nnx.merge(graphdef, jax.tree.map(lambda x: x[r_i], params))
-    out["max_abs_diff_vs_chunked"] = max(out["max_abs_diff_vs_chunked"], check_quadratic_matches_layer(
-        model, jnp.asarray(eval_sets["1x"]["tokens"][:8])))
+    out["max_abs_diff_vs_chunked"] = max(
+      out["max_abs_diff_vs_chunked"], check_quadratic_matches_layer(model, jnp.asarray(eval_sets["1x"]["tokens"][:8]))
+    )
     out["example_maps"][o] = maps[r_i][ex_rows].round(4).tolist()
   out["reps"] = reps
   out["model"] = lambda r: nnx.merge(graphdef, jax.tree.map(lambda x: x[r], params))  # replica r's trained head
@@ -407,8 +431,13 @@ def _git_commit() -> str:
 def _uncommitted() -> list[str]:
   """Library / experiment files that differ from the commit (the results then depend on them)."""
   try:
-    st = subprocess.run(["git", "status", "--porcelain", "--", "fpa_jax", "experiments"], cwd=ROOT,
-                        capture_output=True, text=True, check=True).stdout
+    st = subprocess.run(
+      ["git", "status", "--porcelain", "--", "fpa_jax", "experiments"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout
     return sorted(line[3:] for line in st.splitlines() if line.strip())
   except Exception:  # noqa: BLE001
     return []
@@ -418,11 +447,25 @@ def _machine() -> str:
   return f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} {jax.default_backend()}"
 
 
-def run(task: str = "scopes", *, seeds: int = 5, steps: int = DEFAULTS["steps"], methods=METHODS,
-        objectives=OBJECTIVES, variants: dict | None = None, batch: int = DEFAULTS["batch"], lr: float = DEFAULTS["lr"],
-        pool: int = DEFAULTS["pool"], n_eval: int = DEFAULTS["n_eval"], chunk: int = DEFAULTS["chunk"],
-        overrides: dict | None = None, out: str | Path | None = None, resume: bool = True, figure: bool = True,
-        command: str | None = None) -> dict:
+def run(
+  task: str = "scopes",
+  *,
+  seeds: int = 5,
+  steps: int = DEFAULTS["steps"],
+  methods=METHODS,
+  objectives=OBJECTIVES,
+  variants: dict | None = None,
+  batch: int = DEFAULTS["batch"],
+  lr: float = DEFAULTS["lr"],
+  pool: int = DEFAULTS["pool"],
+  n_eval: int = DEFAULTS["n_eval"],
+  chunk: int = DEFAULTS["chunk"],
+  overrides: dict | None = None,
+  out: str | Path | None = None,
+  resume: bool = True,
+  figure: bool = True,
+  command: str | None = None,
+) -> dict:
   """Trains and scores every method (or named config `variants`) on one task; returns the results dict.
 
   variants: {name: Config overrides} (default: {method: {"attention": method}} for `methods`).
@@ -436,8 +479,18 @@ def run(task: str = "scopes", *, seeds: int = 5, steps: int = DEFAULTS["steps"],
   variants = variants or {m: {"attention": m} for m in methods}
   overrides = dict(overrides or {})
   objectives = tuple(objectives)
-  settings = dict(task=task, seeds=seeds, steps=steps, batch=batch, lr=lr, pool=pool, n_eval=n_eval,
-                  objectives=list(objectives), train_len=TRAIN_LEN, overrides=overrides)
+  settings = dict(
+    task=task,
+    seeds=seeds,
+    steps=steps,
+    batch=batch,
+    lr=lr,
+    pool=pool,
+    n_eval=n_eval,
+    objectives=list(objectives),
+    train_len=TRAIN_LEN,
+    overrides=overrides,
+  )
   out = Path(out) if out else None
   results: dict = {}
   prev_wall = 0.0
@@ -463,8 +516,20 @@ def run(task: str = "scopes", *, seeds: int = 5, steps: int = DEFAULTS["steps"],
     if not todo:
       print(f"{task}/{name}: seeds {seed_ids} already in {out}, skipped", flush=True)
       continue
-    res = train_variant(cfg, task, todo, objectives, steps=steps, batch=batch, lr=lr, pool=pool, n_eval=n_eval,
-                        chunk=chunk, eval_sets=eval_sets, desc=f"{task}/{name} seeds {todo[0]}..{todo[-1]}")
+    res = train_variant(
+      cfg,
+      task,
+      todo,
+      objectives,
+      steps=steps,
+      batch=batch,
+      lr=lr,
+      pool=pool,
+      n_eval=n_eval,
+      chunk=chunk,
+      eval_sets=eval_sets,
+      desc=f"{task}/{name} seeds {todo[0]}..{todo[-1]}",
+    )
     entry = summarise(res, todo, objectives)
     entry["config"] = cfg_d
     if not figure:
@@ -480,9 +545,25 @@ def run(task: str = "scopes", *, seeds: int = 5, steps: int = DEFAULTS["steps"],
   return {**results, "meta": _meta(settings, command, wall(), eval_sets)}
 
 
-_CONFIG_KEYS = ("attention", "d_model", "n_heads", "vocab_size", "gate_init_std", "gate_bias_init",
-                "gate_forget", "gate_terms_override", "step_scale", "step_init_std", "step_bias_init",
-                "absolute_scale", "absolute_init_std", "offset_scale", "offset_init_std", "offset_bias_init", "rope")
+_CONFIG_KEYS = (
+  "attention",
+  "d_model",
+  "n_heads",
+  "vocab_size",
+  "gate_init_std",
+  "gate_bias_init",
+  "gate_forget",
+  "gate_terms_override",
+  "step_scale",
+  "step_init_std",
+  "step_bias_init",
+  "absolute_scale",
+  "absolute_init_std",
+  "offset_scale",
+  "offset_init_std",
+  "offset_bias_init",
+  "rope",
+)
 
 
 def _line(r: dict) -> str:
@@ -495,12 +576,22 @@ def _line(r: dict) -> str:
 
 def _meta(settings, command, wall_s, eval_sets) -> dict:
   command = command or " ".join(["python -m experiments.live_sets"] + sys.argv[1:])
-  return {"command": command,
-          "commit": _git_commit(), "uncommitted": _uncommitted(), "settings": settings,
-          "config": {"d_model": 16, "n_heads": 1, "gate": "fpa_jax.configs.Config defaults unless overridden",
-                     "optimizer": f"adam, cosine {settings['lr']} -> 10%", "success_threshold": THRESHOLD},
-          "wall_s": round(wall_s, 1), "machine": _machine(),
-          "example_tokens": eval_sets["1x"]["tokens"][0].tolist()}
+  return {
+    "command": command,
+    "commit": _git_commit(),
+    "uncommitted": _uncommitted(),
+    "settings": settings,
+    "config": {
+      "d_model": 16,
+      "n_heads": 1,
+      "gate": "fpa_jax.configs.Config defaults unless overridden",
+      "optimizer": f"adam, cosine {settings['lr']} -> 10%",
+      "success_threshold": THRESHOLD,
+    },
+    "wall_s": round(wall_s, 1),
+    "machine": _machine(),
+    "example_tokens": eval_sets["1x"]["tokens"][0].tolist(),
+  }
 
 
 def _write(out: Path, results, settings, command, wall_s, eval_sets, figure):
@@ -521,14 +612,21 @@ def markdown(doc: dict, title: str | None = None) -> str:
   meta = doc["meta"]
   s = meta["settings"]
   rows = [k for k in doc if k != "meta"]
-  lines = [title or f"`{meta['command']}`: task `{s['task']}`, single head, d_model 16, T={s['train_len']} "
-           f"(2x = {2 * s['train_len']}), {s['steps']} Adam steps x batch {s['batch']}, {s['seeds']} seeds, "
-           f"{s['n_eval']} held-out examples per length; {meta['machine']}; {meta['wall_s']:.0f} s."
-           + (f" Overrides: `{s['overrides']}`." if s["overrides"] else ""), ""]
+  lines = [
+    title
+    or f"`{meta['command']}`: task `{s['task']}`, single head, d_model 16, T={s['train_len']} "
+    f"(2x = {2 * s['train_len']}), {s['steps']} Adam steps x batch {s['batch']}, {s['seeds']} seeds, "
+    f"{s['n_eval']} held-out examples per length; {meta['machine']}; {meta['wall_s']:.0f} s."
+    + (f" Overrides: `{s['overrides']}`." if s["overrides"] else ""),
+    "",
+  ]
   cols = [(m, L) for m in ("target_mass", "coverage") for L in ("1x", "2x") if any(f"{m}_{L}" in doc[r] for r in rows)]
   objs = [o for o in OBJECTIVES if any(f"successes_{o}" in doc[r] for r in rows)]
-  lines.append("| method | " + " | ".join([f"{m.replace('target_', '')} {L}" for m, L in cols]
-                                          + [f"{o} ok" for o in objs]) + " | successes |")
+  lines.append(
+    "| method | "
+    + " | ".join([f"{m.replace('target_', '')} {L}" for m, L in cols] + [f"{o} ok" for o in objs])
+    + " | successes |"
+  )
   lines.append("|---|" + "---:|" * (len(cols) + len(objs) + 1))
   for r in rows:
     d = doc[r]
@@ -538,10 +636,14 @@ def markdown(doc: dict, title: str | None = None) -> str:
       cells.append("—" if v is None else f"{_ms(v)} ({int((np.array(v) >= THRESHOLD).sum())}/{d['seeds']})")
     oks = [f"{d[f'successes_{o}']}/{d['seeds']}" for o in objs]
     lines.append(f"| {r} | " + " | ".join(cells + oks) + f" | **{d['successes']}/{d['seeds']}** |")
-  lines += ["", f"Cells: mean ± std over seeds (seeds ≥ {THRESHOLD} at that length). \"ok\": seeds ≥ {THRESHOLD} "
-            "at both 1x and 2x for that head; successes: seeds where every trained head is ok. mass = held-out mean "
-            "attention mass on the live set (head trained on -log mass); coverage = 1 - TV to uniform over the "
-            "live set (head trained with KL to it).", ""]
+  lines += [
+    "",
+    f"Cells: mean ± std over seeds (seeds ≥ {THRESHOLD} at that length). \"ok\": seeds ≥ {THRESHOLD} "
+    "at both 1x and 2x for that head; successes: seeds where every trained head is ok. mass = held-out mean "
+    "attention mass on the live set (head trained on -log mass); coverage = 1 - TV to uniform over the "
+    "live set (head trained with KL to it).",
+    "",
+  ]
   return "\n".join(lines)
 
 
@@ -551,6 +653,7 @@ def plot(doc: dict, path: Path, target_map: np.ndarray):
   target_map: [T, T] bool, the example's live sets; each entry's maps hold its scored rows [rows, T].
   """
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from matplotlib.colors import PowerNorm
@@ -574,16 +677,23 @@ def plot(doc: dict, path: Path, target_map: np.ndarray):
     ax.set_yticks(range(len(rows)), [str(r) for r in rows], fontsize=5)
     ax.set_xticks(range(len(toks)), [names[t] for t in toks], fontsize=4, rotation=90)
   axes[-1, 0].set_xlabel("key (token at that position); red dots: live set; rows: query positions", fontsize=7)
-  fig.suptitle(f"{doc['meta']['settings']['task']}: attention of each QUERY row (colour: sqrt of the weight)",
-               fontsize=9)
+  fig.suptitle(
+    f"{doc['meta']['settings']['task']}: attention of each QUERY row (colour: sqrt of the weight)", fontsize=9
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
-def run_ablations(*, seeds: int = 3, steps: int = DEFAULTS["steps"],
-                  out: str | Path = ROOT / "results" / "ablations_live_sets.json",
-                  overrides: dict | None = None, command: str | None = None, **kw) -> dict:
+def run_ablations(
+  *,
+  seeds: int = 3,
+  steps: int = DEFAULTS["steps"],
+  out: str | Path = ROOT / "results" / "ablations_live_sets.json",
+  overrides: dict | None = None,
+  command: str | None = None,
+  **kw,
+) -> dict:
   """Study 5 for study 1: every `ABLATIONS` variant on scopes and dips, coverage heads only."""
   out = Path(out)
   doc: dict = {}
@@ -594,13 +704,26 @@ def run_ablations(*, seeds: int = 3, steps: int = DEFAULTS["steps"],
       prev = json.loads(out.read_text()).get(task)
       if prev is not None:
         part.write_text(json.dumps(prev))
-    doc[task] = run(task, seeds=seeds, steps=steps, variants=ABLATIONS, objectives=("coverage",), out=part,
-                    overrides=overrides, figure=False, command=command, **kw)
+    doc[task] = run(
+      task,
+      seeds=seeds,
+      steps=steps,
+      variants=ABLATIONS,
+      objectives=("coverage",),
+      out=part,
+      overrides=overrides,
+      figure=False,
+      command=command,
+      **kw,
+    )
   doc["meta"] = {**doc[TASKS[0]]["meta"], "wall_s": round(time.perf_counter() - t0, 1)}
   doc["meta"].pop("example_tokens", None)
   out.write_text(json.dumps(doc, indent=1) + "\n")
-  md = [f"`{doc['meta']['command']}`: gate ablations on study 1, coverage heads only, {seeds} seeds, {steps} steps, "
-        f"{doc['meta']['machine']}, {doc['meta']['wall_s']:.0f} s.", ""]
+  md = [
+    f"`{doc['meta']['command']}`: gate ablations on study 1, coverage heads only, {seeds} seeds, {steps} steps, "
+    f"{doc['meta']['machine']}, {doc['meta']['wall_s']:.0f} s.",
+    "",
+  ]
   for task in TASKS:
     md += [f"### {task}", "", markdown(doc[task]).strip(), ""]
   out.with_suffix(".md").write_text("\n".join(md))
@@ -618,8 +741,14 @@ def main(argv=None) -> int:
   ap.add_argument("--methods", default=",".join(METHODS))
   ap.add_argument("--small", action="store_true", help=f"a quick look: {SMALL} (unless given)")
   ap.add_argument("--ablations", action="store_true", help="study 5: gate ablations (coverage, 3 seeds)")
-  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                  help="Config override for every method, e.g. step_init_std=1e-3")
+  ap.add_argument(
+    "--set",
+    dest="sets",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="Config override for every method, e.g. step_init_std=1e-3",
+  )
   ap.add_argument("--out-dir", default=str(ROOT / "results"))
   ap.add_argument("--fresh", action="store_true", help="ignore existing results (no resume)")
   args = ap.parse_args(argv)
@@ -630,16 +759,30 @@ def main(argv=None) -> int:
   command = " ".join(["python -m experiments.live_sets"] + (sys.argv[1:] if argv is None else list(argv)))
   out_dir = Path(args.out_dir)
   if args.ablations:
-    run_ablations(seeds=args.seeds or 3, out=out_dir / "ablations_live_sets.json", overrides=overrides,
-                  command=command, resume=not args.fresh, **kw)
+    run_ablations(
+      seeds=args.seeds or 3,
+      out=out_dir / "ablations_live_sets.json",
+      overrides=overrides,
+      command=command,
+      resume=not args.fresh,
+      **kw,
+    )
     return 0
   methods = tuple(m for m in args.methods.split(",") if m)
   bad = set(methods) - set(C.ATTENTIONS)
   if bad:
     ap.error(f"unknown method(s) {sorted(bad)}; use {C.ATTENTIONS}")
   for task in TASKS if args.task == "all" else (args.task,):
-    run(task, seeds=args.seeds or 5, methods=methods, out=out_dir / f"{task}.json", overrides=overrides,
-        resume=not args.fresh, command=command, **kw)
+    run(
+      task,
+      seeds=args.seeds or 5,
+      methods=methods,
+      out=out_dir / f"{task}.json",
+      overrides=overrides,
+      resume=not args.fresh,
+      command=command,
+      **kw,
+    )
   return 0
 
 

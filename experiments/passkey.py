@@ -39,18 +39,25 @@ from experiments import _common as U
 MODULE = "experiments.passkey"
 # method -> config overrides (on top of the study's model/training settings)
 METHODS = {
-    "fpa": {"attention": "fpa"},
-    "stack": {"attention": "stack"},
-    "fox": {"attention": "fox", "gate_bias_init": 0.0},      # FoX paper init
-    "fox_b5": {"attention": "fox", "gate_bias_init": 5.0},   # weak-decay init (sigmoid(5) = 0.993)
-    "softmax": {"attention": "softmax"},                      # RoPE
-    # fpa / stack started exactly at fox_b5 (FoX's log-sigmoid term in the increment, bias 5; the
-    # other read-outs at 0): the weak-decay start that made FoX learn retrieval, for the FPA gates.
-    "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
-    "stack_fox5": {"attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  "fpa": {"attention": "fpa"},
+  "stack": {"attention": "stack"},
+  "fox": {"attention": "fox", "gate_bias_init": 0.0},  # FoX paper init
+  "fox_b5": {"attention": "fox", "gate_bias_init": 5.0},  # weak-decay init (sigmoid(5) = 0.993)
+  "softmax": {"attention": "softmax"},  # RoPE
+  # fpa / stack started exactly at fox_b5 (FoX's log-sigmoid term in the increment, bias 5; the
+  # other read-outs at 0): the weak-decay start that made FoX learn retrieval, for the FPA gates.
+  "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  "stack_fox5": {"attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
 }
-FAMILY = {"fpa": "fpa", "stack": "stack", "fox": "fox", "fox_b5": "fox", "softmax": "softmax",
-          "fpa_fox5": "fpa", "stack_fox5": "stack"}
+FAMILY = {
+  "fpa": "fpa",
+  "stack": "stack",
+  "fox": "fox",
+  "fox_b5": "fox",
+  "softmax": "softmax",
+  "fpa_fox5": "fpa",
+  "stack_fox5": "stack",
+}
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)
 
@@ -58,6 +65,7 @@ DEPTHS = (0, 25, 50, 75, 100)
 # ------------------------------------------------------------------------------------------------
 # Data: fpa_text rows + fpa_passkey prompts, answer tokens weighted
 # ------------------------------------------------------------------------------------------------
+
 
 class PasskeyTextMix:
   """Batches of `batch_size` rows of `seq_len`: `n_passkey` rows hold one passkey train prompt each
@@ -67,8 +75,18 @@ class PasskeyTextMix:
   Batch: inputs/targets/segment_ids int32 [B, L], loss_mask float32 [B, L].
   """
 
-  def __init__(self, *, data_dir: str, seq_len: int, batch_size: int, n_passkey: int, answer_weight: float,
-               prompt_weight: float = 1.0, seed: int = 0, small: bool = False):
+  def __init__(
+    self,
+    *,
+    data_dir: str,
+    seq_len: int,
+    batch_size: int,
+    n_passkey: int,
+    answer_weight: float,
+    prompt_weight: float = 1.0,
+    seed: int = 0,
+    small: bool = False,
+  ):
     from fpa_jax.data import ByteTokenizer, make_pipeline
 
     if not 0 <= n_passkey <= batch_size:
@@ -77,9 +95,21 @@ class PasskeyTextMix:
     self.vocab_size = self.tok.vocab_size
     self.seq_len, self.batch_size, self.n_passkey, self.seed = seq_len, batch_size, n_passkey, seed
     self.answer_weight, self.prompt_weight = float(answer_weight), float(prompt_weight)
-    self.text = (make_pipeline("text", "train", data_dir=data_dir, seq_len=seq_len, batch_size=batch_size - n_passkey,
-                               seed=seed, small=small, process_index=0, process_count=1)
-                 if n_passkey < batch_size else None)
+    self.text = (
+      make_pipeline(
+        "text",
+        "train",
+        data_dir=data_dir,
+        seq_len=seq_len,
+        batch_size=batch_size - n_passkey,
+        seed=seed,
+        small=small,
+        process_index=0,
+        process_count=1,
+      )
+      if n_passkey < batch_size
+      else None
+    )
     self.count = 0  # passkey prompts drawn so far
 
   def __iter__(self):
@@ -104,7 +134,9 @@ class PasskeyTextMix:
   def __next__(self) -> dict[str, np.ndarray]:
     rows = [self.prompt_row(self.count + i) for i in range(self.n_passkey)]
     self.count += self.n_passkey
-    batch = {k: np.stack([r[k] for r in rows]) if rows else None for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+    batch = {
+      k: np.stack([r[k] for r in rows]) if rows else None for k in ("inputs", "targets", "segment_ids", "loss_mask")
+    }
     if self.text is not None:
       t = next(self.text)
       batch = {k: t[k] if batch[k] is None else np.concatenate([batch[k], t[k]]) for k in t}
@@ -122,6 +154,7 @@ class PasskeyTextMix:
 # ------------------------------------------------------------------------------------------------
 # Greedy exact match from one teacher-forced pass
 # ------------------------------------------------------------------------------------------------
+
 
 @functools.partial(jax.jit, static_argnums=0)
 def _argmax(graphdef, state, tokens):
@@ -145,8 +178,9 @@ def answer_span(ex: dict) -> tuple[int, int]:
   return int(ex["answer_start"]), len(ex["tokens"]) - 1 - int(ex["answer_start"])
 
 
-def teacher_forced_exact_match(predict, examples: list[dict], length: int | None = None,
-                               batch_size: int = 8) -> tuple[np.ndarray, list[np.ndarray]]:
+def teacher_forced_exact_match(
+  predict, examples: list[dict], length: int | None = None, batch_size: int = 8
+) -> tuple[np.ndarray, list[np.ndarray]]:
   """Greedy exact match of each example's answer from one teacher-forced forward pass.
 
   `predict`: tokens int [B, T] -> argmax int [B, T] (e.g. `argmax_fn(model)`). Each example's
@@ -155,20 +189,20 @@ def teacher_forced_exact_match(predict, examples: list[dict], length: int | None
   prompt + answer[:k] is answer[k]; by induction it reproduces the whole answer iff that holds
   for every k. Returns (correct bool [n], per-example predicted answer tokens int [n_answer]).
   """
-  seqs = [np.asarray(ex["tokens"][:-1], np.int32) for ex in examples]   # drop EOS
+  seqs = [np.asarray(ex["tokens"][:-1], np.int32) for ex in examples]  # drop EOS
   length = length or max(map(len, seqs))
   correct, preds = [], []
   for i in range(0, len(seqs), batch_size):
-    chunk = seqs[i:i + batch_size]
+    chunk = seqs[i : i + batch_size]
     batch = np.zeros((batch_size, length), np.int32)  # fixed shape: one compile per length
     for r, s in enumerate(chunk):
-      batch[r, :len(s)] = s
+      batch[r, : len(s)] = s
     am = np.asarray(predict(batch))
-    for r, ex in enumerate(examples[i:i + batch_size]):
+    for r, ex in enumerate(examples[i : i + batch_size]):
       a0, n = answer_span(ex)
-      p = am[r, a0 - 1:a0 - 1 + n]        # position t predicts token t + 1
+      p = am[r, a0 - 1 : a0 - 1 + n]  # position t predicts token t + 1
       preds.append(p)
-      correct.append(bool((p == np.asarray(ex["tokens"][a0:a0 + n])).all()))
+      correct.append(bool((p == np.asarray(ex["tokens"][a0 : a0 + n])).all()))
   return np.asarray(correct, bool), preds
 
 
@@ -181,10 +215,10 @@ def greedy_decode(model, prompt: np.ndarray, n: int, pad_to: int | None = None) 
   toks = list(map(int, prompt))
   for _ in range(n):
     x = np.zeros((1, pad_to or len(toks)), np.int32)
-    x[0, :len(toks)] = toks
-    logits = np.asarray(_logits(graphdef, state, x))                    # [1, T, V]
+    x[0, : len(toks)] = toks
+    logits = np.asarray(_logits(graphdef, state, x))  # [1, T, V]
     toks.append(int(np.argmax(logits[0, len(toks) - 1])))
-  return np.asarray(toks[len(prompt):], np.int32)
+  return np.asarray(toks[len(prompt) :], np.int32)
 
 
 def eval_batch(length: int, n: int, eval_tokens: int = 16384) -> int:
@@ -192,8 +226,17 @@ def eval_batch(length: int, n: int, eval_tokens: int = 16384) -> int:
   return max(1, min(n, eval_tokens // length))
 
 
-def evaluate(model, train_len: int, *, n: int, seed: int = 0, multiples=MULTIPLES, depths=DEPTHS,
-             eval_tokens: int = 16384, desc: str = "eval") -> dict:
+def evaluate(
+  model,
+  train_len: int,
+  *,
+  n: int,
+  seed: int = 0,
+  multiples=MULTIPLES,
+  depths=DEPTHS,
+  eval_tokens: int = 16384,
+  desc: str = "eval",
+) -> dict:
   """Greedy exact match per (multiple, depth) cell on `passkey_eval_examples(train_len, m, d, n, seed)`.
 
   -> {"1": acc, ..., "by_depth": {"1": {"0": acc, ...}, ...}}; rows are batched up to `eval_tokens` tokens.
@@ -205,8 +248,9 @@ def evaluate(model, train_len: int, *, n: int, seed: int = 0, multiples=MULTIPLE
   cells = [(m, d) for m in multiples for d in depths]
   for m, d in U.progress(cells, desc=desc, leave=False):
     exs = passkey_eval_examples(train_len, m, d, n=n, seed=seed)
-    ok, _ = teacher_forced_exact_match(predict, exs, length=train_len * m,
-                                       batch_size=eval_batch(train_len * m, n, eval_tokens))
+    ok, _ = teacher_forced_exact_match(
+      predict, exs, length=train_len * m, batch_size=eval_batch(train_len * m, n, eval_tokens)
+    )
     by_depth.setdefault(str(m), {})[str(d)] = float(ok.mean())
   for m in multiples:
     out[str(m)] = float(np.mean(list(by_depth[str(m)].values())))
@@ -218,29 +262,63 @@ def evaluate(model, train_len: int, *, n: int, seed: int = 0, multiples=MULTIPLE
 # Training to competence
 # ------------------------------------------------------------------------------------------------
 
+
 def study_config(method: str, args, steps: int, cooldown: int = 0):
   from fpa_jax.configs import get_config
 
-  over = dict(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, d_ff=0, seq_len=args.train_len,
-              batch_size=args.batch_size, block_size=args.block_size, steps=steps, lr=args.lr,
-              lr_decay_steps=args.max_steps, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup,
-              task="passkey", data_dir=args.data_dir, seed=args.seed, log_every=10, ckpt_every=args.ckpt_every, small_data=args.small_data,
-              tokenizer="bytes", vocab_size=259, cooldown_steps=cooldown)
+  over = dict(
+    n_layers=args.layers,
+    d_model=args.d_model,
+    n_heads=args.heads,
+    d_ff=0,
+    seq_len=args.train_len,
+    batch_size=args.batch_size,
+    block_size=args.block_size,
+    steps=steps,
+    lr=args.lr,
+    lr_decay_steps=args.max_steps,
+    min_lr_ratio=args.min_lr_ratio,
+    warmup_steps=args.warmup,
+    task="passkey",
+    data_dir=args.data_dir,
+    seed=args.seed,
+    log_every=10,
+    ckpt_every=args.ckpt_every,
+    small_data=args.small_data,
+    tokenizer="bytes",
+    vocab_size=259,
+    cooldown_steps=cooldown,
+  )
   over.update(METHODS[method])
   return get_config("small", **over)
 
 
 def recipe(args) -> dict:
-  return {"train_length": args.train_len, "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
-          "batch_size": args.batch_size, "passkey_rows": args.passkey_rows, "answer_weight": args.answer_weight,
-          "prompt_weight": args.prompt_weight, "lr": args.lr, "min_lr_ratio": args.min_lr_ratio, "warmup": args.warmup,
-          "max_steps": args.max_steps,
-          "stage_steps": args.stage_steps, "competence": args.competence, "n_val": args.n_val, "seed": args.seed}
+  return {
+    "train_length": args.train_len,
+    "layers": args.layers,
+    "d_model": args.d_model,
+    "heads": args.heads,
+    "batch_size": args.batch_size,
+    "passkey_rows": args.passkey_rows,
+    "answer_weight": args.answer_weight,
+    "prompt_weight": args.prompt_weight,
+    "lr": args.lr,
+    "min_lr_ratio": args.min_lr_ratio,
+    "warmup": args.warmup,
+    "max_steps": args.max_steps,
+    "stage_steps": args.stage_steps,
+    "competence": args.competence,
+    "n_val": args.n_val,
+    "seed": args.seed,
+  }
 
 
 def run_tag(args) -> str:
-  return args.tag or (f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}p{args.passkey_rows}"
-                      f"_w{args.answer_weight:g}_pw{args.prompt_weight:g}_lr{args.lr:g}_m{args.min_lr_ratio:g}_s{args.seed}")
+  return args.tag or (
+    f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}p{args.passkey_rows}"
+    f"_w{args.answer_weight:g}_pw{args.prompt_weight:g}_lr{args.lr:g}_m{args.min_lr_ratio:g}_s{args.seed}"
+  )
 
 
 def train_to_competence(method: str, args, log) -> dict:
@@ -255,9 +333,10 @@ def train_to_competence(method: str, args, log) -> dict:
   val_exs = [e for d in DEPTHS for e in passkey_eval_examples(args.train_len, 1, d, n=per, seed=1000 + args.seed)]
 
   def validate(model) -> dict:  # greedy exact match / digit accuracy at 1x, as the 1x test
-    ok, preds = teacher_forced_exact_match(argmax_fn(model), val_exs, length=args.train_len,
-                                           batch_size=eval_batch(args.train_len, args.n_eval))
-    digits = np.mean([np.mean(p[1:] == e["tokens"][answer_span(e)[0] + 1:-1]) for p, e in zip(preds, val_exs)])
+    ok, preds = teacher_forced_exact_match(
+      argmax_fn(model), val_exs, length=args.train_len, batch_size=eval_batch(args.train_len, args.n_eval)
+    )
+    digits = np.mean([np.mean(p[1:] == e["tokens"][answer_span(e)[0] + 1 : -1]) for p, e in zip(preds, val_exs)])
     return {"exact": float(ok.mean()), "digit": float(digits)}
 
   steps, out = 0, None
@@ -266,37 +345,55 @@ def train_to_competence(method: str, args, log) -> dict:
     if str(steps) in val and val[str(steps)]["exact"] < args.competence and steps < args.max_steps:
       continue  # a stage an earlier session finished and scored: go straight on to the next one
     cfg = study_config(method, args, steps)
-    data = PasskeyTextMix(data_dir=args.data_dir, seq_len=args.train_len, batch_size=args.batch_size,
-                          n_passkey=args.passkey_rows, answer_weight=args.answer_weight,
-                          prompt_weight=args.prompt_weight, seed=args.seed, small=args.small_data)
+    data = PasskeyTextMix(
+      data_dir=args.data_dir,
+      seq_len=args.train_len,
+      batch_size=args.batch_size,
+      n_passkey=args.passkey_rows,
+      answer_weight=args.answer_weight,
+      prompt_weight=args.prompt_weight,
+      seed=args.seed,
+      small=args.small_data,
+    )
     out = U.train_lm(cfg, workdir, data)
     if str(steps) not in val:
       val[str(steps)] = validate(out["model"])
       U.write_json(val_path, val)
     last = out["history"][-1]["loss"] if out["history"] else None
-    log(f"[passkey] {method}: step {steps}, val 1x exact match {val[str(steps)]['exact']:.3f} (digits "
-        f"{val[str(steps)]['digit']:.3f}), train wall {out['train_wall_s']:.0f} s"
-        + (f", last loss {last:.3f}" if last is not None else ""))
+    log(
+      f"[passkey] {method}: step {steps}, val 1x exact match {val[str(steps)]['exact']:.3f} (digits "
+      f"{val[str(steps)]['digit']:.3f}), train wall {out['train_wall_s']:.0f} s"
+      + (f", last loss {last:.3f}" if last is not None else "")
+    )
     if val[str(steps)]["exact"] >= args.competence:
       break
   if args.cooldown_steps:  # one more stage whose lr decays linearly to 0 (WSD): anneal the constant-lr run
-    steps, out = steps + args.cooldown_steps, U.train_lm(study_config(method, args, steps + args.cooldown_steps,
-                                                                      args.cooldown_steps), workdir, data)
+    steps, out = (
+      steps + args.cooldown_steps,
+      U.train_lm(study_config(method, args, steps + args.cooldown_steps, args.cooldown_steps), workdir, data),
+    )
     if str(steps) not in val:
       val[str(steps)] = {**validate(out["model"]), "cooldown": args.cooldown_steps}
       U.write_json(val_path, val)
     log(f"[passkey] {method}: cooldown to step {steps}, val 1x exact match {val[str(steps)]['exact']:.3f}")
-  return {"model": out["model"], "steps": steps, "workdir": workdir, "train_wall_s": out["train_wall_s"],
-          "val_history": {int(k): v for k, v in sorted(val.items(), key=lambda kv: int(kv[0])) if int(k) <= steps},
-          "competent_1x": val[str(steps)]["exact"] >= args.competence, "competence": args.competence,
-          "cooldown_steps": args.cooldown_steps,
-          "config": out["init_config"],
-          "sessions": out["sessions"]}
+  return {
+    "model": out["model"],
+    "steps": steps,
+    "workdir": workdir,
+    "train_wall_s": out["train_wall_s"],
+    "val_history": {int(k): v for k, v in sorted(val.items(), key=lambda kv: int(kv[0])) if int(k) <= steps},
+    "competent_1x": val[str(steps)]["exact"] >= args.competence,
+    "competence": args.competence,
+    "cooldown_steps": args.cooldown_steps,
+    "config": out["init_config"],
+    "sessions": out["sessions"],
+  }
 
 
 # ------------------------------------------------------------------------------------------------
 # Outputs
 # ------------------------------------------------------------------------------------------------
+
 
 def write_outputs(res: dict, out_dir: Path) -> None:
   U.write_json(out_dir / "passkey.json", res)
@@ -311,38 +408,77 @@ def markdown(res: dict) -> str:
   r = res.get("recipe", {})
   comps = [res[m].get("competence", r.get("competence")) for m in methods]
   base_comp = max(set(comps), key=comps.count) if comps else r.get("competence")
-  head = (f"`python -m {MODULE}` (each method's exact command and commit are in passkey.json): byte LMs ({r.get('layers')} layers, d_model {r.get('d_model')}, "
-          f"{r.get('heads')} heads) trained at L={L}, batch {r.get('batch_size')} rows ({r.get('passkey_rows')} passkey "
-          f"prompts + text), answer tokens weighted x{r.get('answer_weight')}, lr {r.get('lr')} (end ratio "
-          f"{r.get('min_lr_ratio')}); trained in stages of "
-          f"{r.get('stage_steps')} steps until validation exact match at 1x >= {base_comp} (unless noted) or "
-          f"each method's max_steps (in passkey.json). Test: greedy exact match, {res.get('n_eval')} prompts per (length, depth) cell, "
-          f"seed {r.get('seed')}, {res['meta']['machine']['cpu_count']} CPU cores. \"train min\" is wall time on a "
-          f"shared machine (load average {res['meta'].get('load_avg_1_5_15min', ['?'])[-1]} at the end).\n\n")
+  head = (
+    f"`python -m {MODULE}` (each method's exact command and commit are in passkey.json): byte LMs ({r.get('layers')} layers, d_model {r.get('d_model')}, "
+    f"{r.get('heads')} heads) trained at L={L}, batch {r.get('batch_size')} rows ({r.get('passkey_rows')} passkey "
+    f"prompts + text), answer tokens weighted x{r.get('answer_weight')}, lr {r.get('lr')} (end ratio "
+    f"{r.get('min_lr_ratio')}); trained in stages of "
+    f"{r.get('stage_steps')} steps until validation exact match at 1x >= {base_comp} (unless noted) or "
+    f"each method's max_steps (in passkey.json). Test: greedy exact match, {res.get('n_eval')} prompts per (length, depth) cell, "
+    f"seed {r.get('seed')}, {res['meta']['machine']['cpu_count']} CPU cores. \"train min\" is wall time on a "
+    f"shared machine (load average {res['meta'].get('load_avg_1_5_15min', ['?'])[-1]} at the end).\n\n"
+  )
   rows = []
   for m in methods:
     e = res[m]
-    rows.append([m, e["steps"], f"{e['train_wall_s'] / 60:.1f}", ("yes" if e["competent_1x"] else "**no**")
-                + (f" (>= {e['competence']:g})" if e.get("competence", base_comp) != base_comp else ""),
-                 *[_f(e[str(k)]) for k in MULTIPLES]])
+    rows.append(
+      [
+        m,
+        e["steps"],
+        f"{e['train_wall_s'] / 60:.1f}",
+        ("yes" if e["competent_1x"] else "**no**")
+        + (f" (>= {e['competence']:g})" if e.get("competence", base_comp) != base_comp else ""),
+        *[_f(e[str(k)]) for k in MULTIPLES],
+      ]
+    )
   table = U.md_table(["method", "steps", "train min", "competent at 1x", *[f"{k}x ({k * L})" for k in MULTIPLES]], rows)
   fam = {}
   for m in methods:  # best of each family by the mean over lengths
     f = FAMILY[m]
     if f not in fam or _mean_acc(res[m]) > _mean_acc(res[fam[f]]):
       fam[f] = m
-  best = "Best of each family (mean over lengths): " + ", ".join(
-      f"{f}: `{m}` (8x {_f(res[m]['8'])})" for f, m in fam.items()) + ".\n"
-  depth_rows = [[m, f"{k}x", *[_f(res[m]["by_depth"][str(k)][str(d)]) for d in DEPTHS]]
-                for m in methods for k in MULTIPLES]
+  best = (
+    "Best of each family (mean over lengths): "
+    + ", ".join(f"{f}: `{m}` (8x {_f(res[m]['8'])})" for f, m in fam.items())
+    + ".\n"
+  )
+  depth_rows = [
+    [m, f"{k}x", *[_f(res[m]["by_depth"][str(k)][str(d)]) for d in DEPTHS]] for m in methods for k in MULTIPLES
+  ]
   depth = U.md_table(["method", "length", *[f"depth {d}%" for d in DEPTHS]], depth_rows, "ll" + "r" * len(DEPTHS))
-  stages = U.md_table(["method", "validation exact match / digit accuracy at 1x after each stage (steps: exact / digits)"],
-                      [[m, ", ".join(f"{k}{' (lr cooled to 0)' if v.get('cooldown') else ''}: {v['exact']:.2f} / {v['digit']:.2f}" for k, v in res[m]["val_history"].items())]
-                       for m in methods if res[m].get("val_history")], "ll")
-  note = ("\nA method not competent at 1x has no retrieval to extrapolate: its longer-length numbers say nothing "
-          "about extrapolation.\n" if not all(res[m]["competent_1x"] for m in methods) else "")
-  return (head + table + "\n" + best + note + "\nWhat it took (train to competence):\n\n" + stages
-          + "\n<details><summary>by depth</summary>\n\n" + depth + "\n</details>\n")
+  stages = U.md_table(
+    ["method", "validation exact match / digit accuracy at 1x after each stage (steps: exact / digits)"],
+    [
+      [
+        m,
+        ", ".join(
+          f"{k}{' (lr cooled to 0)' if v.get('cooldown') else ''}: {v['exact']:.2f} / {v['digit']:.2f}"
+          for k, v in res[m]["val_history"].items()
+        ),
+      ]
+      for m in methods
+      if res[m].get("val_history")
+    ],
+    "ll",
+  )
+  note = (
+    "\nA method not competent at 1x has no retrieval to extrapolate: its longer-length numbers say nothing "
+    "about extrapolation.\n"
+    if not all(res[m]["competent_1x"] for m in methods)
+    else ""
+  )
+  return (
+    head
+    + table
+    + "\n"
+    + best
+    + note
+    + "\nWhat it took (train to competence):\n\n"
+    + stages
+    + "\n<details><summary>by depth</summary>\n\n"
+    + depth
+    + "\n</details>\n"
+  )
 
 
 def _f(x) -> str:
@@ -360,8 +496,12 @@ def heatmap(res: dict, method: str, path: Path) -> None:
   import matplotlib.pyplot as plt
 
   L, e = res["train_length"], res[method]
-  a = np.array([[np.nan if e["by_depth"][str(k)][str(d)] is None else e["by_depth"][str(k)][str(d)]
-                 for k in MULTIPLES] for d in DEPTHS])  # [depth, multiple]
+  a = np.array(
+    [
+      [np.nan if e["by_depth"][str(k)][str(d)] is None else e["by_depth"][str(k)][str(d)] for k in MULTIPLES]
+      for d in DEPTHS
+    ]
+  )  # [depth, multiple]
   fig, ax = plt.subplots(figsize=(4.2, 3.4))
   im = ax.imshow(a, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
   for i in range(len(DEPTHS)):
@@ -381,6 +521,7 @@ def heatmap(res: dict, method: str, path: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 # The accelerator recipe (documented, not run)
 # ------------------------------------------------------------------------------------------------
+
 
 def base110m_recipe() -> str:
   from fpa_jax.configs import get_config
@@ -418,13 +559,26 @@ command  :
 # CLI
 # ------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
-                  help="fox = FoX paper init (gate bias 0), fox_b5 = weak-decay init (bias 5), *_fox5 = fpa/stack started at fox_b5")
-  ap.add_argument("--scale", choices=["cpu", "base110m"], default="cpu",
-                  help="base110m: print the accelerator recipe (mesh, batch, steps, time) and exit")
+  ap = argparse.ArgumentParser(
+    prog=f"python -m {MODULE}",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  ap.add_argument(
+    "--methods",
+    nargs="+",
+    default=list(METHODS),
+    choices=list(METHODS),
+    help="fox = FoX paper init (gate bias 0), fox_b5 = weak-decay init (bias 5), *_fox5 = fpa/stack started at fox_b5",
+  )
+  ap.add_argument(
+    "--scale",
+    choices=["cpu", "base110m"],
+    default="cpu",
+    help="base110m: print the accelerator recipe (mesh, batch, steps, time) and exit",
+  )
   ap.add_argument("--train-len", type=int, default=512)
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--d-model", type=int, default=128)
@@ -436,14 +590,22 @@ def parse_args(argv=None):
   ap.add_argument("--prompt-weight", type=float, default=1.0, help="loss weight of the prompt's own next tokens")
   ap.add_argument("--lr", type=float, default=2e-3)
   ap.add_argument("--warmup", type=int, default=50)
-  ap.add_argument("--min-lr-ratio", type=float, default=1.0,
-                  help="cosine end lr / lr; 1 (default) = constant lr after warmup, so a run extends exactly")
+  ap.add_argument(
+    "--min-lr-ratio",
+    type=float,
+    default=1.0,
+    help="cosine end lr / lr; 1 (default) = constant lr after warmup, so a run extends exactly",
+  )
   ap.add_argument("--max-steps", type=int, default=1500, help="also the cosine horizon (moot at --min-lr-ratio 1)")
   ap.add_argument("--stage-steps", type=int, default=300)
   ap.add_argument("--ckpt-every", type=int, default=100)
   ap.add_argument("--competence", type=float, default=0.9, help="1x validation exact match that ends training")
-  ap.add_argument("--cooldown-steps", type=int, default=0,
-                  help="after the last stage, this many more steps with the lr decaying linearly to 0 (WSD)")
+  ap.add_argument(
+    "--cooldown-steps",
+    type=int,
+    default=0,
+    help="after the last stage, this many more steps with the lr decaying linearly to 0 (WSD)",
+  )
   ap.add_argument("--n-val", type=int, default=40, help="validation prompts at 1x (spread over depths)")
   ap.add_argument("--n-eval", type=int, default=20, help="test prompts per (length, depth) cell")
   ap.add_argument("--multiples", type=int, nargs="+", default=list(MULTIPLES))
@@ -467,8 +629,9 @@ def main(argv=None) -> dict | None:
     if res is None:
       raise SystemExit(f"{args.out_dir}/passkey.json not found: run python -m {MODULE} first")
     for m in (m for m in METHODS if m in res):  # the config each run started with (see _common.init_config)
-      res[m]["config"] = U.init_config(U.ROOT / res[m]["workdir"] if not os.path.isabs(res[m]["workdir"])
-                                       else res[m]["workdir"], res[m].get("config"))
+      res[m]["config"] = U.init_config(
+        U.ROOT / res[m]["workdir"] if not os.path.isabs(res[m]["workdir"]) else res[m]["workdir"], res[m].get("config")
+      )
     write_outputs(res, Path(args.out_dir))
     return res
   log = lambda s: print(s, file=sys.stderr, flush=True)
@@ -477,8 +640,7 @@ def main(argv=None) -> dict | None:
   res = U.read_json(out_dir / "passkey.json", {})
   if res.get("train_length") != args.train_len or res.get("recipe", {}).get("tag") != run_tag(args):
     res = {}  # another study's results: start over rather than mix recipes
-  res.update({"train_length": args.train_len, "recipe": {**recipe(args), "tag": run_tag(args)},
-              "n_eval": args.n_eval})
+  res.update({"train_length": args.train_len, "recipe": {**recipe(args), "tag": run_tag(args)}, "n_eval": args.n_eval})
   for method in args.methods:
     tm = time.perf_counter()
     tr = train_to_competence(method, args, log)
@@ -487,12 +649,19 @@ def main(argv=None) -> dict | None:
     for k in MULTIPLES:  # cells not evaluated (a --multiples subset) are recorded as None
       ev.setdefault(str(k), None)
       ev["by_depth"].setdefault(str(k), {str(d): None for d in DEPTHS})
-    res[method] = {**ev, **tr, "max_steps": args.max_steps, "eval_wall_s": round(time.perf_counter() - te, 1),
-                   "wall_s": round(time.perf_counter() - tm, 1), "command": U.command(MODULE, argv),
-                   "commit": U.git_commit()}
+    res[method] = {
+      **ev,
+      **tr,
+      "max_steps": args.max_steps,
+      "eval_wall_s": round(time.perf_counter() - te, 1),
+      "wall_s": round(time.perf_counter() - tm, 1),
+      "command": U.command(MODULE, argv),
+      "commit": U.git_commit(),
+    }
     log(f"[passkey] {method}: " + ", ".join(f"{k}x {ev[str(k)]}" for k in args.multiples))
-    res["meta"] = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, seeds=[args.seed],
-                             methods_this_run=args.methods)
+    res["meta"] = U.run_meta(
+      MODULE, argv, wall_s=time.perf_counter() - t0, seeds=[args.seed], methods_this_run=args.methods
+    )
     disk = U.read_json(out_dir / "passkey.json", {})  # merge: another invocation may have added methods
     if disk.get("recipe", {}).get("tag") == run_tag(args):
       res = {**disk, **{k: v for k, v in res.items() if k not in METHODS or k in args.methods}}

@@ -28,10 +28,13 @@ from experiments import _common as U
 
 MODULE = "experiments.perplexity"
 METHODS = {
-    "fpa": {"attention": "fpa"},
-    "stack": {"attention": "stack"},
-    "fox": {"attention": "fox"},          # FoX paper init (gate bias 0)
-    "softmax": {"attention": "softmax"},  # RoPE
+  "fpa": {"attention": "fpa"},
+  "stack": {"attention": "stack"},
+  "fox": {"attention": "fox"},  # FoX paper init (gate bias 0)
+  "softmax": {"attention": "softmax"},  # RoPE
+  # FPA started exactly at FoX (FoX's log-sigmoid term in the increment, bias 5, the other read-outs
+  # small): the start that made FPA learn passkey retrieval (experiments.passkey)
+  "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0},
 }
 LN2 = math.log(2.0)
 
@@ -39,21 +42,39 @@ LN2 = math.log(2.0)
 def study_config(method: str, args, seed: int):
   from fpa_jax.configs import get_config
 
-  return get_config("small", n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, d_ff=0,
-                    seq_len=args.train_len, batch_size=args.batch_size, block_size=args.block_size, steps=args.steps,
-                    lr=args.lr, warmup_steps=args.warmup, min_lr_ratio=0.1, task="text", data_dir=args.data_dir,
-                    small_data=args.small_data, tokenizer="bytes", vocab_size=259, seed=seed, log_every=10,
-                    ckpt_every=args.ckpt_every, **METHODS[method])
+  return get_config(
+    "small",
+    n_layers=args.layers,
+    d_model=args.d_model,
+    n_heads=args.heads,
+    d_ff=0,
+    seq_len=args.train_len,
+    batch_size=args.batch_size,
+    block_size=args.block_size,
+    steps=args.steps,
+    lr=args.lr,
+    warmup_steps=args.warmup,
+    min_lr_ratio=0.1,
+    task="text",
+    data_dir=args.data_dir,
+    small_data=args.small_data,
+    tokenizer="bytes",
+    vocab_size=259,
+    seed=seed,
+    log_every=10,
+    ckpt_every=args.ckpt_every,
+    **METHODS[method],
+  )
 
 
 def run_tag(args) -> str:
-  return args.tag or (f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}_lr{args.lr:g}"
-                      f"_T{args.steps}")
+  return args.tag or (f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}_lr{args.lr:g}_T{args.steps}")
 
 
 # ------------------------------------------------------------------------------------------------
 # Held-out evaluation
 # ------------------------------------------------------------------------------------------------
+
 
 def heldout_batches(args) -> list[dict]:
   """The fixed held-out stream: validation rows packed at L (as in training), up to `eval_tokens`
@@ -61,13 +82,23 @@ def heldout_batches(args) -> list[dict]:
   from fpa_jax.data import ByteTokenizer, make_pipeline
 
   eos = ByteTokenizer().eos_id
-  p = make_pipeline("text", "validation", data_dir=args.data_dir, seq_len=args.train_len, batch_size=args.eval_batch,
-                    small=args.small_data, shuffle=False, num_epochs=1, process_index=0, process_count=1)
+  p = make_pipeline(
+    "text",
+    "validation",
+    data_dir=args.data_dir,
+    seq_len=args.train_len,
+    batch_size=args.eval_batch,
+    small=args.small_data,
+    shuffle=False,
+    num_epochs=1,
+    process_index=0,
+    process_count=1,
+  )
   out, n = [], 0
   for b in p:
     if len(b["inputs"]) < args.eval_batch:  # last partial batch: pad (fixed shape, one compile)
       b = {k: np.concatenate([v, np.zeros((args.eval_batch - len(v),) + v.shape[1:], v.dtype)]) for k, v in b.items()}
-    mask = (b["loss_mask"] > 0) & (b["targets"] != eos)   # bytes only: bits per *byte*
+    mask = (b["loss_mask"] > 0) & (b["targets"] != eos)  # bytes only: bits per *byte*
     out.append({"inputs": b["inputs"], "targets": b["targets"], "segment_ids": b["segment_ids"], "mask": mask})
     n += int(mask.sum())
     if n >= args.eval_tokens:
@@ -127,11 +158,11 @@ def loss_by_position(nll, docs: np.ndarray, bucket: int, batch: int) -> list[flo
   inputs, targets = docs[:, :-1], docs[:, 1:]
   ce = []
   for i in range(0, len(docs), batch):
-    x, y = inputs[i:i + batch], targets[i:i + batch]
+    x, y = inputs[i : i + batch], targets[i : i + batch]
     pad = batch - len(x)  # fixed batch shape
     x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, ((0, pad), (0, 0)))
-    ce.append(np.asarray(nll(x, y, None))[:len(x) - pad])
-  ce = np.concatenate(ce)                                              # [N, T]
+    ce.append(np.asarray(nll(x, y, None))[: len(x) - pad])
+  ce = np.concatenate(ce)  # [N, T]
   t = ce.shape[1]
   return [float(v) for v in ce[:, : t // bucket * bucket].reshape(len(ce), -1, bucket).mean(axis=(0, 2))]
 
@@ -140,12 +171,15 @@ def loss_by_position(nll, docs: np.ndarray, bucket: int, batch: int) -> list[flo
 # Outputs
 # ------------------------------------------------------------------------------------------------
 
+
 def summarise(res: dict) -> dict:
   """Per-method means, and each method's mean bpb relative to FoX's."""
   out = {}
   for m in (m for m in METHODS if m in res):
-    out[m] = {"bpb_mean": float(np.mean(res[m]["bpb"])),
-              "bpb_std": float(np.std(res[m]["bpb"], ddof=1)) if len(res[m]["bpb"]) > 1 else 0.0}
+    out[m] = {
+      "bpb_mean": float(np.mean(res[m]["bpb"])),
+      "bpb_std": float(np.std(res[m]["bpb"], ddof=1)) if len(res[m]["bpb"]) > 1 else 0.0,
+    }
   if "fox" in out:
     for m in out:
       out[m]["vs_fox"] = out[m]["bpb_mean"] / out["fox"]["bpb_mean"] - 1.0
@@ -160,29 +194,53 @@ def markdown(res: dict) -> str:
   buckets = res["position_buckets"]
   # Position columns: within L, then the last bucket before 2L, 4L, 8L.
   cols = [i for i, (a, b) in enumerate(buckets) if b in (L, 2 * L, 4 * L, 8 * L)]
-  head = (f"`python -m {MODULE}` (each method's exact command and commit are in perplexity.json): byte LMs ({r['layers']} layers, d_model {r['d_model']}, {r['heads']} heads), "
-          f"L={L}, batch {r['batch_size']}, {r['steps']} steps, lr {r['lr']} (cosine), seeds {r['seeds']}; held-out "
-          f"bits per byte on {res['eval_tokens']} `fpa_text` validation bytes; loss by position on "
-          f"{res['pos_docs']} validation documents read from their start to {res['pos_multiple']}L. \"train min\" is "
-          f"wall time on a shared {res['meta']['machine']['cpu_count']}-core machine (load average "
-          f"{res['meta'].get('load_avg_1_5_15min', ['?'])[-1]} at the end).\n\n")
+  head = (
+    f"`python -m {MODULE}` (each method's exact command and commit are in perplexity.json): byte LMs ({r['layers']} layers, d_model {r['d_model']}, {r['heads']} heads), "
+    f"L={L}, batch {r['batch_size']}, {r['steps']} steps, lr {r['lr']} (cosine), seeds {r['seeds']}; held-out "
+    f"bits per byte on {res['eval_tokens']} `fpa_text` validation bytes; loss by position on "
+    f"{res['pos_docs']} validation documents read from their start to {res['pos_multiple']}L. \"train min\" is "
+    f"wall time on a shared {res['meta']['machine']['cpu_count']}-core machine (load average "
+    f"{res['meta'].get('load_avg_1_5_15min', ['?'])[-1]} at the end).\n\n"
+  )
   rows = []
   for m in (m for m in METHODS if m in res):
     e = res[m]
-    rows.append([m, len(e["bpb"]), U.mean_std(e["bpb"]), f"{100 * s[m].get('vs_fox', float('nan')):+.2f}%",
-                 " / ".join(f"{100 * d:+.1f}%" for d in s[m].get("vs_fox_paired", [])),
-                 " / ".join(f"{x:.4f}" for x in e["bpb"]), f"{np.mean(e['train_wall_s']) / 60:.1f}",
-                 *[f"{e['by_position'][i] / LN2:.3f}" for i in cols]])
-  table = U.md_table(["method", "seeds", "bpb (mean ± std)", "vs FoX", "vs FoX per seed (paired)", "bpb per seed", "train min / run",
-                      *[f"bits/byte @ {buckets[i][0]}-{buckets[i][1]}" for i in cols]], rows)
+    rows.append(
+      [
+        m,
+        len(e["bpb"]),
+        U.mean_std(e["bpb"]),
+        f"{100 * s[m].get('vs_fox', float('nan')):+.2f}%",
+        " / ".join(f"{100 * d:+.1f}%" for d in s[m].get("vs_fox_paired", [])),
+        " / ".join(f"{x:.4f}" for x in e["bpb"]),
+        f"{np.mean(e['train_wall_s']) / 60:.1f}",
+        *[f"{e['by_position'][i] / LN2:.3f}" for i in cols],
+      ]
+    )
+  table = U.md_table(
+    [
+      "method",
+      "seeds",
+      "bpb (mean ± std)",
+      "vs FoX",
+      "vs FoX per seed (paired)",
+      "bpb per seed",
+      "train min / run",
+      *[f"bits/byte @ {buckets[i][0]}-{buckets[i][1]}" for i in cols],
+    ],
+    rows,
+  )
   claim = ""
   if "fpa" in s and "fox" in s:
     d = s["fpa"]["vs_fox"]
     pair = s["fpa"].get("vs_fox_paired", [])
-    claim = (f"\nClaim \"FPA within 2% of FoX\": FPA's mean bpb is {100 * d:+.2f}% vs FoX "
-             f"({'within' if abs(d) <= 0.02 else 'NOT within'} 2%; seed std FPA {s['fpa']['bpb_std']:.4f}, "
-             f"FoX {s['fox']['bpb_std']:.4f}; paired per seed " + ", ".join(f"{100 * x:+.1f}%" for x in pair)
-             + f"). At {r['steps']} steps these models are far from converged: this compares early training.\n")
+    claim = (
+      f"\nClaim \"FPA within 2% of FoX\": FPA's mean bpb is {100 * d:+.2f}% vs FoX "
+      f"({'within' if abs(d) <= 0.02 else 'NOT within'} 2%; seed std FPA {s['fpa']['bpb_std']:.4f}, "
+      f"FoX {s['fox']['bpb_std']:.4f}; paired per seed "
+      + ", ".join(f"{100 * x:+.1f}%" for x in pair)
+      + f"). At {r['steps']} steps these models are far from converged: this compares early training.\n"
+    )
   return head + table + claim
 
 
@@ -196,7 +254,7 @@ def plot(res: dict, path: Path) -> None:
   mid = [(a + b) / 2 for a, b in res["position_buckets"]]
   fig, ax = plt.subplots(figsize=(6, 3.6))
   for m in (m for m in METHODS if m in res):
-    per = np.asarray(res[m]["by_position_seeds"]) / LN2                 # [seeds, buckets]
+    per = np.asarray(res[m]["by_position_seeds"]) / LN2  # [seeds, buckets]
     ax.plot(mid, per.mean(0), label=f"{m} ({len(per)} seeds)")
     ax.fill_between(mid, per.min(0), per.max(0), alpha=0.2)
   for k in (1, 2, 4):
@@ -246,13 +304,21 @@ command  : python -m fpa_jax.train --config base110m --attention {{fpa,stack,fox
 # CLI
 # ------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(
+    prog=f"python -m {MODULE}",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  ap.add_argument("--scale", choices=["cpu", "base110m"], default="cpu",
-                  help="base110m: print the accelerator recipe (mesh, batch, steps, time) and exit")
+  ap.add_argument(
+    "--scale",
+    choices=["cpu", "base110m"],
+    default="cpu",
+    help="base110m: print the accelerator recipe (mesh, batch, steps, time) and exit",
+  )
   ap.add_argument("--train-len", type=int, default=256)
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--d-model", type=int, default=128)
@@ -299,9 +365,18 @@ def main(argv=None) -> dict | None:
   docs = long_documents(args)
   T = docs.shape[1] - 1
   buckets = [(a, min(a + args.pos_bucket, T)) for a in range(0, T, args.pos_bucket)]
-  recipe = {"tag": tag, "train_length": args.train_len, "layers": args.layers, "d_model": args.d_model,
-            "heads": args.heads, "batch_size": args.batch_size, "steps": args.steps, "lr": args.lr,
-            "warmup": args.warmup, "seeds": args.seeds}
+  recipe = {
+    "tag": tag,
+    "train_length": args.train_len,
+    "layers": args.layers,
+    "d_model": args.d_model,
+    "heads": args.heads,
+    "batch_size": args.batch_size,
+    "steps": args.steps,
+    "lr": args.lr,
+    "warmup": args.warmup,
+    "seeds": args.seeds,
+  }
   for method in args.methods:
     entry = {"bpb": [], "by_position_seeds": [], "train_wall_s": [], "workdirs": [], "final_train_loss": []}
     for seed in args.seeds:
@@ -315,16 +390,25 @@ def main(argv=None) -> dict | None:
       entry["final_train_loss"].append(tr["history"][-1]["loss"] if tr["history"] else None)
       log(f"[perplexity] {method} seed {seed}: bpb {entry['bpb'][-1]:.4f}, train wall {tr['train_wall_s']:.0f} s")
     entry["by_position"] = np.mean(entry["by_position_seeds"], axis=0).tolist()
-    entry.update(seeds=args.seeds, config=tr["init_config"], command=U.command(MODULE, argv),
-                 commit=U.git_commit())
+    entry.update(seeds=args.seeds, config=tr["init_config"], command=U.command(MODULE, argv), commit=U.git_commit())
     res = U.read_json(out_dir / "perplexity.json", {})  # merge with methods other invocations wrote
     if res.get("recipe", {}).get("tag") != tag:
       res = {}
-    res.update({method: entry, "recipe": recipe, "train_length": args.train_len, "eval_tokens": args.eval_tokens,
-                "pos_docs": len(docs), "pos_multiple": args.pos_multiple, "position_buckets": buckets,
-                "by_position_unit": "nats per byte, mean over documents in each bucket [start, end)",
-                "meta": U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, seeds=args.seeds,
-                                   methods_this_run=args.methods)})
+    res.update(
+      {
+        method: entry,
+        "recipe": recipe,
+        "train_length": args.train_len,
+        "eval_tokens": args.eval_tokens,
+        "pos_docs": len(docs),
+        "pos_multiple": args.pos_multiple,
+        "position_buckets": buckets,
+        "by_position_unit": "nats per byte, mean over documents in each bucket [start, end)",
+        "meta": U.run_meta(
+          MODULE, argv, wall_s=time.perf_counter() - t0, seeds=args.seeds, methods_this_run=args.methods
+        ),
+      }
+    )
     write_outputs(res, out_dir)
   return U.read_json(out_dir / "perplexity.json")
 

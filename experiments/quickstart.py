@@ -64,8 +64,12 @@ class ScopesLM:
     self.n += 1
     toks = np.stack([scopes.generate(rng, self.cfg)["tokens"] for _ in range(self.batch_size)])
     mask = 1.0 + (self.w - 1.0) * np.stack([scopes.loss_mask(t) for t in toks])
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones_like(toks[:, :-1]),
-            "loss_mask": mask.astype(np.float32)}
+    return {
+      "inputs": toks[:, :-1],
+      "targets": toks[:, 1:],
+      "segment_ids": np.ones_like(toks[:, :-1]),
+      "loss_mask": mask.astype(np.float32),
+    }
 
   def get_state(self) -> dict:
     return {"n": self.n}
@@ -86,20 +90,40 @@ def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tu
   toks = np.stack([scopes.generate(rng, cfg)["tokens"] for _ in range(n)])
   is_q = toks[:, :-1] == scopes.QUERY
   rows = []
-  for name, kw in [("full", dict(policy="full")), ("fpa ε=0.01", dict(policy="fpa", tolerance=1e-2)),
-                   ("fpa_threshold τ=8", dict(policy="fpa_threshold", threshold=8.0)),
-                   ("fpa_budget 25%", dict(policy="fpa_budget", budget=0.25)),
-                   ("window 25%", dict(policy="window", budget=0.25)),
-                   ("fpa_budget 12.5%", dict(policy="fpa_budget", budget=0.125)),
-                   ("window 12.5%", dict(policy="window", budget=0.125))]:
+  for name, kw in [
+    ("full", dict(policy="full")),
+    ("fpa ε=0.01", dict(policy="fpa", tolerance=1e-2)),
+    ("fpa_threshold τ=8", dict(policy="fpa_threshold", threshold=8.0)),
+    ("fpa_budget 25%", dict(policy="fpa_budget", budget=0.25)),
+    ("window 25%", dict(policy="window", budget=0.25)),
+    ("fpa_budget 12.5%", dict(policy="fpa_budget", budget=0.125)),
+    ("window 12.5%", dict(policy="window", budget=0.125)),
+  ]:
     logits, st = cached_logits(model, toks, **kw)
     pred = np.argmax(np.asarray(logits)[:, :-1], -1)
     acc = float((pred == toks[:, 1:])[is_q].mean())
-    rows.append({"policy": name, "query_accuracy": acc, "cache_fraction": st["cache_fraction"],
-                 "kept_fraction_mean": st["kept_fraction_mean"], "lost_mass_max": st["lost_mass_max"]})
-  md = md_table(["policy", "query accuracy", "peak keys held / seq", "mean kept / seen", "max lost mass"],
-                [[r["policy"], f"{r['query_accuracy']:.3f}", f"{r['cache_fraction']:.3f}",
-                  f"{r['kept_fraction_mean']:.3f}", f"{r['lost_mass_max']:.2g}"] for r in rows])
+    rows.append(
+      {
+        "policy": name,
+        "query_accuracy": acc,
+        "cache_fraction": st["cache_fraction"],
+        "kept_fraction_mean": st["kept_fraction_mean"],
+        "lost_mass_max": st["lost_mass_max"],
+      }
+    )
+  md = md_table(
+    ["policy", "query accuracy", "peak keys held / seq", "mean kept / seen", "max lost mass"],
+    [
+      [
+        r["policy"],
+        f"{r['query_accuracy']:.3f}",
+        f"{r['cache_fraction']:.3f}",
+        f"{r['kept_fraction_mean']:.3f}",
+        f"{r['lost_mass_max']:.2g}",
+      ]
+      for r in rows
+    ],
+  )
   return rows, md
 
 
@@ -123,40 +147,72 @@ def main(argv=None) -> int:
   print("\n".join(live_keys_demo()))
 
   from experiments import live_sets
-  print(f"\n2) One attention head per method, trained to attend to the live keys of nested scopes "
-        f"({a.seeds} seeds x {a.head_steps} steps; CPU):")
+
+  print(
+    f"\n2) One attention head per method, trained to attend to the live keys of nested scopes "
+    f"({a.seeds} seeds x {a.head_steps} steps; CPU):"
+  )
   small = dict(pool=128, n_eval=16) if a.small else dict(pool=512, n_eval=64)
-  res = live_sets.run("scopes", seeds=a.seeds, steps=a.head_steps, objectives=("mass",), out=None, figure=False,
-                      **small)
-  md_heads = live_sets.markdown(res, title=f"Task `scopes`, single head, d_model 16, T={live_sets.TRAIN_LEN}, "
-                                             f"{a.head_steps} steps, {a.seeds} seeds (`bash run.sh quickstart`).")
+  res = live_sets.run(
+    "scopes", seeds=a.seeds, steps=a.head_steps, objectives=("mass",), out=None, figure=False, **small
+  )
+  md_heads = live_sets.markdown(
+    res,
+    title=f"Task `scopes`, single head, d_model 16, T={live_sets.TRAIN_LEN}, "
+    f"{a.head_steps} steps, {a.seeds} seeds (`bash run.sh quickstart`).",
+  )
   print(md_heads)
   (out / "live_sets.md").write_text(md_heads)
 
-  print(f"3) The learned KV-cache rule: an FPA LM trained on nested-scope sequences ({a.lm_steps} steps), decoded\n"
-        "   token by token at 2x its training length with each cache policy:")
+  print(
+    f"3) The learned KV-cache rule: an FPA LM trained on nested-scope sequences ({a.lm_steps} steps), decoded\n"
+    "   token by token at 2x its training length with each cache policy:"
+  )
   from fpa_jax import configs as C
   from fpa_jax.train import train
+
   seq = 128
   data = ScopesLM(seq_len=seq, batch_size=16)
-  cfg = C.get_config("small", attention="fpa", task="synthetic", d_model=64, n_layers=2, n_heads=2, d_ff=0,
-                     vocab_size=data.vocab_size, seq_len=seq, batch_size=16, block_size=32, steps=a.lm_steps,
-                     warmup_steps=20, lr=3e-3, log_every=50, ckpt_every=a.lm_steps)
+  cfg = C.get_config(
+    "small",
+    attention="fpa",
+    task="synthetic",
+    d_model=64,
+    n_layers=2,
+    n_heads=2,
+    d_ff=0,
+    vocab_size=data.vocab_size,
+    seq_len=seq,
+    batch_size=16,
+    block_size=32,
+    steps=a.lm_steps,
+    warmup_steps=20,
+    lr=3e-3,
+    log_every=50,
+    ckpt_every=a.lm_steps,
+  )
   run = train(cfg, workdir=os.path.join(a.workdir, "fpa_scopes_lm"), data=data)
   from flax import nnx
+
   model, _ = nnx.merge(run["graphdef"], run["state"])
   rows, md_cache = cached_decode_table(model, 2 * seq, n=4 if a.small else 16)
   print(md_cache)
   (out / "decode.md").write_text(md_cache)
-  summary = {"live_sets": res, "decode": rows, "lm_loss": run["history"][-1]["loss"] if run["history"] else None,
-             "wall_s": round(time.perf_counter() - t0, 1)}
+  summary = {
+    "live_sets": res,
+    "decode": rows,
+    "lm_loss": run["history"][-1]["loss"] if run["history"] else None,
+    "wall_s": round(time.perf_counter() - t0, 1),
+  }
   (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-  print(f"wrote {out}/ in {summary['wall_s']:.0f} s. The full studies:\n"
-        "  python -m experiments.live_sets --task all      # study 1: live-key sets, 5 seeds (+ --ablations)\n"
-        "  python -m experiments.passkey                   # study 2: passkey retrieval at 1x..8x\n"
-        "  python -m experiments.kv_compression            # study 3: passkey at 8x with a compressed cache\n"
-        "  python -m experiments.perplexity                # study 4: bits per byte, loss by position\n"
-        "  python -m experiments.report                    # README results from results/")
+  print(
+    f"wrote {out}/ in {summary['wall_s']:.0f} s. The full studies:\n"
+    "  python -m experiments.live_sets --task all      # study 1: live-key sets, 5 seeds (+ --ablations)\n"
+    "  python -m experiments.passkey                   # study 2: passkey retrieval at 1x..8x\n"
+    "  python -m experiments.kv_compression            # study 3: passkey at 8x with a compressed cache\n"
+    "  python -m experiments.perplexity                # study 4: bits per byte, loss by position\n"
+    "  python -m experiments.report                    # README results from results/"
+  )
   return 0
 
 

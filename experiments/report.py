@@ -33,6 +33,7 @@ def render(readme: str, root: Path = ROOT) -> str:
     src = root / m.group(2)
     body = src.read_text() if src.exists() else f"(not yet generated: run the script that writes {m.group(2)})\n"
     return m.group(1) + body + m.group(4)
+
   return BLOCK.sub(fill, readme)
 
 
@@ -56,44 +57,83 @@ def _passkey(doc) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.passkey`)"
   ms = [m for m in _methods(doc) if doc[m].get("8") is not None]
-  ok = [f"{m} {doc[m]['8']:.2f} (1x {doc[m]['1']:.2f}, {doc[m]['steps']} steps)" for m in ms if doc[m].get("competent_1x")]
+  ok = [
+    f"{m} {doc[m]['8']:.2f} (1x {doc[m]['1']:.2f}, {doc[m]['steps']} steps)" for m in ms if doc[m].get("competent_1x")
+  ]
   no = [m for m in ms if not doc[m].get("competent_1x")]
-  return (f"exact match at 8x L={doc['train_length']} of the models competent at 1x: " + ", ".join(ok)
-          + (f"; not competent at 1x within their step budget (no retrieval to extrapolate): {', '.join(no)}" if no else ""))
+  return (
+    f"exact match at 8x L={doc['train_length']} of the models competent at 1x: "
+    + ", ".join(ok)
+    + (f"; not competent at 1x within their step budget (no retrieval to extrapolate): {', '.join(no)}" if no else "")
+  )
 
 
-def _kv(doc) -> str:
+def _kv(doc, decode=None) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.kv_compression`)"
+  text = _kv_cells(doc)
+  if decode is not None:
+    text += (
+      f"; with every prompt token decoded under the policy ({decode['n_prompts']} prompts per cell): "
+      + _kv_cells(decode, ("fpa_budget", "window", "h2o"))
+    )
+  return text
+
+
+def _kv_cells(doc, policies=("fpa_budget", "window")) -> str:
   out = []
   for key, cell in sorted(doc["cells"].items()):
     model, policy = key.split("/")
-    if policy in ("fpa_budget", "window") and "0.25" in cell:
+    if policy in policies and "0.25" in cell:
       out.append(f"{model}/{policy} 25%: {cell['0.25']['accuracy']:.2f}")
     if policy == "fpa" and "tol" in cell:
-      out.append(f"{model}/fpa ε={doc['tolerance']:g}: {cell['tol']['accuracy']:.2f} at "
-                 f"{cell['tol']['cache_fraction']:.2f} of the cache")
+      out.append(
+        f"{model}/fpa ε={doc['tolerance']:g}: {cell['tol']['accuracy']:.2f} at "
+        f"{cell['tol']['cache_fraction']:.2f} of the cache"
+      )
   return f"exact match at {doc['multiple']}x (prefill {doc['prefill']}): " + "; ".join(out)
 
 
-def _ppl(doc) -> str:
+def _ppl(doc, long=None) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.perplexity`)"
+  text = _ppl_one(doc)
+  if long is not None:
+    text += "; trained longer: " + _ppl_one(long)
+  return text
+
+
+def _ppl_one(doc) -> str:
   bpb = {m: float(np.mean(doc[m]["bpb"])) for m in _methods(doc) if "bpb" in doc[m]}
   parts = [f"{m} {v:.3f} ({len(doc[m]['bpb'])} seeds)" for m, v in bpb.items()]
-  ratio = f"; fpa / fox = {bpb['fpa'] / bpb['fox']:.3f}" if "fpa" in bpb and "fox" in bpb else ""
-  return "held-out bits per byte: " + ", ".join(parts) + ratio
+  ratios = [f"{m} / fox = {bpb[m] / bpb['fox']:.3f}" for m in bpb if m.startswith("fpa") and "fox" in bpb]
+  return (
+    f"held-out bits per byte after {doc['recipe']['steps']} steps: "
+    + ", ".join(parts)
+    + (f" ({', '.join(ratios)})" if ratios else "")
+  )
 
 
 def claims_table(root: Path = ROOT) -> str:
   rows = [
-      ("Single-layer FPA heads converge to target live-key sets where softmax and FoX fail on every seed "
-       "(nested scopes)", _live_sets(_load(root, "scopes"), "scopes")),
-      ("... and on the general case (levels set per key, dips per token)", _live_sets(_load(root, "dips"), "dips")),
-      ("A 110M model retrieves a passkey perfectly at 8x its training length, the only one of the methods",
-       _passkey(_load(root, "passkey"))),
-      ("... and keeps that with the KV cache compressed to ~25%", _kv(_load(root, "kv_compression"))),
-      ("Perplexity on par with FoX (within 2%)", _ppl(_load(root, "perplexity"))),
+    (
+      "Single-layer FPA heads converge to target live-key sets where softmax and FoX fail on every seed "
+      "(nested scopes)",
+      _live_sets(_load(root, "scopes"), "scopes"),
+    ),
+    ("... and on the general case (levels set per key, dips per token)", _live_sets(_load(root, "dips"), "dips")),
+    (
+      "A 110M model retrieves a passkey perfectly at 8x its training length, the only one of the methods",
+      _passkey(_load(root, "passkey")),
+    ),
+    (
+      "... and keeps that with the KV cache compressed to ~25%",
+      _kv(_load(root, "kv_compression"), _load(root, "kv_compression_decode/kv_compression")),
+    ),
+    (
+      "Perplexity on par with FoX (within 2%)",
+      _ppl(_load(root, "perplexity"), _load(root, "perplexity_long/perplexity")),
+    ),
   ]
   lines = ["| claim (paper) | measured here (CPU scale; see each study's table) |", "|---|---|"]
   lines += [f"| {c} | {m} |" for c, m in rows]

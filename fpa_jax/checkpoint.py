@@ -29,13 +29,12 @@ class Checkpointer:
   def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(os.fspath(directory))
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
-        create=True,
-        enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True,  # drop leftovers of a crashed save on start
+      max_to_keep=keep,
+      create=True,
+      enable_async_checkpointing=async_save,
+      cleanup_tmp_directories=True,  # drop leftovers of a crashed save on start
     )
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data", "config"))
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -46,20 +45,26 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
     """Starts an (async) save; device->host copies finish before this returns, so the caller may
     donate `state` to the next step right away."""
-    self.manager.save(step, args=ocp.args.Composite(
+    self.manager.save(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(gather_process_states(data_state)),
         config=ocp.args.JsonSave(config),
-    ))
+      ),
+    )
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
     """-> (state sharded like `abstract_state`, this process's data iterator state, saved config
     dict); see `own_process_state` for a checkpoint of a different process count."""
-    out = self.manager.restore(step, args=ocp.args.Composite(
+    out = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
         data=ocp.args.JsonRestore(),
         config=ocp.args.JsonRestore(),
-    ))
+      ),
+    )
     return out["state"], own_process_state(out["data"], strict=False), out["config"]
 
   def saved_config(self, step: int) -> dict:
@@ -88,6 +93,7 @@ def gather_process_states(state: Any) -> dict:
   if n == 1:
     return {"per_process": {"0": state}}
   from jax.experimental import multihost_utils as mhu
+
   raw = np.frombuffer(json.dumps(state).encode(), np.uint8)
   lens = np.asarray(mhu.process_allgather(np.int64(raw.size))).reshape(n)
   buf = np.zeros(int(lens.max()), np.uint8)
@@ -107,6 +113,8 @@ def own_process_state(saved: Any, strict: bool = True) -> Any:
   if len(per) != jax.process_count():
     if not strict:
       return saved
-    raise ValueError(f"checkpoint holds data iterator states of {len(per)} processes but this job has "
-                     f"{jax.process_count()}; resume with the original number of processes")
+    raise ValueError(
+      f"checkpoint holds data iterator states of {len(per)} processes but this job has "
+      f"{jax.process_count()}; resume with the original number of processes"
+    )
   return per[str(jax.process_index())]

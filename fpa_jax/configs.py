@@ -116,35 +116,35 @@ class ModelConfig(_Part):
   d_model: int = 64
   n_layers: int = 2
   n_heads: int = 2
-  d_ff: int = 0                 # SwiGLU hidden dim; 0 -> round_up(8/3 * d_model, 64)
-  attention: str = "fpa"        # one of ATTENTIONS
-  attn_impl: str = "auto"       # one of ATTN_IMPLS; auto: pallas on TPU/GPU, chunked on CPU; quadratic for debugging
-  block_size: int = 0           # chunked tile size; 0 -> ops default (shrinks for short sequences)
-  rope: bool | None = None      # None -> RoPE for softmax only (FoX/FPA gates give position info)
+  d_ff: int = 0  # SwiGLU hidden dim; 0 -> round_up(8/3 * d_model, 64)
+  attention: str = "fpa"  # one of ATTENTIONS
+  attn_impl: str = "auto"  # one of ATTN_IMPLS; auto: pallas on TPU/GPU, chunked on CPU; quadratic for debugging
+  block_size: int = 0  # chunked tile size; 0 -> ops default (shrinks for short sequences)
+  rope: bool | None = None  # None -> RoPE for softmax only (FoX/FPA gates give position info)
   rope_theta: float = 10000.0
-  qk_norm: bool = False         # FoX "Pro": RMSNorm on q and k per head
-  output_gate: bool = False     # FoX "Pro": o = o * sigmoid(W_g x) per head before W_o
+  qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
+  output_gate: bool = False  # FoX "Pro": o = o * sigmoid(W_g x) per head before W_o
   tie_embeddings: bool = False
   norm_eps: float = 1e-6
   init_std: float = 0.02
   # gate parameterisation / init (see module docstring and fpa_jax.gates); exposed for ablations
-  gate_init_std: float = 0.02   # fox forget term: w_f ~ N(0, std) (FoX's init)
-  gate_bias_init: float = 0.0   # fox forget term: b_f (FoX's init: 0)
-  gate_forget: bool = False     # stack/fpa: add FoX's log-sigmoid term to the increment
-  gate_terms_override: str = "" # ablations: comma-separated read-outs from GATE_TERMS, replacing the default
-  step_scale: float = 10.0      # stack/fpa increment = step_scale * (w_s.x + b_s)
-  step_init_std: float = 1e-3   # > 0: a live gate at init (an all-zero gate gets no gradient; module docstring)
+  gate_init_std: float = 0.02  # fox forget term: w_f ~ N(0, std) (FoX's init)
+  gate_bias_init: float = 0.0  # fox forget term: b_f (FoX's init: 0)
+  gate_forget: bool = False  # stack/fpa: add FoX's log-sigmoid term to the increment
+  gate_terms_override: str = ""  # ablations: comma-separated read-outs from GATE_TERMS, replacing the default
+  step_scale: float = 10.0  # stack/fpa increment = step_scale * (w_s.x + b_s)
+  step_init_std: float = 1e-3  # > 0: a live gate at init (an all-zero gate gets no gradient; module docstring)
   step_bias_init: float = 0.0
   absolute_scale: float = 10.0  # fpa: field += absolute_scale * (w_a.x + b_a)
   absolute_init_std: float = 1e-3
-  offset_scale: float = 10.0    # fpa: level = field + offset_scale * (w_o.x + b_o)
+  offset_scale: float = 10.0  # fpa: level = field + offset_scale * (w_o.x + b_o)
   offset_init_std: float = 1e-3
   offset_bias_init: float = 0.0
-  dtype: str = "float32"        # compute dtype (bfloat16 for speed); params stay param_dtype
+  dtype: str = "float32"  # compute dtype (bfloat16 for speed); params stay param_dtype
   param_dtype: str = "float32"
   # layer stacking / rematerialisation (module docstring, "Depth"): neither changes the maths
-  scan_layers: bool = False     # blocks as one [n_layers, ...]-stacked Block run by nnx.scan
-  remat: str = "none"           # one of REMATS: what a block keeps for the backward pass
+  scan_layers: bool = False  # blocks as one [n_layers, ...]-stacked Block run by nnx.scan
+  remat: str = "none"  # one of REMATS: what a block keeps for the backward pass
 
   @property
   def model(self) -> ModelConfig:
@@ -169,8 +169,9 @@ class ModelConfig(_Part):
     if self.gate_terms_override and self.attention in GATED:
       return tuple(self.gate_terms_override.split(","))
     forget = ("forget",) if self.gate_forget else ()
-    return {"fox": ("forget",), "stack": forget + ("step",),
-            "fpa": forget + ("step", "absolute", "offset")}.get(self.attention, ())
+    return {"fox": ("forget",), "stack": forget + ("step",), "fpa": forget + ("step", "absolute", "offset")}.get(
+      self.attention, ()
+    )
 
   def validate(self) -> ModelConfig:
     """Static checks (no devices needed); raises ValueError naming the field and what to change."""
@@ -181,20 +182,26 @@ class ModelConfig(_Part):
     if self.attn_impl not in ATTN_IMPLS:
       raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use one of {ATTN_IMPLS}")
     if self.d_model % self.n_heads:
-      raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                       f"change one of them (e.g. --set n_heads={_divisor_hint(self.d_model, self.n_heads)})")
+      raise ValueError(
+        f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+        f"change one of them (e.g. --set n_heads={_divisor_hint(self.d_model, self.n_heads)})"
+      )
     if self.use_rope and self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}; change d_model or n_heads")
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in DTYPES:
         raise ValueError(f"{f}={getattr(self, f)!r}; use one of {DTYPES}")
     if self.remat not in REMATS:
-      raise ValueError(f"unknown remat policy {self.remat!r}; use one of {REMATS} "
-                       "('none' keeps every activation, 'full' only each block's input)")
+      raise ValueError(
+        f"unknown remat policy {self.remat!r}; use one of {REMATS} "
+        "('none' keeps every activation, 'full' only each block's input)"
+      )
     bad_terms = set(self.gate_terms) - set(GATE_TERMS)
     if bad_terms or (self.attention in GATED and not self.gate_terms):
-      raise ValueError(f"gate_terms_override={self.gate_terms_override!r}: use a comma-separated subset of "
-                       f"{GATE_TERMS}, e.g. 'step,offset'")
+      raise ValueError(
+        f"gate_terms_override={self.gate_terms_override!r}: use a comma-separated subset of "
+        f"{GATE_TERMS}, e.g. 'step,offset'"
+      )
     if self.block_size and self.attn_impl not in _ops_validate.BLOCKED:
       raise ValueError(f"block_size only applies to attn_impl in {_ops_validate.BLOCKED}; set block_size=0")
     return self
@@ -204,10 +211,22 @@ class ModelConfig(_Part):
 # or how its parameters started (a restore replaces them). Every other model field sets the
 # parameters' shapes, layout (scan_layers) or what they compute (scales, RoPE, norm eps), so
 # `fpa_jax.train` refuses to resume a checkpoint across it (`resume_fields`).
-FREE_ON_RESUME = frozenset({
-    "attn_impl", "block_size", "dtype", "remat",
-    "init_std", "gate_init_std", "gate_bias_init", "step_init_std", "step_bias_init",
-    "absolute_init_std", "offset_init_std", "offset_bias_init"})
+FREE_ON_RESUME = frozenset(
+  {
+    "attn_impl",
+    "block_size",
+    "dtype",
+    "remat",
+    "init_std",
+    "gate_init_std",
+    "gate_bias_init",
+    "step_init_std",
+    "step_bias_init",
+    "absolute_init_std",
+    "offset_init_std",
+    "offset_bias_init",
+  }
+)
 
 
 def resume_fields() -> tuple[str, ...]:
@@ -219,12 +238,12 @@ def resume_fields() -> tuple[str, ...]:
 class DataConfig(_Part):
   """What the model is trained on: `fpa_jax.data.make_pipeline`'s task, source and batch shape."""
 
-  task: str = "text"            # one of TASKS
+  task: str = "text"  # one of TASKS
   data_dir: str = "data"
-  tokenizer: str = "bytes"      # bytes | spm | spm:N (fpa_jax.data.tokenizers)
+  tokenizer: str = "bytes"  # bytes | spm | spm:N (fpa_jax.data.tokenizers)
   small_data: bool = False
   seq_len: int = 64
-  batch_size: int = 8           # global batch (sequences per optimizer step)
+  batch_size: int = 8  # global batch (sequences per optimizer step)
 
   @property
   def data(self) -> DataConfig:
@@ -243,26 +262,26 @@ class DataConfig(_Part):
 class TrainConfig(_Part):
   """The run: its preset name, optimisation (AdamW, lr schedule), loop cadence, mesh and seed."""
 
-  name: str = "base"            # the preset (CONFIGS key) the run started from
+  name: str = "base"  # the preset (CONFIGS key) the run started from
   # ---- optimisation ----
   steps: int = 100
   lr: float = 1e-3
-  min_lr_ratio: float = 0.1     # cosine decays to lr * min_lr_ratio
+  min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
   warmup_steps: int = 10
-  lr_decay_steps: int = 0       # cosine horizon; 0 -> `steps`. Fix it to extend runs exactly.
-  cooldown_steps: int = 0       # WSD: the last N of `steps` decay linearly to 0 (anneal a constant-lr run)
+  lr_decay_steps: int = 0  # cosine horizon; 0 -> `steps`. Fix it to extend runs exactly.
+  cooldown_steps: int = 0  # WSD: the last N of `steps` decay linearly to 0 (anneal a constant-lr run)
   b1: float = 0.9
   b2: float = 0.95
   weight_decay: float = 0.1
-  clip_norm: float = 1.0        # global-norm clipping; 0 disables
-  grad_accum: int = 1           # micro-batches per step (batch_size must divide)
-  seed: int = 0                 # parameter init and data order
+  clip_norm: float = 1.0  # global-norm clipping; 0 disables
+  grad_accum: int = 1  # micro-batches per step (batch_size must divide)
+  seed: int = 0  # parameter init and data order
   # ---- loop ----
-  mesh: str = ""                # e.g. "data=4,model=2"; "" -> all devices on data
+  mesh: str = ""  # e.g. "data=4,model=2"; "" -> all devices on data
   log_every: int = 10
   ckpt_every: int = 100
   keep_checkpoints: int = 3
-  eval_every: int = 0           # 0 disables periodic validation loss
+  eval_every: int = 0  # 0 disables periodic validation loss
   eval_batches: int = 4
 
   @property
@@ -317,9 +336,11 @@ class Config(TrainConfig, DataConfig, ModelConfig):
     data = mesh_sizes["data"]
     micro = self.batch_size // self.grad_accum
     if micro % data:
-      raise ValueError(f"batch_size/grad_accum = {self.batch_size}/{self.grad_accum} = {micro} sequences per "
-                       f"micro-batch is not divisible by the data axis ({data}); use a batch_size that is a "
-                       f"multiple of {data * self.grad_accum} or a smaller data axis in --mesh")
+      raise ValueError(
+        f"batch_size/grad_accum = {self.batch_size}/{self.grad_accum} = {micro} sequences per "
+        f"micro-batch is not divisible by the data axis ({data}); use a batch_size that is a "
+        f"multiple of {data * self.grad_accum} or a smaller data axis in --mesh"
+      )
 
 
 def _divisor_hint(d: int, h: int) -> int:
@@ -437,7 +458,9 @@ def parse_overrides(config_cls: type[Config], items: list[str]) -> dict[str, Any
     if not sep:
       raise ValueError(f"--set expects key=value, got {item!r}")
     if key not in hints or key.startswith("_"):
-      raise ValueError(f"unknown config field {key!r} in --set {item!r}; valid: {sorted(f.name for f in dataclasses.fields(config_cls))}")
+      raise ValueError(
+        f"unknown config field {key!r} in --set {item!r}; valid: {sorted(f.name for f in dataclasses.fields(config_cls))}"
+      )
     out[key] = _parse_value(hints[key], raw.strip(), key)
   return out
 

@@ -33,7 +33,8 @@ F32 = jnp.float32
 
 class GateParts(NamedTuple):
   """Per-token gate terms, each [B, T, H] fp32 or None (absent = 0)."""
-  increment: jax.Array          # forget + step: what the field accumulates
+
+  increment: jax.Array  # forget + step: what the field accumulates
   absolute: jax.Array | None
   offset: jax.Array | None
 
@@ -41,8 +42,7 @@ class GateParts(NamedTuple):
 class LinearReadout(nnx.Module):
   """scale * (x @ w + b): [B, T, D] -> [B, T, H] fp32. `w` [D, H], `b` [H]."""
 
-  def __init__(self, d: int, h: int, *, scale: float, init_std: float, bias_init: float, param_dtype,
-               rngs: nnx.Rngs):
+  def __init__(self, d: int, h: int, *, scale: float, init_std: float, bias_init: float, param_dtype, rngs: nnx.Rngs):
     part = lambda init, axes: nnx.with_partitioning(init, axes, eager_sharding=False)
     self.scale = float(scale)
     self.w = nnx.Param(part(nnx.initializers.normal(init_std), (EMBED, HEADS))(rngs.params(), (d, h), param_dtype))
@@ -58,17 +58,20 @@ class Gate(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     terms = cfg.gate_terms
     d, h, pdt = cfg.d_model, cfg.n_heads, jnp.dtype(cfg.param_dtype)
-    mk = lambda scale, std, bias: LinearReadout(d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt,
-                                                rngs=rngs)
+    mk = lambda scale, std, bias: LinearReadout(
+      d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt, rngs=rngs
+    )
     self.n_heads = h
-    self.forget: LinearReadout | None = (mk(1.0, cfg.gate_init_std, cfg.gate_bias_init)
-                                         if "forget" in terms else None)
-    self.step: LinearReadout | None = (mk(cfg.step_scale, cfg.step_init_std, cfg.step_bias_init)
-                                       if "step" in terms else None)
-    self.absolute: LinearReadout | None = (mk(cfg.absolute_scale, cfg.absolute_init_std, 0.0)
-                                           if "absolute" in terms else None)
-    self.offset: LinearReadout | None = (mk(cfg.offset_scale, cfg.offset_init_std, cfg.offset_bias_init)
-                                         if "offset" in terms else None)
+    self.forget: LinearReadout | None = mk(1.0, cfg.gate_init_std, cfg.gate_bias_init) if "forget" in terms else None
+    self.step: LinearReadout | None = (
+      mk(cfg.step_scale, cfg.step_init_std, cfg.step_bias_init) if "step" in terms else None
+    )
+    self.absolute: LinearReadout | None = (
+      mk(cfg.absolute_scale, cfg.absolute_init_std, 0.0) if "absolute" in terms else None
+    )
+    self.offset: LinearReadout | None = (
+      mk(cfg.offset_scale, cfg.offset_init_std, cfg.offset_bias_init) if "offset" in terms else None
+    )
 
   @property
   def is_fox(self) -> bool:
@@ -82,9 +85,11 @@ class Gate(nnx.Module):
       inc = inc + jax.nn.log_sigmoid(self.forget(x))
     if self.step is not None:
       inc = inc + self.step(x)
-    return GateParts(increment=jnp.asarray(inc, F32),
-                     absolute=None if self.absolute is None else self.absolute(x),
-                     offset=None if self.offset is None else self.offset(x))
+    return GateParts(
+      increment=jnp.asarray(inc, F32),
+      absolute=None if self.absolute is None else self.absolute(x),
+      offset=None if self.offset is None else self.offset(x),
+    )
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> (field, level), each [B, T, H] fp32 (the parallel path)."""
@@ -100,7 +105,7 @@ def field_level(parts: GateParts, carry: jax.Array | None = None) -> tuple[jax.A
   The penalty only depends on differences of field and level values, so the carry's absolute value
   never matters (packed segments may share one cumsum).
   """
-  cum = jnp.cumsum(parts.increment, axis=1)                                  # [B, T, H]
+  cum = jnp.cumsum(parts.increment, axis=1)  # [B, T, H]
   if carry is not None:
     cum = cum + carry[:, None, :]
   field = cum if parts.absolute is None else cum + parts.absolute

@@ -46,13 +46,24 @@ def main(argv=None) -> int:
   a = parse_args(argv)
   from fpa_jax.data.tokenizers import load_tokenizer
   from fpa_jax.inference import generate, load_model
+
   try:
     model, cfg = load_model(a.workdir)
     tok = load_tokenizer(cfg.tokenizer, a.data_dir or cfg.data_dir, small=cfg.small_data)
     prompts = [[tok.bos_id] + tok.encode(p) for p in a.prompt]
-    out, stats = generate(model, prompts, a.max_new_tokens, policy=a.policy, budget=a.budget, tolerance=a.tolerance,
-                          threshold=a.threshold, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
-                          prefill=a.prefill)
+    out, stats = generate(
+      model,
+      prompts,
+      a.max_new_tokens,
+      policy=a.policy,
+      budget=a.budget,
+      tolerance=a.tolerance,
+      threshold=a.threshold,
+      temperature=a.temperature,
+      top_k=a.top_k,
+      seed=a.seed,
+      prefill=a.prefill,
+    )
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -37,8 +37,7 @@ def _param(rngs, init, shape, axes, dtype):
 class RMSNorm(nnx.Module):
   """x / rms(x) * scale over the last dim, in fp32."""
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, axis_name: str | None = EMBED,
-               param_dtype=F32, rngs: nnx.Rngs):
+  def __init__(self, dim: int, *, eps: float = 1e-6, axis_name: str | None = EMBED, param_dtype=F32, rngs: nnx.Rngs):
     self.eps = eps
     self.scale = _param(rngs, nnx.initializers.ones, (dim,), (axis_name,), param_dtype)
 
@@ -61,9 +60,9 @@ def segment_positions(segment_ids: jax.Array | None, b: int, t: int) -> jax.Arra
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   """Rotary embedding (half-split convention). x [B, T, H, K], positions [B, T]."""
   k = x.shape[-1]
-  freq = theta ** (-jnp.arange(0, k // 2, dtype=F32) / (k // 2))           # [K/2]
-  ang = positions.astype(F32)[..., None] * freq                              # [B, T, K/2]
-  sin, cos = jnp.sin(ang)[:, :, None, :], jnp.cos(ang)[:, :, None, :]        # [B, T, 1, K/2]
+  freq = theta ** (-jnp.arange(0, k // 2, dtype=F32) / (k // 2))  # [K/2]
+  ang = positions.astype(F32)[..., None] * freq  # [B, T, K/2]
+  sin, cos = jnp.sin(ang)[:, :, None, :], jnp.cos(ang)[:, :, None, :]  # [B, T, 1, K/2]
   x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -71,8 +70,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class SwiGLU(nnx.Module):
   """W_down (silu(x W_gate) * (x W_up)); [B, T, D] -> [B, T, D]."""
 
-  def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, dtype, param_dtype,
-               rngs: nnx.Rngs):
+  def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs):
     self.dtype = dtype
     self.w_gate = _param(rngs, normal(init_std), (d_model, d_ff), (EMBED, MLP), param_dtype)
     self.w_up = _param(rngs, normal(init_std), (d_model, d_ff), (EMBED, MLP), param_dtype)
@@ -80,9 +78,9 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.dtype
-    g = constrain(x @ self.w_gate[...].astype(dt), BTF)                     # [B, T, F]
-    u = constrain(x @ self.w_up[...].astype(dt), BTF)                       # [B, T, F]
-    return (jax.nn.silu(g) * u) @ self.w_down[...].astype(dt)                # [B, T, D]
+    g = constrain(x @ self.w_gate[...].astype(dt), BTF)  # [B, T, F]
+    u = constrain(x @ self.w_up[...].astype(dt), BTF)  # [B, T, F]
+    return (jax.nn.silu(g) * u) @ self.w_down[...].astype(dt)  # [B, T, D]
 
 
 class FirstPassageAttention(nnx.Module):
@@ -118,8 +116,9 @@ class FirstPassageAttention(nnx.Module):
     mk_norm = lambda: RMSNorm(k, eps=cfg.norm_eps, axis_name=HEAD_DIM, param_dtype=pdt, rngs=rngs)
     self.q_norm: RMSNorm | None = mk_norm() if cfg.qk_norm else None
     self.k_norm: RMSNorm | None = mk_norm() if cfg.qk_norm else None
-    self.wg: nnx.Param | None = (_param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
-                                 if cfg.output_gate else None)
+    self.wg: nnx.Param | None = (
+      _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt) if cfg.output_gate else None
+    )
     self.gate: Gate | None = Gate(cfg, rngs=rngs) if cfg.gate_terms else None
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -172,12 +171,19 @@ class FirstPassageAttention(nnx.Module):
 
     return shard_local(local, args, axes, BTHK)
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               *, cache=None, attend=None):
+  def __call__(
+    self,
+    x: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    *,
+    cache=None,
+    attend=None,
+  ):
     cfg = self.cfg
     b, t, _ = x.shape
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
-    q, k, v = self.project(x, pos)                                           # [B, T, H, K]
+    q, k, v = self.project(x, pos)  # [B, T, H, K]
     if cache is not None:
       field, level, cum = self.field_level(x, cache.carry)
       o, cache = attend(cache, q, k, v, field, level, cum)
@@ -193,4 +199,4 @@ class FirstPassageAttention(nnx.Module):
     else:
       op, gates = ops.fpa_attention, tuple(constrain(a, BTH) for a in self.gate(x))
     o = self.parallel_attention(op, q, k, v, gates, segment_ids)
-    return self.output(o, x)                                                 # [B, T, D]
+    return self.output(o, x)  # [B, T, D]

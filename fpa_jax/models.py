@@ -34,9 +34,9 @@ from fpa_jax.sharding import BTD, BTV, EMBED, LAYERS, VOCAB, constrain
 
 # ModelConfig.remat -> what a block saves for the backward pass (everything else is recomputed).
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,                      # only the block input
-    "dots": jax.checkpoint_policies.dots_saveable,                         # every matmul output
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls only
+  "full": jax.checkpoint_policies.nothing_saveable,  # only the block input
+  "dots": jax.checkpoint_policies.dots_saveable,  # every matmul output
+  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls only
 }
 _LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}  # the stacked axis's logical name in the params' metadata
 
@@ -49,18 +49,31 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
     self.attn = FirstPassageAttention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
-    self.mlp = SwiGLU(cfg.d_model, cfg.ff_dim, init_std=cfg.init_std,
-                      out_std=cfg.init_std / (2 * cfg.n_layers) ** 0.5,
-                      dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, rngs=rngs)
+    self.mlp = SwiGLU(
+      cfg.d_model,
+      cfg.ff_dim,
+      init_std=cfg.init_std,
+      out_std=cfg.init_std / (2 * cfg.n_layers) ** 0.5,
+      dtype=jnp.dtype(cfg.dtype),
+      param_dtype=pdt,
+      rngs=rngs,
+    )
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               *, cache=None, attend=None):
+  def __call__(
+    self,
+    x: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    *,
+    cache=None,
+    attend=None,
+  ):
     """x [B, T, D] -> [B, T, D]; with a cache (see `FirstPassageAttention`) -> (x, cache)."""
     x = constrain(x, BTD)  # block boundary: batch over `data` under the trainer's mesh
     h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, attend=attend)
     if cache is not None:
       h, cache = h
-    x = constrain(x + h, BTD)                                                # [B, T, D]
+    x = constrain(x + h, BTD)  # [B, T, D]
     x = constrain(x + self.mlp(self.mlp_norm(x)), BTD)
     return x if cache is None else (x, cache)
 
@@ -78,14 +91,22 @@ class DecoderLM(nnx.Module):
     pdt = jnp.dtype(cfg.param_dtype)
     self.embed = _param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED), pdt)
     # scan_layers: one Block with [L, ...] params (unsharded leading axis), else a list of L Blocks.
-    self.blocks = (_stacked_blocks(cfg, rngs) if cfg.scan_layers
-                   else nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]))
+    self.blocks = (
+      _stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    )
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
     if not cfg.tie_embeddings:
       self.head = _param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), pdt)
 
-  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               *, caches=None, attend=None):
+  def __call__(
+    self,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    *,
+    caches=None,
+    attend=None,
+  ):
     """tokens int [B, T] (+ segment_ids int [B, T]) -> logits fp32 [B, T, V].
 
     Cached mode (`fpa_jax.inference`): `caches` is a sequence of per-layer caches, `attend` the
@@ -133,8 +154,8 @@ class DecoderLM(nnx.Module):
   def logits(self, x: jax.Array) -> jax.Array:
     """Final norm and output head: [B, T, D] -> fp32 [B, T, V]."""
     x = self.final_norm(x)
-    w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]     # [D, V]
-    return constrain((x @ w.astype(self.dtype)).astype(F32), BTV)           # [B, T, V]
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]  # [D, V]
+    return constrain((x @ w.astype(self.dtype)).astype(F32), BTV)  # [B, T, V]
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -168,7 +189,7 @@ def convert_layers(model: DecoderLM, scan_layers: bool) -> DecoderLM:
       val = src[path][...]
     elif scan_layers:  # ('blocks', ...) <- stack of ('blocks', i, ...)
       val = jnp.stack([src[("blocks", i) + path[1:]][...] for i in range(cfg.n_layers)])
-    else:              # ('blocks', i, ...) <- slice i of ('blocks', ...)
+    else:  # ('blocks', i, ...) <- slice i of ('blocks', ...)
       val = src[("blocks",) + path[2:]][...][path[1]]
     out.append((path, v.replace(val)))
   return nnx.merge(graphdef, nnx.from_flat_state(out))
@@ -183,6 +204,7 @@ def weight_decay_mask(cfg: ModelConfig):
     def one(path, p):
       stacked = cfg.scan_layers and getattr(path[0], "key", None) == "blocks"
       return jnp.ndim(p) - int(stacked) >= 2
+
     return jax.tree_util.tree_map_with_path(one, params)
 
   return mask

@@ -38,51 +38,51 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 # ---- logical axis names of parameters (weights) ----
-EMBED = "embed"        # d_model
-HEADS = "heads"        # attention heads
+EMBED = "embed"  # d_model
+HEADS = "heads"  # attention heads
 HEAD_DIM = "head_dim"  # per-head feature dim
-MLP = "mlp"            # SwiGLU hidden dim
-VOCAB = "vocab"        # vocabulary
-LAYERS = "layers"      # leading axis of the stacked blocks (Config.scan_layers)
+MLP = "mlp"  # SwiGLU hidden dim
+VOCAB = "vocab"  # vocabulary
+LAYERS = "layers"  # leading axis of the stacked blocks (Config.scan_layers)
 
 # ---- logical axis names of activations (`constrain`, input batches) ----
-ACT_BATCH = "act_batch"        # batch
-ACT_SEQ = "act_seq"            # sequence
-ACT_EMBED = "act_embed"        # d_model of the residual stream
-ACT_HEADS = "act_heads"        # attention heads (q/k/v, field, level)
+ACT_BATCH = "act_batch"  # batch
+ACT_SEQ = "act_seq"  # sequence
+ACT_EMBED = "act_embed"  # d_model of the residual stream
+ACT_HEADS = "act_heads"  # attention heads (q/k/v, field, level)
 ACT_HEAD_DIM = "act_head_dim"  # per-head feature dim
-ACT_MLP = "act_mlp"            # SwiGLU hidden dim
-ACT_VOCAB = "act_vocab"        # logits' vocabulary dim
+ACT_MLP = "act_mlp"  # SwiGLU hidden dim
+ACT_VOCAB = "act_vocab"  # logits' vocabulary dim
 BATCH, SEQ = ACT_BATCH, ACT_SEQ  # older names of the two activation-only axes
 
 MESH_AXES = ("data", "model")
 
 # ---- THE table: logical axis -> mesh axis (None = replicated) ----
 RULES: Mapping[str, str | None] = {
-    # weights
-    EMBED: "data",         # FSDP: weights' d_model dim sharded across the data axis
-    HEADS: "model",
-    HEAD_DIM: None,
-    MLP: "model",
-    VOCAB: "model",
-    LAYERS: None,          # each device holds every layer of its shard (the scan slices it per step)
-    # activations
-    ACT_BATCH: "data",     # data parallelism: each device holds its rows of every activation
-    ACT_SEQ: None,
-    ACT_EMBED: None,       # the residual stream is whole per device (weights are gathered instead)
-    ACT_HEADS: "model",    # tensor parallelism
-    ACT_HEAD_DIM: None,
-    ACT_MLP: "model",
-    ACT_VOCAB: "model",
+  # weights
+  EMBED: "data",  # FSDP: weights' d_model dim sharded across the data axis
+  HEADS: "model",
+  HEAD_DIM: None,
+  MLP: "model",
+  VOCAB: "model",
+  LAYERS: None,  # each device holds every layer of its shard (the scan slices it per step)
+  # activations
+  ACT_BATCH: "data",  # data parallelism: each device holds its rows of every activation
+  ACT_SEQ: None,
+  ACT_EMBED: None,  # the residual stream is whole per device (weights are gathered instead)
+  ACT_HEADS: "model",  # tensor parallelism
+  ACT_HEAD_DIM: None,
+  ACT_MLP: "model",
+  ACT_VOCAB: "model",
 }
 
 # Common activation layouts.
-BTD = (ACT_BATCH, ACT_SEQ, ACT_EMBED)                # residual stream [B, T, D]
+BTD = (ACT_BATCH, ACT_SEQ, ACT_EMBED)  # residual stream [B, T, D]
 BTHK = (ACT_BATCH, ACT_SEQ, ACT_HEADS, ACT_HEAD_DIM)  # q, k, v, attention output [B, T, H, K]
-BTH = (ACT_BATCH, ACT_SEQ, ACT_HEADS)                # field, level, log forget gate [B, T, H]
-BTF = (ACT_BATCH, ACT_SEQ, ACT_MLP)                  # SwiGLU hidden [B, T, F]
-BTV = (ACT_BATCH, ACT_SEQ, ACT_VOCAB)                # logits [B, T, V]
-BT = (ACT_BATCH, ACT_SEQ)                            # segment ids, tokens [B, T]
+BTH = (ACT_BATCH, ACT_SEQ, ACT_HEADS)  # field, level, log forget gate [B, T, H]
+BTF = (ACT_BATCH, ACT_SEQ, ACT_MLP)  # SwiGLU hidden [B, T, F]
+BTV = (ACT_BATCH, ACT_SEQ, ACT_VOCAB)  # logits [B, T, V]
+BT = (ACT_BATCH, ACT_SEQ)  # segment ids, tokens [B, T]
 
 
 _DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -97,8 +97,10 @@ def distributed_args(env: Mapping[str, str] | None = None) -> dict | None:
     return None
   missing = [k for k in _DIST_VARS if k not in given]
   if missing:
-    raise ValueError(f"multi-process launch: {sorted(given)} set but {missing} not; set all of {_DIST_VARS} "
-                     "(e.g. JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0)")
+    raise ValueError(
+      f"multi-process launch: {sorted(given)} set but {missing} not; set all of {_DIST_VARS} "
+      "(e.g. JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0)"
+    )
   try:
     n, pid = int(given["JAX_NUM_PROCESSES"]), int(given["JAX_PROCESS_ID"])
   except ValueError:
@@ -138,17 +140,21 @@ def parse_mesh(spec: str | None, n_devices: int | None = None) -> dict[str, int]
   for part in spec.split(","):
     name, sep, val = part.strip().partition("=")
     if not sep or name not in MESH_AXES or not val.strip().isdigit() or int(val) < 1:
-      raise ValueError(f"bad --mesh entry {part!r} in {spec!r}: expected e.g. 'data=4,model=2' "
-                       f"with axes from {MESH_AXES} and positive sizes")
+      raise ValueError(
+        f"bad --mesh entry {part!r} in {spec!r}: expected e.g. 'data=4,model=2' "
+        f"with axes from {MESH_AXES} and positive sizes"
+      )
     if name in sizes:
       raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
     sizes[name] = int(val)
   sizes = {"data": sizes.get("data", 1), "model": sizes.get("model", 1)}
   if sizes["data"] * sizes["model"] != n:
-    raise ValueError(f"--mesh {spec!r} has {sizes['data']}x{sizes['model']}="
-                     f"{sizes['data'] * sizes['model']} devices but {n} are available; "
-                     f"use sizes whose product is {n} (e.g. --mesh data={n // sizes['model'] if n % sizes['model'] == 0 else n},model="
-                     f"{sizes['model'] if n % sizes['model'] == 0 else 1})")
+    raise ValueError(
+      f"--mesh {spec!r} has {sizes['data']}x{sizes['model']}="
+      f"{sizes['data'] * sizes['model']} devices but {n} are available; "
+      f"use sizes whose product is {n} (e.g. --mesh data={n // sizes['model'] if n % sizes['model'] == 0 else n},model="
+      f"{sizes['model'] if n % sizes['model'] == 0 else 1})"
+    )
   return sizes
 
 
@@ -157,12 +163,16 @@ def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = No
   devices = list(jax.devices() if devices is None else devices)
   sizes = parse_mesh(spec, len(devices))
   # Auto axes: GSPMD propagates shardings through the model from the in/out specs we give.
-  return jax.make_mesh((sizes["data"], sizes["model"]), MESH_AXES,
-                       axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+  return jax.make_mesh(
+    (sizes["data"], sizes["model"]), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices
+  )
 
 
-def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
-                    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> P:
+def logical_to_spec(
+  axes: Sequence[str | None] | None,
+  shape: Sequence[int] | None = None,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> P:
   """Map logical axis names to a PartitionSpec via RULES.
 
   With `shape` and `mesh`, a dim whose size the mesh axis does not divide is replicated instead
@@ -229,9 +239,12 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)))
 
 
-def local_specs(shapes: Sequence[Sequence[int]], in_axes: Sequence[Sequence[str | None]],
-                out_axes: Sequence[str | None],
-                mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[P, ...], P]:
+def local_specs(
+  shapes: Sequence[Sequence[int]],
+  in_axes: Sequence[Sequence[str | None]],
+  out_axes: Sequence[str | None],
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+) -> tuple[tuple[P, ...], P]:
   """(in_specs, out_spec) that split arrays of `shapes` (logical `in_axes` each) over `mesh`.
 
   One decision per logical name across all the arrays: a name is sharded (RULES) only if its mesh
@@ -257,8 +270,9 @@ def local_specs(shapes: Sequence[Sequence[int]], in_axes: Sequence[Sequence[str 
   return tuple(spec(names) for names in in_axes), spec(out_axes)
 
 
-def shard_local(fn, args: Sequence[jax.Array], in_axes: Sequence[Sequence[str | None]],
-                out_axes: Sequence[str | None]) -> jax.Array:
+def shard_local(
+  fn, args: Sequence[jax.Array], in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]
+) -> jax.Array:
   """fn(*args) run by each device on its own shard (`jax.shard_map`) of the mesh in context.
 
   For ops XLA cannot partition (a `pallas_call` is a custom call: GSPMD would gather its operands
@@ -273,5 +287,6 @@ def shard_local(fn, args: Sequence[jax.Array], in_axes: Sequence[Sequence[str | 
   in_specs, out_spec = local_specs([x.shape for x in args], in_axes, out_axes, mesh)
   # check_vma=False: a pallas_call's out_shape carries no varying-axes type; the specs above are
   # the promise instead (an axis no spec names is replicated in and out).
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=set(free),
-                       check_vma=False)(*args)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=set(free), check_vma=False)(
+    *args
+  )

@@ -52,26 +52,40 @@ class NonFiniteLossError(FloatingPointError):
 # Data
 # ------------------------------------------------------------------------------------------------
 
+
 def make_data(cfg: C.Config, split: str = "train"):
   """The configured data pipeline of `split` (`fpa_jax.data.make_pipeline`, the synthetic task included)."""
   pi, pc = jax.process_index(), jax.process_count()
   if cfg.batch_size % pc:
     raise ValueError(f"batch_size={cfg.batch_size} (global) is not divisible by the {pc} processes")
   # The pipeline's batch is per process; cfg.batch_size is global. vocab_size: synthetic only.
-  return D.make_pipeline(cfg.task, split, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size // pc,
-                         seed=cfg.seed, tokenizer=cfg.tokenizer, small=cfg.small_data, shuffle=(split == "train"),
-                         num_epochs=None if split == "train" else 1, process_index=pi, process_count=pc,
-                         vocab_size=cfg.vocab_size)
+  return D.make_pipeline(
+    cfg.task,
+    split,
+    data_dir=cfg.data_dir,
+    seq_len=cfg.seq_len,
+    batch_size=cfg.batch_size // pc,
+    seed=cfg.seed,
+    tokenizer=cfg.tokenizer,
+    small=cfg.small_data,
+    shuffle=(split == "train"),
+    num_epochs=None if split == "train" else 1,
+    process_index=pi,
+    process_count=pc,
+    vocab_size=cfg.vocab_size,
+  )
 
 
 # ------------------------------------------------------------------------------------------------
 # Optimizer, state, step
 # ------------------------------------------------------------------------------------------------
 
+
 def lr_schedule(cfg: C.TrainConfig) -> optax.Schedule:
   warm = min(cfg.warmup_steps, cfg.decay_steps)
-  base = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, max(cfg.decay_steps, warm + 1),
-                                            end_value=cfg.lr * cfg.min_lr_ratio)
+  base = optax.warmup_cosine_decay_schedule(
+    0.0, cfg.lr, warm, max(cfg.decay_steps, warm + 1), end_value=cfg.lr * cfg.min_lr_ratio
+  )
   if not cfg.cooldown_steps:
     return base
   start = cfg.steps - cfg.cooldown_steps  # WSD: from base(start) linearly down to 0 at `steps`
@@ -81,8 +95,9 @@ def lr_schedule(cfg: C.TrainConfig) -> optax.Schedule:
 
 def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
   """AdamW (decay on matrices only) + warmup/cosine + global-norm clipping."""
-  adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                      mask=weight_decay_mask(cfg.model))
+  adamw = optax.adamw(
+    lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=weight_decay_mask(cfg.model)
+  )
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
 
 
@@ -90,6 +105,7 @@ def _init_fn(cfg: C.Config, tx) -> Callable[[], tuple]:
   def init():
     model = DecoderLM(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
   return init
 
 
@@ -105,7 +121,7 @@ def create_state(cfg: C.Config, mesh: jax.sharding.Mesh, tx=None):
 
 def lm_loss(model: DecoderLM, batch: dict) -> tuple[jax.Array, jax.Array]:
   """-> (sum of masked token cross-entropies, number of target tokens)."""
-  logits = model(batch["inputs"], batch["segment_ids"])                       # [B, T, V] fp32
+  logits = model(batch["inputs"], batch["segment_ids"])  # [B, T, V] fp32
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
   mask = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce * mask), jnp.sum(mask)
@@ -136,8 +152,9 @@ class TrainStep:
     rep = NamedSharding(mesh, P())
     # Both run under `jax.set_mesh(mesh)`, so the model's activation constraints
     # (`fpa_jax.sharding.constrain`) shard the batch over `data` (they are no-ops without a mesh).
-    self.jitted = _UnderMesh(jax.jit(self._step, in_shardings=(shardings, batch_sh),
-                                     out_shardings=(shardings, rep), donate_argnums=(0,)), mesh)
+    self.jitted = _UnderMesh(
+      jax.jit(self._step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep), donate_argnums=(0,)), mesh
+    )
     self.eval_jitted = _UnderMesh(jax.jit(self._eval, in_shardings=(shardings, batch_sh), out_shardings=rep), mesh)
 
   def _step(self, state, batch):
@@ -155,8 +172,10 @@ class TrainStep:
     else:
       # Micro-batch k takes rows k, k+a, ...: every device keeps an equal share of each micro-batch.
       spec = NamedSharding(self.mesh, P(None, S.RULES[S.BATCH]))
-      micro = {k: jax.lax.with_sharding_constraint(
-          jnp.swapaxes(v.reshape(v.shape[0] // a, a, *v.shape[1:]), 0, 1), spec) for k, v in batch.items()}
+      micro = {
+        k: jax.lax.with_sharding_constraint(jnp.swapaxes(v.reshape(v.shape[0] // a, a, *v.shape[1:]), 0, 1), spec)
+        for k, v in batch.items()
+      }
 
       def body(carry, mb):
         g_acc, l_acc, n_acc = carry
@@ -166,7 +185,7 @@ class TrainStep:
       zeros = jax.tree.map(jnp.zeros_like, params)
       (grads, loss_sum, count), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
     denom = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / denom, grads)   # mean over all target tokens of the step
+    grads = jax.tree.map(lambda g: g / denom, grads)  # mean over all target tokens of the step
     lr = self.schedule(opt.step[...])
     loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
     opt.update(model, grads)
@@ -174,8 +193,13 @@ class TrainStep:
     # was; the loop sees `nonfinite` at its next host sync and stops (no host sync per step).
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), nnx.state((model, opt)), state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": count,
-               "nonfinite": jnp.logical_not(ok).astype(jnp.int32)}
+    metrics = {
+      "loss": loss,
+      "grad_norm": grad_norm,
+      "lr": lr,
+      "tokens": count,
+      "nonfinite": jnp.logical_not(ok).astype(jnp.int32),
+    }
     return new_state, metrics
 
   def _eval(self, state, batch):
@@ -190,6 +214,7 @@ class TrainStep:
 # Loop
 # ------------------------------------------------------------------------------------------------
 
+
 class _Logger:
   """metrics.jsonl + TensorBoard (process 0 only)."""
 
@@ -200,6 +225,7 @@ class _Logger:
     if self.on:
       try:
         from tensorboardX import SummaryWriter
+
         self.tb = SummaryWriter(os.path.join(workdir, "tb"))
       except ImportError:  # pragma: no cover - optional
         self.tb = None
@@ -228,13 +254,22 @@ def _check_resume_config(saved: dict, cfg: C.Config, directory: str) -> None:
   model = cfg.model
   diff = {k: (saved[k], getattr(model, k)) for k in C.resume_fields() if k in saved and saved[k] != getattr(model, k)}
   if diff:
-    raise ValueError(f"checkpoint in {directory} was made with a different model ({diff}, saved vs now); "
-                     "use a new --workdir or the original settings")
+    raise ValueError(
+      f"checkpoint in {directory} was made with a different model ({diff}, saved vs now); "
+      "use a new --workdir or the original settings"
+    )
 
 
-def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh: jax.sharding.Mesh | None = None,
-          progress: bool | None = None, log: Callable[[str], None] | None = None,
-          profile_steps: tuple[int, int] | None = None) -> dict[str, Any]:
+def train(
+  config: C.Config,
+  *,
+  workdir: str,
+  data: Iterator | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  progress: bool | None = None,
+  log: Callable[[str], None] | None = None,
+  profile_steps: tuple[int, int] | None = None,
+) -> dict[str, Any]:
   """Train (or resume) `config` in `workdir`. `data`: any iterator of batch dicts with
   get_state/set_state (default: the configured pipeline). Returns a summary dict with the final
   `state`, `graphdef`, `history` (logged records), `traces`, `start_step`, `step`.
@@ -281,6 +316,7 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
   bar = None
   if tty and jax.process_index() == 0:
     from tqdm import tqdm
+
     bar = tqdm(total=cfg.steps, initial=start, dynamic_ncols=True)
   eval_data = None
   history: list[dict] = []
@@ -312,15 +348,22 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
         first = dict(m)[bad[0]]
         ckpt.wait()
         raise NonFiniteLossError(
-            f"non-finite loss/grad at step {bad[0]} (loss={first['loss']}, grad_norm={first['grad_norm']}); "
-            f"{len(bad)} bad step(s) skipped on device, stopped without saving. Last good checkpoint: "
-            f"step {ckpt.latest_step()} in {ckpt.directory}. "
-            "Try a lower --set lr=..., a longer warmup, clip_norm>0 or dtype=float32.")
+          f"non-finite loss/grad at step {bad[0]} (loss={first['loss']}, grad_norm={first['grad_norm']}); "
+          f"{len(bad)} bad step(s) skipped on device, stopped without saving. Last good checkpoint: "
+          f"step {ckpt.latest_step()} in {ckpt.directory}. "
+          "Try a lower --set lr=..., a longer warmup, clip_norm>0 or dtype=float32."
+        )
       if is_log:
         last = m[-1][1]
         now = time.perf_counter()
-        rec = {"step": done, "loss": last["loss"], "tokens_per_s": tok_window / max(now - t_window, 1e-9),
-               "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_tokens": last["tokens"]}
+        rec = {
+          "step": done,
+          "loss": last["loss"],
+          "tokens_per_s": tok_window / max(now - t_window, 1e-9),
+          "lr": last["lr"],
+          "grad_norm": last["grad_norm"],
+          "loss_tokens": last["tokens"],
+        }
         if cfg.eval_every and done % cfg.eval_every == 0:
           with jax.transfer_guard_device_to_host("allow"):
             eval_data, ev = _evaluate(cfg, step_fn, state, mesh, eval_data, log)
@@ -341,16 +384,24 @@ def train(config: C.Config, *, workdir: str, data: Iterator | None = None, mesh:
     logger.close()
     if bar is not None:
       bar.close()
-  return {"state": state, "graphdef": graphdef, "history": history, "traces": step_fn.traces,
-          "start_step": start, "step": max(step + 1, start) if cfg.steps > start else start,
-          "config": cfg, "last_checkpoint": last_good}
+  return {
+    "state": state,
+    "graphdef": graphdef,
+    "history": history,
+    "traces": step_fn.traces,
+    "start_step": start,
+    "step": max(step + 1, start) if cfg.steps > start else start,
+    "config": cfg,
+    "last_checkpoint": last_good,
+  }
 
 
 def _fetch_metrics(pending: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
   """One device->host transfer of the metrics of the steps since the last sync -> python scalars."""
   host = jax.device_get([m for _, m in pending])
-  return [(d, {k: (int(v) if k == "nonfinite" else float(v)) for k, v in h.items()})
-          for (d, _), h in zip(pending, host)]
+  return [
+    (d, {k: (int(v) if k == "nonfinite" else float(v)) for k, v in h.items()}) for (d, _), h in zip(pending, host)
+  ]
 
 
 class _Profiler:
@@ -421,6 +472,7 @@ def _evaluate(cfg, step_fn, state, mesh, eval_data, log):
 # CLI
 # ------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None = None) -> tuple[C.Config, argparse.Namespace]:
   ap = argparse.ArgumentParser(prog="python -m fpa_jax.train", description=__doc__.split("\n\n")[0])
   ap.add_argument("--config", default="tiny", choices=sorted(C.CONFIGS))
@@ -431,11 +483,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[C.Config, argparse.Namesp
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--mesh", help="e.g. data=4,model=2 (product = device count); default all on data")
   ap.add_argument("--data_dir")
-  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                  help="override any config field, repeatable (e.g. --set lr=3e-4 --set dtype=bfloat16)")
+  ap.add_argument(
+    "--set",
+    dest="sets",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override any config field, repeatable (e.g. --set lr=3e-4 --set dtype=bfloat16)",
+  )
   ap.add_argument("--no_progress", action="store_true")
-  ap.add_argument("--profile_steps", metavar="A:B",
-                  help="write a jax.profiler trace of steps A..B (1-based, inclusive) to <workdir>/profile")
+  ap.add_argument(
+    "--profile_steps",
+    metavar="A:B",
+    help="write a jax.profiler trace of steps A..B (1-based, inclusive) to <workdir>/profile",
+  )
   args = ap.parse_args(argv)
   overrides = C.parse_overrides(C.CONFIGS[args.config], args.sets)
   for key in ("attention", "task", "steps", "mesh", "data_dir"):
@@ -448,8 +509,12 @@ def main(argv: list[str] | None = None) -> int:
   try:
     S.maybe_initialize_distributed()  # ValueError if the JAX_* launch variables are incomplete
     cfg, args = parse_args(argv)
-    out = train(cfg, workdir=args.workdir, progress=False if args.no_progress else None,
-                profile_steps=parse_profile_steps(args.profile_steps))
+    out = train(
+      cfg,
+      workdir=args.workdir,
+      progress=False if args.no_progress else None,
+      profile_steps=parse_profile_steps(args.profile_steps),
+    )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

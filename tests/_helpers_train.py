@@ -12,13 +12,17 @@ class FixedBatch:
   non-finite-loss guard.
   """
 
-  def __init__(self, *, vocab_size: int = 64, seq_len: int = 32, batch_size: int = 8, seed: int = 0,
-               nan_at: int | None = None):
+  def __init__(
+    self, *, vocab_size: int = 64, seq_len: int = 32, batch_size: int = 8, seed: int = 0, nan_at: int | None = None
+  ):
     rng = np.random.default_rng(seed)
     toks = rng.integers(1, vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
-    self.batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
-                  "segment_ids": np.ones((batch_size, seq_len), np.int32),
-                  "loss_mask": np.ones((batch_size, seq_len), np.float32)}
+    self.batch = {
+      "inputs": toks[:, :-1],
+      "targets": toks[:, 1:],
+      "segment_ids": np.ones((batch_size, seq_len), np.int32),
+      "loss_mask": np.ones((batch_size, seq_len), np.float32),
+    }
     self.vocab_size, self.nan_at, self.n = vocab_size, nan_at, 0
 
   def __iter__(self):
@@ -43,9 +47,16 @@ class ProcessTaggedSynthetic:
 
   def __init__(self, cfg, process_index: int, process_count: int):
     from fpa_jax.data import SyntheticPipeline
+
     self.pi = process_index
-    self.p = SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                               seed=cfg.seed, process_index=process_index, process_count=process_count)
+    self.p = SyntheticPipeline(
+      vocab_size=cfg.vocab_size,
+      seq_len=cfg.seq_len,
+      batch_size=cfg.batch_size,
+      seed=cfg.seed,
+      process_index=process_index,
+      process_count=process_count,
+    )
 
   def __iter__(self):
     return self

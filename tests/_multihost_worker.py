@@ -28,8 +28,9 @@ N_PROCESSES = 2  # the global batch is always that of the 2-process job
 
 
 def config(steps: int) -> C.Config:
-  return C.get_config("tiny", task="synthetic", steps=steps, n_layers=1, log_every=1, ckpt_every=1000,
-                      lr_decay_steps=8, warmup_steps=2)
+  return C.get_config(
+    "tiny", task="synthetic", steps=steps, n_layers=1, log_every=1, ckpt_every=1000, lr_decay_steps=8, warmup_steps=2
+  )
 
 
 def main() -> None:
@@ -42,13 +43,23 @@ def main() -> None:
   data = GlobalSynthetic(cfg, N_PROCESSES) if single else ProcessTaggedSynthetic(cfg, pi, pc)
   res = train(cfg, workdir=workdir, data=data, mesh=mesh, progress=False, log=lambda s: None)
   params = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(res["state"][0])}
-  params = {k: np.asarray(mhu.process_allgather(v, tiled=True)) if not v.is_fully_addressable
-            else np.asarray(v) for k, v in params.items()}
+  params = {
+    k: np.asarray(mhu.process_allgather(v, tiled=True)) if not v.is_fully_addressable else np.asarray(v)
+    for k, v in params.items()
+  }
   if pi == 0:
     np.savez(out, **params)
     with open(out + ".json", "w") as f:
-      json.dump({"losses": [r["loss"] for r in res["history"]], "steps": [r["step"] for r in res["history"]],
-                 "start": res["start_step"], "data_state": data.get_state(), "process_count": pc}, f)
+      json.dump(
+        {
+          "losses": [r["loss"] for r in res["history"]],
+          "steps": [r["step"] for r in res["history"]],
+          "start": res["start_step"],
+          "data_state": data.get_state(),
+          "process_count": pc,
+        },
+        f,
+      )
 
 
 if __name__ == "__main__":

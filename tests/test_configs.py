@@ -39,7 +39,8 @@ def test_parts_round_trip_and_flat_namespace():
   assert m.model is m and d.data is d and t.train is t  # `x.model` narrows a Config or a ModelConfig alike
   assert (m.head_dim, m.ff_dim, m.gate_terms, t.decay_steps) == (cfg.head_dim, cfg.ff_dim, cfg.gate_terms, 2000)
   assert C.replace(m, d_model=256).d_model == 256 and C.parse_overrides(C.ModelConfig, ["dtype=bfloat16"]) == {
-      "dtype": "bfloat16"}
+    "dtype": "bfloat16"
+  }
 
 
 def test_model_holds_only_the_model_config():
@@ -53,7 +54,9 @@ def test_model_holds_only_the_model_config():
   assert nnx.graphdef(abstract_model(cfg)) == nnx.graphdef(abstract_model(C.replace(cfg, lr=1e-4, steps=7)))
 
 
-@pytest.mark.parametrize("part, overrides, field", [
+@pytest.mark.parametrize(
+  "part, overrides, field",
+  [
     (C.ModelConfig, dict(n_layers=0), "n_layers"),
     (C.ModelConfig, dict(d_ff=-1), "d_ff"),
     (C.ModelConfig, dict(dtype="float16"), "dtype"),
@@ -73,7 +76,8 @@ def test_model_holds_only_the_model_config():
     (C.TrainConfig, dict(warmup_steps=-1), "warmup_steps"),
     (C.TrainConfig, dict(steps=10, cooldown_steps=10), "cooldown_steps"),
     (C.Config, dict(batch_size=6, grad_accum=4), "grad_accum"),  # across parts: data vs train
-])
+  ],
+)
 def test_bad_values_raise_naming_the_field(part, overrides, field):
   with pytest.raises(ValueError, match=field):
     part(**overrides).validate()
@@ -93,13 +97,25 @@ def test_resume_check_on_saved_dicts():
   """The check on a saved flat config dict: model fields refuse, the rest (and missing keys) pass."""
   cfg = C.get_config("tiny", n_layers=1)
   saved = cfg.to_dict()
-  ok = [dict(lr=1e-2), dict(steps=500), dict(attn_impl="quadratic"), dict(dtype="bfloat16"), dict(remat="full"),
-        dict(attn_impl="chunked", block_size=16), dict(step_init_std=0.0), dict(seq_len=16, batch_size=4)]
+  ok = [
+    dict(lr=1e-2),
+    dict(steps=500),
+    dict(attn_impl="quadratic"),
+    dict(dtype="bfloat16"),
+    dict(remat="full"),
+    dict(attn_impl="chunked", block_size=16),
+    dict(step_init_std=0.0),
+    dict(seq_len=16, batch_size=4),
+  ]
   for over in ok:
     _check_resume_config(saved, C.replace(cfg, **over), "wd")
-  for over, field in [(dict(d_model=64), "d_model"), (dict(scan_layers=True), "scan_layers"),
-                      (dict(attention="fox"), "attention"), (dict(gate_forget=True), "gate_forget"),
-                      (dict(step_scale=1.0), "step_scale")]:
+  for over, field in [
+    (dict(d_model=64), "d_model"),
+    (dict(scan_layers=True), "scan_layers"),
+    (dict(attention="fox"), "attention"),
+    (dict(gate_forget=True), "gate_forget"),
+    (dict(step_scale=1.0), "step_scale"),
+  ]:
     with pytest.raises(ValueError, match=f"different model.*{field}"):
       _check_resume_config(saved, C.replace(cfg, **over), "wd")
   # a run older than a field (its config.json lacks it) still resumes
@@ -111,8 +127,14 @@ def test_trainer_resumes_across_train_fields_and_refuses_another_model(tmp_path)
   cfg = C.get_config("tiny", task="synthetic", steps=2, ckpt_every=2, n_layers=1, seq_len=16, batch_size=2)
 
   def run(c):
-    return train(c, workdir=str(tmp_path), data=FixedBatch(seq_len=16, batch_size=2), progress=False,
-                 mesh=S.make_mesh(None, devices=jax.devices()[:1]), log=lambda s: None)
+    return train(
+      c,
+      workdir=str(tmp_path),
+      data=FixedBatch(seq_len=16, batch_size=2),
+      progress=False,
+      mesh=S.make_mesh(None, devices=jax.devices()[:1]),
+      log=lambda s: None,
+    )
 
   assert run(cfg)["step"] == 2
   out = run(C.replace(cfg, steps=3, ckpt_every=3, lr=1e-2, attn_impl="quadratic"))
@@ -125,4 +147,8 @@ def test_trainer_resumes_across_train_fields_and_refuses_another_model(tmp_path)
 def test_set_parses_every_part_with_its_type():
   """`--set` parses any field (model, data or train) with its declared type."""
   assert C.parse_overrides(C.Base110M, ["seq_len=512", "lr=1e-4", "rope=true", "mesh=data=2,model=4"]) == {
-      "seq_len": 512, "lr": 1e-4, "rope": True, "mesh": "data=2,model=4"}
+    "seq_len": 512,
+    "lr": 1e-4,
+    "rope": True,
+    "mesh": "data=2,model=4",
+  }

@@ -22,14 +22,14 @@ def test_prompt_length_needle_and_answer(target_len, depth):
   assert text.count("48213") == 3  # twice in the needle, once as the answer
   # The needle begins exactly at needle_start, after the depth's share of the filler.
   needle = TOK.encode(passkey.NEEDLE.format(k=48213))
-  assert toks[ex["needle_start"]:ex["needle_start"] + len(needle)] == needle
+  assert toks[ex["needle_start"] : ex["needle_start"] + len(needle)] == needle
   assert ex["n_before"] == round(depth / 100 * ex["n_filler"])
   base = 2 + len(TOK.encode(" ".join([passkey.TASK, passkey.NEEDLE.format(k=48213), passkey.QUESTION]) + " 48213"))
   filler = len(toks) - base  # filler tokens, before + after the needle
   before = ex["needle_start"] - (1 + len(TOK.encode(passkey.TASK + " ")))
   assert ex["n_filler"] > 0 and 0 <= before <= filler
   assert abs(before / filler - depth / 100) <= MAX_SENTENCE / filler
-  assert TOK.decode(toks[ex["answer_start"]:-1]) == " 48213"
+  assert TOK.decode(toks[ex["answer_start"] : -1]) == " 48213"
 
 
 def test_eval_examples_reach_8x_and_are_deterministic():
@@ -46,8 +46,18 @@ def test_passkey_builder_splits_and_pipeline_masks_only_the_answer(tmp_path):
   assert set(b.info.splits) == want
   src = builders.data_source("passkey", "eval_len4096_depth75", tmp_path, small=True)
   assert all(4096 - MAX_SENTENCE < len(src[i]["tokens"]) <= 4096 for i in range(len(src)))
-  p = make_pipeline("passkey", "eval_len4096_depth75", data_dir=tmp_path, seq_len=4096, batch_size=2,
-                    small=True, shuffle=False, num_epochs=1, process_index=0, process_count=1)
+  p = make_pipeline(
+    "passkey",
+    "eval_len4096_depth75",
+    data_dir=tmp_path,
+    seq_len=4096,
+    batch_size=2,
+    small=True,
+    shuffle=False,
+    num_epochs=1,
+    process_index=0,
+    process_count=1,
+  )
   batch = next(p)
   for r in range(2):
     m = batch["loss_mask"][r] > 0

@@ -22,8 +22,10 @@ def data_dir(tmp_path_factory):
 
 def _docs(lengths):
   # Document d holds tokens d*1000, d*1000+1, ...: any crossing would show as a jump.
-  return [{"tokens": np.arange(n, dtype=np.int32) + 1000 * d, "mask": np.ones(n - 1, np.float32)}
-          for d, n in enumerate(lengths)]
+  return [
+    {"tokens": np.arange(n, dtype=np.int32) + 1000 * d, "mask": np.ones(n - 1, np.float32)}
+    for d, n in enumerate(lengths)
+  ]
 
 
 @pytest.mark.parametrize("split_docs", [True, False])
@@ -78,8 +80,17 @@ def test_contract_and_exact_resume(task, data_dir):
 def test_process_shards_are_disjoint(data_dir):
   seen = []
   for i in range(2):
-    p = make_pipeline("scopes", data_dir=data_dir, seq_len=127, batch_size=4, shuffle=False,
-                      num_epochs=1, small=True, process_index=i, process_count=2)
+    p = make_pipeline(
+      "scopes",
+      data_dir=data_dir,
+      seq_len=127,
+      batch_size=4,
+      shuffle=False,
+      num_epochs=1,
+      small=True,
+      process_index=i,
+      process_count=2,
+    )
     seen.append({r.tobytes() for b in p for r, s in zip(b["inputs"], b["segment_ids"]) if s[0] == 1})
   assert len(seen[0]) == len(seen[1]) == 128 and not seen[0] & seen[1]
 
@@ -105,11 +116,11 @@ def test_text_dir_split_by_file_and_manifest(tmp_path, data_dir):
   splits = text.split_files(text.list_files(str(corpus)))
   assert splits == text.split_files(text.list_files(str(corpus)))  # deterministic
   assert sum(map(len, splits.values())) == 13 and all(splits.values())
-  p = make_pipeline("text", data_dir=data_dir, seq_len=64, batch_size=2, text_source=str(corpus),
-                    num_epochs=1, **KW)
+  p = make_pipeline("text", data_dir=data_dir, seq_len=64, batch_size=2, text_source=str(corpus), num_epochs=1, **KW)
   tok = get_tokenizer("bytes")
   got = "".join(tok.decode(r[s > 0]) for b in p for r, s in zip(b["inputs"], b["segment_ids"]))
   import glob
+
   (man_path,) = glob.glob(f"{data_dir}/fpa_text/dir_*_small/1.0.0/manifest.json")
   man = json.load(open(man_path))
   assert man["skipped_not_utf8"] == ["bad.bin"] and man["n_files"] == 12
@@ -143,8 +154,10 @@ def test_synthetic_task_is_the_global_stream_split_by_process():
   the SyntheticPipeline stream (global batch); train and validation differ."""
   kw = dict(data_dir=None, seq_len=16, batch_size=2, vocab_size=50, seed=3)
   parts = [make_pipeline("synthetic", process_index=i, process_count=2, **kw) for i in range(2)]
-  whole = [SyntheticPipeline(vocab_size=50, seq_len=16, batch_size=4, seed=3, process_index=i, process_count=2)
-           for i in range(2)]
+  whole = [
+    SyntheticPipeline(vocab_size=50, seq_len=16, batch_size=4, seed=3, process_index=i, process_count=2)
+    for i in range(2)
+  ]
   for _ in range(2):
     for p, w in zip(parts, whole):
       a, b = next(p), next(w)
@@ -163,9 +176,11 @@ def test_synthetic_task_is_the_global_stream_split_by_process():
 def _as_process(i):
   """Pretend to be process `i` of a 2-process job; barriers are recorded instead of synced."""
   barriers = []
-  with mock.patch.object(sources.jax, "process_count", return_value=2), \
-       mock.patch.object(sources.jax, "process_index", return_value=i), \
-       mock.patch.object(sources.multihost_utils, "sync_global_devices", side_effect=barriers.append):
+  with (
+    mock.patch.object(sources.jax, "process_count", return_value=2),
+    mock.patch.object(sources.jax, "process_index", return_value=i),
+    mock.patch.object(sources.multihost_utils, "sync_global_devices", side_effect=barriers.append),
+  ):
     yield barriers
 
 

@@ -13,7 +13,7 @@ def brute_scopes(tokens, n_symbols):
   out = {}
   for i, t in enumerate(tokens):
     if t == scopes.QUERY:
-      out[i] = [j for j in keys if j < i and depth[j + 1:i + 1].min() >= depth[j]]
+      out[i] = [j for j in keys if j < i and depth[j + 1 : i + 1].min() >= depth[j]]
   return depth, out
 
 
@@ -26,8 +26,10 @@ def brute_dips(cfg, tokens):
     live = []
     for j in range(i):
       c = dips.decode_content(cfg, tokens[j])
-      if c is not None and all(not (dips.DIP0 <= tokens[k] < dips.DIP0 + cfg.n_levels
-                                    and tokens[k] - dips.DIP0 < c[0]) for k in range(j + 1, i + 1)):
+      if c is not None and all(
+        not (dips.DIP0 <= tokens[k] < dips.DIP0 + cfg.n_levels and tokens[k] - dips.DIP0 < c[0])
+        for k in range(j + 1, i + 1)
+      ):
         live.append(j)
     out[i] = live
   return out
@@ -35,7 +37,7 @@ def brute_dips(cfg, tokens):
 
 def ragged(ex):
   offs = np.concatenate([[0], np.cumsum(ex["live_len"])])
-  return {int(q): list(ex["live_idx"][offs[n]:offs[n + 1]]) for n, q in enumerate(ex["query_pos"])}
+  return {int(q): list(ex["live_idx"][offs[n] : offs[n + 1]]) for n, q in enumerate(ex["query_pos"])}
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -48,7 +50,10 @@ def test_scopes_targets_match_brute_force(seed):
   np.testing.assert_array_equal(ex["depth"], depth)
   assert depth.min() >= 0 and depth.max() <= cfg.max_depth and depth.max() > 0
   assert ragged(ex) == live and len(live) > 3
-  assert any(0 < len(v) < sum(1 for t in toks[:q] if scopes.CONTENT0 <= t < scopes.CONTENT0 + cfg.n_symbols) for q, v in live.items())
+  assert any(
+    0 < len(v) < sum(1 for t in toks[:q] if scopes.CONTENT0 <= t < scopes.CONTENT0 + cfg.n_symbols)
+    for q, v in live.items()
+  )
   for q, v in live.items():  # the answer is the symbol of the most recent live key, or NONE
     want = scopes.NONE if not v else toks[v[-1]] + cfg.n_symbols
     assert toks[q + 1] == want

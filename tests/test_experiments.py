@@ -8,8 +8,18 @@ from experiments import bench_attention, report
 
 
 def test_bench_attention_tiny_run_writes_results(tmp_path):
-  bench_attention.main(["--seq-lens", "32", "--repeats", "1", "--methods", "fpa_chunked,fox_chunked,xla_dense_softmax",
-                        "--out-dir", str(tmp_path)])
+  bench_attention.main(
+    [
+      "--seq-lens",
+      "32",
+      "--repeats",
+      "1",
+      "--methods",
+      "fpa_chunked,fox_chunked,xla_dense_softmax",
+      "--out-dir",
+      str(tmp_path),
+    ]
+  )
   res = json.loads((tmp_path / "bench_attention.json").read_text())
   assert {r["method"] for r in res["rows"]} == {"fpa_chunked", "fox_chunked", "xla_dense_softmax"}
   for r in res["rows"]:
@@ -20,10 +30,12 @@ def test_bench_attention_tiny_run_writes_results(tmp_path):
 
 
 def test_bench_targets_are_ratios_of_measured_rows():
-  rows = [{"method": "fpa_chunked", "T": 4096, "fwdbwd_s": 2.0, "fwd_s": 1.0},
-          {"method": "xla_dense_softmax", "T": 4096, "fwdbwd_s": 4.0, "fwd_s": 1.0},
-          {"method": "fox_chunked", "T": 4096, "fwdbwd_s": 1.0},
-          {"method": "fpa_chunked", "T": 16384, "fwdbwd_temp_bytes": 16384 * 16384 * 4 // 8}]
+  rows = [
+    {"method": "fpa_chunked", "T": 4096, "fwdbwd_s": 2.0, "fwd_s": 1.0},
+    {"method": "xla_dense_softmax", "T": 4096, "fwdbwd_s": 4.0, "fwd_s": 1.0},
+    {"method": "fox_chunked", "T": 4096, "fwdbwd_s": 1.0},
+    {"method": "fpa_chunked", "T": 16384, "fwdbwd_temp_bytes": 16384 * 16384 * 4 // 8},
+  ]
   t = bench_attention.targets(rows)
   assert t["fpa_chunked_fwdbwd_over_xla_dense_T4096"] == {"measured": 0.5, "target_max": 1.0, "met": True}
   assert t["fpa_chunked_fwdbwd_over_fox_chunked_T4096"]["met"] is False  # 2.0 > 1.25
@@ -32,10 +44,12 @@ def test_bench_targets_are_ratios_of_measured_rows():
 
 def test_report_claims_table_reads_results(tmp_path):
   (tmp_path / "results").mkdir()
-  (tmp_path / "results" / "scopes.json").write_text(json.dumps(
-      {"fpa": {"seeds": 5, "successes": 5}, "fox": {"seeds": 5, "successes": 0}, "meta": {}}))
-  (tmp_path / "results" / "perplexity.json").write_text(json.dumps(
-      {"fpa": {"bpb": [2.0, 2.2]}, "fox": {"bpb": [2.0, 2.0]}, "meta": {}}))
+  (tmp_path / "results" / "scopes.json").write_text(
+    json.dumps({"fpa": {"seeds": 5, "successes": 5}, "fox": {"seeds": 5, "successes": 0}, "meta": {}})
+  )
+  (tmp_path / "results" / "perplexity.json").write_text(
+    json.dumps({"fpa": {"bpb": [2.0, 2.2]}, "fox": {"bpb": [2.0, 2.0]}, "meta": {}})
+  )
   md = report.claims_table(tmp_path)
   assert "fpa 5/5, fox 0/5" in md and "fpa / fox = 1.050" in md
   assert "not run yet (`python -m experiments.passkey`)" in md
@@ -44,7 +58,9 @@ def test_report_claims_table_reads_results(tmp_path):
 def test_update_readme_fills_marked_blocks(tmp_path):
   (tmp_path / "results").mkdir()
   (tmp_path / "results" / "x.md").write_text("| a | 1 |\n")
-  text = "head\n<!-- results/x.md -->\nstale\n<!-- end results/x.md -->\n<!-- results/y.md -->\n<!-- end results/y.md -->\n"
+  text = (
+    "head\n<!-- results/x.md -->\nstale\n<!-- end results/x.md -->\n<!-- results/y.md -->\n<!-- end results/y.md -->\n"
+  )
   out = report.render(text, tmp_path)
   assert "| a | 1 |" in out and "stale" not in out and "not yet generated" in out
   assert report.render(out, tmp_path) == out  # idempotent
@@ -52,11 +68,11 @@ def test_update_readme_fills_marked_blocks(tmp_path):
 
 def test_bench_decode_tiny_run_writes_results(tmp_path):
   from experiments import bench_decode
-  out = bench_decode.main(["--config", "tiny", "--quick", "--batch", "2",
-                           "--out", str(tmp_path / "bench_decode")])
+
+  out = bench_decode.main(["--config", "tiny", "--quick", "--batch", "2", "--out", str(tmp_path / "bench_decode")])
   rows = out["rows"]
   assert set(rows) == {f"{m}x/{p}" for m in (1, 2) for p in ("full", "fpa_budget", "window")}
-  assert rows["2x/fpa_budget"]["capacity"] == 20 and rows["2x/full"]["capacity"] == 80   # 25% of 64 + 16
+  assert rows["2x/fpa_budget"]["capacity"] == 20 and rows["2x/full"]["capacity"] == 80  # 25% of 64 + 16
   assert 0.2 < rows["2x/fpa_budget"]["cache_bytes_over_full"] < 0.3
   assert all(r["decode_ms_per_token"] > 0 for r in rows.values())
   assert "| 2x (64) | fpa_budget | 20 |" in (tmp_path / "bench_decode.md").read_text()
@@ -67,11 +83,26 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
   from experiments import kv_compression
   from fpa_jax import configs as C
   from fpa_jax.train import train
+
   cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=1, ckpt_every=1, vocab_size=259)
   train(cfg, workdir=str(tmp_path / "run"), progress=False, log=lambda s: None)
   (tmp_path / "passkey.json").write_text(json.dumps({"train_length": 40, "fpa": {"workdir": str(tmp_path / "run")}}))
-  args = ["--passkey-results", str(tmp_path / "passkey.json"), "--depths", "50", "--n", "2", "--policies", "full",
-          "fpa", "window", "--budgets", "0.25", "--out-dir", str(tmp_path)]
+  args = [
+    "--passkey-results",
+    str(tmp_path / "passkey.json"),
+    "--depths",
+    "50",
+    "--n",
+    "2",
+    "--policies",
+    "full",
+    "fpa",
+    "window",
+    "--budgets",
+    "0.25",
+    "--out-dir",
+    str(tmp_path),
+  ]
   res = kv_compression.main(args)
   assert set(res["cells"]) == {"fpa/full", "fpa/fpa", "fpa/window"}
   assert res["cells"]["fpa/window"]["0.25"]["cache_fraction"] <= 0.26
@@ -80,10 +111,11 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
   calls = []
   real = kv_compression.passkey_accuracy
   monkeypatch.setattr(kv_compression, "passkey_accuracy", lambda *a, **k: calls.append(k["policy"]) or real(*a, **k))
-  again = kv_compression.main(args)          # nothing left to do: same cells, same numbers
+  again = kv_compression.main(args)  # nothing left to do: same cells, same numbers
   assert again["cells"] == res["cells"] and calls == []
-  (tmp_path / "passkey.json").write_text(json.dumps({"train_length": 40, "fpa": {"workdir": str(tmp_path / "run"),
-                                                                                 "steps": 7}}))
-  retrained = kv_compression.main(args)      # the model has more steps now: its cells are recomputed
+  (tmp_path / "passkey.json").write_text(
+    json.dumps({"train_length": 40, "fpa": {"workdir": str(tmp_path / "run"), "steps": 7}})
+  )
+  retrained = kv_compression.main(args)  # the model has more steps now: its cells are recomputed
   assert sorted(calls) == ["fpa", "full", "window"] and retrained["model_steps"] == {"fpa": 7}
   assert "base110m" in kv_compression.base110m_recipe()

@@ -12,8 +12,15 @@ import pytest
 DATA = pathlib.Path(__file__).resolve().parents[1] / "fpa_jax" / "data"
 PACKAGE = "fpa_jax.data"
 # Bottom to top, as in fpa_jax/data/__init__.py; a new module must be given a layer here.
-LAYERS = [("tokenizers",), ("scopes", "dips", "passkey", "synthetic"), ("text",), ("builders",), ("sources",),
-          ("pipeline",), ("prepare",)]
+LAYERS = [
+  ("tokenizers",),
+  ("scopes", "dips", "passkey", "synthetic"),
+  ("text",),
+  ("builders",),
+  ("sources",),
+  ("pipeline",),
+  ("prepare",),
+]
 LAYER = {m: i for i, ms in enumerate(LAYERS) for m in ms}
 
 
@@ -27,7 +34,7 @@ def _imports(tree: ast.Module):
     elif isinstance(node, ast.ImportFrom):
       base = node.module
       if node.level:  # relative: in fpa_jax/data, `from . import x` is `from fpa_jax.data import x`
-        base = ".".join(PACKAGE.split(".")[:3 - node.level] + ([node.module] if node.module else []))
+        base = ".".join(PACKAGE.split(".")[: 3 - node.level] + ([node.module] if node.module else []))
       names = [f"{base}.{a.name}" for a in node.names] if base == PACKAGE else [base]
     else:
       continue
@@ -41,7 +48,7 @@ def _module_imports(path):
   out = []
   for name, line, top in _imports(ast.parse(path.read_text())):
     if name == PACKAGE or name.startswith(PACKAGE + "."):
-      out.append((name[len(PACKAGE) + 1:].split(".")[0], line, top))
+      out.append((name[len(PACKAGE) + 1 :].split(".")[0], line, top))
     elif name == "fpa_jax" or name.startswith("fpa_jax."):
       out.append((name, line, top))
   return out
@@ -60,7 +67,8 @@ def test_module_imports_only_lower_layers(module):
     assert not name.startswith("fpa_jax"), f"{where}: the data package must not import {name}"
     assert name in LAYER, f"{where}: import {name or PACKAGE!r} from its defining module (package names load lazily)"
     assert LAYER[name] < LAYER[module], (
-        f"{where}: {module} (layer {LAYER[module]}) imports {name} (layer {LAYER[name]}): only lower layers")
+      f"{where}: {module} (layer {LAYER[module]}) imports {name} (layer {LAYER[name]}): only lower layers"
+    )
 
 
 def test_package_init_imports_no_module_eagerly():
@@ -84,14 +92,18 @@ def test_layering_check_catches_a_cycle(tmp_path, monkeypatch):
 
 
 def test_tokenizers_import_without_tfds_or_grain():
-  code = ("import fpa_jax.data.tokenizers, sys; "
-          "assert 'tensorflow_datasets' not in sys.modules and 'grain' not in sys.modules")
+  code = (
+    "import fpa_jax.data.tokenizers, sys; "
+    "assert 'tensorflow_datasets' not in sys.modules and 'grain' not in sys.modules"
+  )
   subprocess.run([sys.executable, "-c", code], check=True, cwd=DATA.parents[1])
 
 
 def test_low_layers_and_trainer_import_without_tfds_or_grain():
   """Everything below the TFDS builders, and the trainer module itself (the data package loads on use)."""
   low = [f"{PACKAGE}.{m}" for m, layer in LAYER.items() if layer < LAYER["builders"]]
-  code = (f"import sys, fpa_jax.train, {', '.join(low)}; "
-          "bad = {'tensorflow_datasets', 'grain'} & set(sys.modules); assert not bad, bad")
+  code = (
+    f"import sys, fpa_jax.train, {', '.join(low)}; "
+    "bad = {'tensorflow_datasets', 'grain'} & set(sys.modules); assert not bad, bad"
+  )
   subprocess.run([sys.executable, "-c", code], check=True, cwd=DATA.parents[1])

@@ -14,8 +14,7 @@ from flax import nnx
 from fpa_jax import configs as C
 from fpa_jax.inference import cache as K
 from fpa_jax.inference import decode as D
-from fpa_jax.inference import (cached_logits, generate, layer_logit_bounds, load_model, make_policy,
-                               tolerance_threshold)
+from fpa_jax.inference import cached_logits, generate, layer_logit_bounds, load_model, make_policy, tolerance_threshold
 from fpa_jax.models import build_model
 from fpa_jax.ops import reference_np as ref
 
@@ -46,8 +45,9 @@ def test_full_cache_equals_parallel(att):
   np.testing.assert_allclose(logits, m(tok, seg), atol=1e-4)
 
 
-@pytest.mark.parametrize("policy,kw", [("fpa_budget", {}), ("window", {}), ("sink_window", {}), ("h2o", {}),
-                                       ("full", {})])
+@pytest.mark.parametrize(
+  "policy,kw", [("fpa_budget", {}), ("window", {}), ("sink_window", {}), ("h2o", {}), ("full", {})]
+)
 def test_budget_at_least_sequence_equals_full(policy, kw):
   m = _model("fpa")
   tok = _tokens(2, 16, m.cfg.vocab_size)
@@ -69,8 +69,9 @@ def _run_layer(policy, field, *, q=None, scale=1.0):
   for i in range(t):
     f = jnp.full((1, 1, 1), field[i], jnp.float32)
     qi = zeros if q is None else jnp.full((1, 1, 1, 1), q[i])
-    _, cache = K.decode_attend(cache, qi, zeros + 1.0, zeros, f, f, f, policy=policy, scale=scale,
-                               positions=jnp.array([i]))
+    _, cache = K.decode_attend(
+      cache, qi, zeros + 1.0, zeros, f, f, f, policy=policy, scale=scale, positions=jnp.array([i])
+    )
     sets.append({int(p) for p, a in zip(np.asarray(cache.pos[0, :, 0]), np.asarray(cache.alive[0, :, 0])) if a})
   return sets
 
@@ -95,6 +96,7 @@ def test_tolerance_policy_threshold_and_stack():
   tau = float(tolerance_threshold(jnp.zeros(()), len(field), 1e-3))
   assert 5.0 < tau < 10.0
   import dataclasses
+
   assert _run_layer(dataclasses.replace(pol, threshold=tau), field) == ref.stack_live_sets_np(field)
 
 
@@ -102,7 +104,7 @@ def _simulate(policy, field, capacity, n_sink=4):
   """Numpy reference of the budgeted policies (penalty = level - running min, level = field)."""
   alive, sets = [], []
   for i, f in enumerate(field):
-    pen = {j: max(0.0, field[j] - min(field[j + 1:i + 1])) for j in alive}
+    pen = {j: max(0.0, field[j] - min(field[j + 1 : i + 1])) for j in alive}
     if len(alive) >= capacity:
       if policy == "window":
         out = min(alive)
@@ -146,8 +148,9 @@ def test_h2o_keeps_recent_and_heavy():
 
 def _forgetful_fpa(seed=0):
   """A 2-layer fpa model whose gate makes large penalties and whose q/k are small (U ~ 1)."""
-  m = build_model(C.get_config("tiny", attention="fpa", step_init_std=0.5, absolute_init_std=0.3,
-                               offset_init_std=0.1), seed=seed)
+  m = build_model(
+    C.get_config("tiny", attention="fpa", step_init_std=0.5, absolute_init_std=0.3, offset_init_std=0.1), seed=seed
+  )
   for blk in m.blocks:
     blk.attn.wq[...] = blk.attn.wq[...] * 0.25
     blk.attn.wk[...] = blk.attn.wk[...] * 0.25
@@ -161,8 +164,8 @@ def test_tolerance_bound_holds_and_evicts(eps):
   u = [np.asarray(x) for x in layer_logit_bounds(m)]
   assert all(np.all(x < 5) for x in u), u
   logits, stats = cached_logits(m, tok, policy="fpa", tolerance=eps)
-  assert stats["kept_fraction_mean"] < 0.9, stats          # eviction happened
-  assert 0.0 < stats["lost_mass_max"] <= eps, stats        # ... and lost at most eps of the mass
+  assert stats["kept_fraction_mean"] < 0.9, stats  # eviction happened
+  assert 0.0 < stats["lost_mass_max"] <= eps, stats  # ... and lost at most eps of the mass
   assert not stats["overflow"]
   full, _ = cached_logits(m, tok)
   assert float(jnp.max(jnp.abs(jax.nn.softmax(logits) - jax.nn.softmax(full)))) < 50 * eps
@@ -172,16 +175,18 @@ def test_logit_bound_holds_on_random_inputs():
   m = _forgetful_fpa(seed=1)
   blk = m.blocks[0]
   u = np.asarray(layer_logit_bounds(m)[0])
-  x = jax.random.normal(jax.random.key(0), (4, 64, m.cfg.d_model)) * jnp.exp(jax.random.normal(jax.random.key(1), (4, 64, 1)))
+  x = jax.random.normal(jax.random.key(0), (4, 64, m.cfg.d_model)) * jnp.exp(
+    jax.random.normal(jax.random.key(1), (4, 64, 1))
+  )
   h = blk.attn_norm(x)
   q, k, _ = blk.attn.project(h, jnp.broadcast_to(jnp.arange(64), (4, 64)))
-  s = jnp.einsum("bthk,bshk->bhts", q, k) * m.cfg.head_dim ** -0.5
+  s = jnp.einsum("bthk,bshk->bhts", q, k) * m.cfg.head_dim**-0.5
   assert np.all(np.max(np.abs(np.asarray(s)), axis=(0, 2, 3)) <= u)
   # QK-norm bound too
   mq = build_model(C.get_config("tiny", attention="fpa", qk_norm=True), seed=0)
   uq = np.asarray(layer_logit_bounds(mq)[0])
   q, k, _ = mq.blocks[0].attn.project(mq.blocks[0].attn_norm(x), jnp.broadcast_to(jnp.arange(64), (4, 64)))
-  s = jnp.einsum("bthk,bshk->bhts", q, k) * mq.cfg.head_dim ** -0.5
+  s = jnp.einsum("bthk,bshk->bhts", q, k) * mq.cfg.head_dim**-0.5
   assert np.all(np.max(np.abs(np.asarray(s)), axis=(0, 2, 3)) <= uq + 1e-5)
 
 
@@ -195,9 +200,9 @@ def _greedy_reference(m, prompt, n):
   toks = list(map(int, prompt))
   for _ in range(n):
     x = np.zeros((1, len(prompt) + n), np.int32)
-    x[0, :len(toks)] = toks
+    x[0, : len(toks)] = toks
     toks.append(int(np.argmax(np.asarray(fwd(state, x))[0, len(toks) - 1])))
-  return np.asarray(toks[len(prompt):])
+  return np.asarray(toks[len(prompt) :])
 
 
 @pytest.mark.parametrize("att", ["fpa", "fox", "softmax"])
@@ -206,9 +211,9 @@ def test_generate_greedy_equals_parallel_argmax(att):
   prompts = [np.asarray(_tokens(1, n, m.cfg.vocab_size, seed=n))[0] for n in (5, 11, 8)]
   before = D.TRACES["generate"]
   out, stats = generate(m, prompts, 6)
-  assert D.TRACES["generate"] == before + 1       # one trace for the whole generation
+  assert D.TRACES["generate"] == before + 1  # one trace for the whole generation
   generate(m, prompts, 6)
-  assert D.TRACES["generate"] == before + 1       # and none when called again
+  assert D.TRACES["generate"] == before + 1  # and none when called again
   for p, row in zip(prompts, out):
     np.testing.assert_array_equal(row, _greedy_reference(m, p, 6))
   out2, _ = generate(m, prompts, 6, prefill="decode")
@@ -216,9 +221,16 @@ def test_generate_greedy_equals_parallel_argmax(att):
   assert stats["cache_fraction"] <= 1.0
 
 
-@pytest.mark.parametrize("policy,kw", [("window", dict(budget=7)), ("fpa_budget", dict(budget=7)),
-                                       ("sink_window", dict(budget=7)), ("h2o", dict(budget=6)),
-                                       ("fpa_threshold", dict(threshold=0.5, budget=9))])
+@pytest.mark.parametrize(
+  "policy,kw",
+  [
+    ("window", dict(budget=7)),
+    ("fpa_budget", dict(budget=7)),
+    ("sink_window", dict(budget=7)),
+    ("h2o", dict(budget=6)),
+    ("fpa_threshold", dict(threshold=0.5, budget=9)),
+  ],
+)
 def test_reused_slots_equal_measured_cache(policy, kw):
   """generate's fixed-capacity cache (slots reused) attends exactly like cached_logits' cache."""
   m = _model("fpa", step_init_std=0.3)
@@ -233,21 +245,27 @@ def test_reused_slots_equal_measured_cache(policy, kw):
 def test_parallel_prefill_keeps_the_same_keys_as_decode():
   m = _model("fpa", step_init_std=0.3)
   prompt = _tokens(2, 16, m.cfg.vocab_size, seed=5)
-  for policy, kw in [("fpa_threshold", dict(threshold=1.0)), ("fpa_budget", dict(budget=6)),
-                     ("window", dict(budget=6)), ("sink_window", dict(budget=6))]:
+  for policy, kw in [
+    ("fpa_threshold", dict(threshold=1.0)),
+    ("fpa_budget", dict(budget=6)),
+    ("window", dict(budget=6)),
+    ("sink_window", dict(budget=6)),
+  ]:
     pol = make_policy(policy, 17, **kw)
     caches = D.init_caches(m, 2, pol, 17)
     graphdef, state = nnx.split(m)
     lengths = jnp.array([16, 11])
-    attend = functools.partial(K.prefill_attend, policy=pol, scale=m.cfg.head_dim ** -0.5, lengths=lengths)
+    attend = functools.partial(K.prefill_attend, policy=pol, scale=m.cfg.head_dim**-0.5, lengths=lengths)
     _, par = m(prompt, positions=jnp.broadcast_to(jnp.arange(16), (2, 16)), caches=caches, attend=attend)
     step = jax.jit(lambda state, c, tok, t: D._step(nnx.merge(graphdef, state), c, tok, jnp.full((2,), t), pol)[1])
     dec = D.init_caches(m, 2, pol, 17)
     for t in range(16):
       new = step(state, dec, prompt[:, t], t)
       dec = tuple(D._select_rows(t < lengths, n, o) for n, o in zip(new, dec))
-    key_set = lambda c: [[sorted(np.asarray(c.pos[b, :, h])[np.asarray(c.alive[b, :, h])].tolist())
-                          for h in range(c.pos.shape[2])] for b in range(2)]
+    key_set = lambda c: [
+      [sorted(np.asarray(c.pos[b, :, h])[np.asarray(c.alive[b, :, h])].tolist()) for h in range(c.pos.shape[2])]
+      for b in range(2)
+    ]
     # Layer 0 sees the same inputs either way (deeper layers see the prompt's full-cache attention
     # under parallel prefill); fpa_budget's greedy order may keep other keys than its final ranking.
     if policy != "fpa_budget":
@@ -282,6 +300,7 @@ def test_clear_errors():
 def trained_run(tmp_path_factory):
   """A 2-step `tiny` fpa run with a byte vocabulary: (workdir, trainer summary)."""
   from fpa_jax.train import train
+
   wd = tmp_path_factory.mktemp("run")
   cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=2, ckpt_every=2, vocab_size=259)
   return wd, train(cfg, workdir=str(wd), progress=False, log=lambda s: None)
@@ -298,9 +317,11 @@ def test_load_model_round_trip(trained_run):
 
 def test_generate_cli(trained_run, tmp_path, capsys):
   from fpa_jax import generate as cli
+
   wd, _ = trained_run
-  rc = cli.main(["--workdir", str(wd), "--prompt", "ab", "--max_new_tokens", "3", "--policy", "fpa_budget",
-                 "--budget", "0.5"])
+  rc = cli.main(
+    ["--workdir", str(wd), "--prompt", "ab", "--max_new_tokens", "3", "--policy", "fpa_budget", "--budget", "0.5"]
+  )
   out = capsys.readouterr().out.splitlines()
   assert rc == 0 and out[0].startswith("ab") and '"policy": "fpa_budget"' in out[-1]
   assert cli.main(["--workdir", str(tmp_path / "nope"), "--prompt", "x"]) == 2

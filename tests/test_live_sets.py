@@ -26,12 +26,15 @@ def _weights(row3, row1=(1.0, 0.0, 0.0, 0.0)):
   return jnp.asarray(w)
 
 
-@pytest.mark.parametrize("row3, mass, cov", [
-    ((0.5, 0.0, 0.5, 0.0), 1.0, 1.0),      # exactly uniform over the live set
-    ((1.0, 0.0, 0.0, 0.0), 1.0, 0.5),      # all mass on one sure-live key: mass wins, coverage does not
+@pytest.mark.parametrize(
+  "row3, mass, cov",
+  [
+    ((0.5, 0.0, 0.5, 0.0), 1.0, 1.0),  # exactly uniform over the live set
+    ((1.0, 0.0, 0.0, 0.0), 1.0, 0.5),  # all mass on one sure-live key: mass wins, coverage does not
     ((0.25, 0.25, 0.25, 0.25), 0.5, 0.5),  # uniform over everything
-    ((0.0, 1.0, 0.0, 0.0), 0.0, 0.0),      # all on a dead key
-])
+    ((0.0, 1.0, 0.0, 0.0), 0.0, 0.0),  # all on a dead key
+  ],
+)
 def test_mass_and_coverage_on_hand_made_maps(row3, mass, cov):
   t = _target()
   w = _weights(row3)
@@ -69,8 +72,9 @@ def test_examples_hold_each_querys_live_set(task):
 @pytest.mark.parametrize("method", ["fpa", "fox", "softmax"])  # stack is fpa with fewer read-outs
 def test_quadratic_weights_match_the_layers_chunked_output(method):
   # A non-trivial gate (large random read-outs), so penalties are tens of nats.
-  cfg = L.layer_config("dips", attention=method, step_init_std=0.3, absolute_init_std=0.3, offset_init_std=0.3,
-                       gate_init_std=1.0)
+  cfg = L.layer_config(
+    "dips", attention=method, step_init_std=0.3, absolute_init_std=0.3, offset_init_std=0.3, gate_init_std=1.0
+  )
   model = L.Head(cfg, rngs=nnx.Rngs(0))
   tok = jnp.asarray(L.make_examples("dips", 2, 64, seed=1)["tokens"])
   L.check_quadratic_matches_layer(model, tok)
@@ -85,10 +89,28 @@ def test_quadratic_weights_match_the_layers_chunked_output(method):
 
 
 def test_merge_seeds_appends_and_recounts():
-  a = L.count_successes({"seeds": 1, "seed_ids": [0], "coverage_1x": [0.99], "coverage_2x": [0.97], "train_s": 1.0,
-                         "max_abs_diff_vs_chunked": 0.0}, ("coverage",))
-  b = L.count_successes({"seeds": 2, "seed_ids": [1, 2], "coverage_1x": [0.99, 0.99], "coverage_2x": [0.9, 0.96],
-                         "train_s": 2.0, "max_abs_diff_vs_chunked": 1e-7}, ("coverage",))
+  a = L.count_successes(
+    {
+      "seeds": 1,
+      "seed_ids": [0],
+      "coverage_1x": [0.99],
+      "coverage_2x": [0.97],
+      "train_s": 1.0,
+      "max_abs_diff_vs_chunked": 0.0,
+    },
+    ("coverage",),
+  )
+  b = L.count_successes(
+    {
+      "seeds": 2,
+      "seed_ids": [1, 2],
+      "coverage_1x": [0.99, 0.99],
+      "coverage_2x": [0.9, 0.96],
+      "train_s": 2.0,
+      "max_abs_diff_vs_chunked": 1e-7,
+    },
+    ("coverage",),
+  )
   m = L.merge_seeds(a, b, ("coverage",))
   assert m["seed_ids"] == [0, 1, 2] and m["seeds"] == 3 and m["coverage_2x"] == [0.97, 0.9, 0.96]
   assert m["successes"] == m["successes_coverage"] == 2 and m["train_s"] == 3.0

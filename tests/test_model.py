@@ -38,6 +38,7 @@ def test_every_config_instantiates_shapes_only(name):
       S.logical_to_spec(axes)
   # the tokenizer name is one the data package accepts (configs only regex-check it)
   from fpa_jax.data.tokenizers import parse_tokenizer_name
+
   parse_tokenizer_name(cfg.tokenizer)
 
 
@@ -58,8 +59,9 @@ def test_forward_shapes_and_segments(att):
   np.testing.assert_allclose(fwd(model, tok3, seg)[:, :-1], logits[:, :-1], atol=1e-5)
 
 
-FLAT_GATE = dict(step_init_std=0.0, step_bias_init=0.0, absolute_init_std=0.0, offset_init_std=0.0,
-                 offset_bias_init=0.0)
+FLAT_GATE = dict(
+  step_init_std=0.0, step_bias_init=0.0, absolute_init_std=0.0, offset_init_std=0.0, offset_bias_init=0.0
+)
 
 
 def _copy_shared(src, dst, extra: tuple[str, ...]):
@@ -119,14 +121,17 @@ def test_segment_positions_and_rope():
   np.testing.assert_allclose(y[:, 0], x[:, 0], atol=1e-6)  # position 0 is the identity
 
 
-@pytest.mark.parametrize("overrides, match", [
+@pytest.mark.parametrize(
+  "overrides, match",
+  [
     (dict(d_model=30, n_heads=4), "not divisible by n_heads"),
     (dict(attention="linear"), "unknown attention"),
     (dict(task="wiki"), "unknown task"),
     (dict(batch_size=6, grad_accum=4), "not divisible by grad_accum"),
     (dict(attn_impl="quadratic", block_size=16), "block_size only applies"),
     (dict(tokenizer="sentencepiece"), "unknown tokenizer"),
-])
+  ],
+)
 def test_bad_configs(overrides, match):
   with pytest.raises(ValueError, match=match):
     C.get_config("tiny", **overrides)
@@ -137,7 +142,11 @@ def test_unknown_config_and_field():
     C.get_config("huge")
   with pytest.raises(ValueError, match="unknown config field"):
     C.get_config("tiny", d_modle=3)
-  assert C.parse_overrides(C.Tiny, ["lr=3e-4", "qk_norm=true", "rope=none"]) == {"lr": 3e-4, "qk_norm": True, "rope": None}
+  assert C.parse_overrides(C.Tiny, ["lr=3e-4", "qk_norm=true", "rope=none"]) == {
+    "lr": 3e-4,
+    "qk_norm": True,
+    "rope": None,
+  }
 
 
 def test_mesh_parsing_and_rules():
@@ -148,7 +157,9 @@ def test_mesh_parsing_and_rules():
   with pytest.raises(ValueError, match="bad --mesh"):
     S.parse_mesh("dp=8", 8)
   mesh = S.make_mesh("data=4,model=2")
-  assert S.logical_to_spec((S.EMBED, S.HEADS, S.HEAD_DIM), (32, 2, 16), mesh) == jax.sharding.PartitionSpec("data", "model", None)
+  assert S.logical_to_spec((S.EMBED, S.HEADS, S.HEAD_DIM), (32, 2, 16), mesh) == jax.sharding.PartitionSpec(
+    "data", "model", None
+  )
   # a dim the mesh axis does not divide is replicated
   assert S.logical_to_spec((S.EMBED, S.HEADS), (32, 3), mesh) == jax.sharding.PartitionSpec("data", None)
   with pytest.raises(ValueError, match="batch_size/grad_accum"):
@@ -161,6 +172,7 @@ def test_config_docstring_launch_command_parses(name):
   import shlex
 
   from fpa_jax.train import parse_args
+
   line = C.CONFIGS[name].__doc__.strip().splitlines()[0]
   argv = shlex.split(line)
   assert argv[:3] == ["python", "-m", "fpa_jax.train"], line

@@ -36,6 +36,7 @@ def _env(devices: int, **extra) -> dict:
 def _gloo_available() -> str | None:
   try:
     from jax._src.lib import _jax
+
     if not hasattr(_jax, "make_gloo_tcp_collectives"):
       return "this jaxlib has no gloo CPU collectives"
   except Exception as e:  # noqa: BLE001
@@ -45,10 +46,17 @@ def _gloo_available() -> str | None:
 
 def _run_two(workdir, steps, out):
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, WORKER, str(workdir), str(steps), str(out)], cwd=REPO,
-                            env=_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                                     JAX_PROCESS_ID=str(i)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, WORKER, str(workdir), str(steps), str(out)],
+      cwd=REPO,
+      env=_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   logs = []
   try:
     for p in procs:
@@ -82,8 +90,14 @@ def _compare(multi_npz, single_npz, steps):
 
 
 def _single(tmp_path, steps):
-  return subprocess.Popen([sys.executable, WORKER, str(tmp_path / "single"), str(steps), str(tmp_path / "single.npz"),
-                           "single"], cwd=REPO, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(
+    [sys.executable, WORKER, str(tmp_path / "single"), str(steps), str(tmp_path / "single.npz"), "single"],
+    cwd=REPO,
+    env=_env(4),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _finish(single):

@@ -28,8 +28,11 @@ def test_notebooks_exist():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_outputs_stripped(path):
   nb = json.loads(path.read_text())
-  dirty = [i for i, c in enumerate(nb["cells"])
-           if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+  dirty = [
+    i
+    for i, c in enumerate(nb["cells"])
+    if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None)
+  ]
   assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; strip them before committing"
 
 
@@ -44,9 +47,15 @@ def test_notebook_has_parameters_cell(path):
 def kernel_env(tmp_path, monkeypatch):
   spec = tmp_path / "jupyter" / "kernels" / KERNEL
   spec.mkdir(parents=True)
-  (spec / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-      "display_name": "fpa_jax test kernel", "language": "python"}))
+  (spec / "kernel.json").write_text(
+    json.dumps(
+      {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "fpa_jax test kernel",
+        "language": "python",
+      }
+    )
+  )
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
   monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # no user profile or startup files
   monkeypatch.setenv("FPA_NOTEBOOK_SMALL", "1")
@@ -58,7 +67,8 @@ def kernel_env(tmp_path, monkeypatch):
 def test_notebook_runs(path, kernel_env):
   nb = nbformat.read(path, as_version=4)
   # Raises CellExecutionError (with the cell's traceback) on the first failing cell.
-  NotebookClient(nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S,
-                 resources={"metadata": {"path": str(NB_DIR)}}).execute()
+  NotebookClient(
+    nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(NB_DIR)}}
+  ).execute()
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
   assert not errors

@@ -30,9 +30,11 @@ NAMES = ("q", "k", "v", "field", "level")
 @functools.partial(jax.jit, static_argnames=("impl", "blk"))
 def value_and_grads(q, k, v, field, level, ct, seg, *, impl, blk):
   """loss = sum(out * ct) and its gradients w.r.t. (q, k, v, field, level)."""
+
   def loss(q, k, v, field, level):
     out = ops.fpa_attention(q, k, v, field, level, impl=impl, segment_ids=seg, block_size=blk)
     return jnp.sum(out.astype(jnp.float32) * ct)
+
   return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, field, level)
 
 
@@ -83,8 +85,10 @@ def jax_grads(args, ct, seg, impl, blk):
 
 def fd_grads_np(args, ct, seg, eps=1e-5):
   """Elementwise central finite differences of sum(fpa_attention_np(...) * ct), float64."""
+
   def loss(a):
     return float(np.sum(ref.fpa_attention_np(*a, segment_ids=seg) * ct))
+
   grads = []
   for n in range(len(args)):
     g = np.zeros_like(args[n])
@@ -112,10 +116,10 @@ def assert_grads_close(got, want, rtol, atol_rel, msg):
 SHAPE = dict(b=2, t=9, h=2, d=3, dv=2)
 
 FD_CASES = [
-    # (seed, b, t, h, d, dv, seg, blk): T=9 with tile 4 -> 3 tiles (an in-between tile for R),
-    # the last one padded.
-    (0, 1, 9, 1, 2, 3, None, 4),
-    (1, *SHAPE.values(), "unsorted", 4),
+  # (seed, b, t, h, d, dv, seg, blk): T=9 with tile 4 -> 3 tiles (an in-between tile for R),
+  # the last one padded.
+  (0, 1, 9, 1, 2, 3, None, 4),
+  (1, *SHAPE.values(), "unsorted", 4),
 ]
 
 
@@ -155,11 +159,11 @@ def test_grads_match_fp32_directional_fd_of_op(impl, blk):
 
 
 AGREE_CASES = [
-    # (seed, b, t, h, d, dv, gates, seg, blk)
-    (3, *SHAPE.values(), "iid", "sorted", 4),
-    (4, *SHAPE.values(), "spikes", None, 4),
-    (5, *SHAPE.values(), "spikes", "unsorted", 4),
-    (6, 1, 1, 2, 3, 2, "iid", None, None),  # T = 1
+  # (seed, b, t, h, d, dv, gates, seg, blk)
+  (3, *SHAPE.values(), "iid", "sorted", 4),
+  (4, *SHAPE.values(), "spikes", None, 4),
+  (5, *SHAPE.values(), "spikes", "unsorted", 4),
+  (6, 1, 1, 2, 3, 2, "iid", None, None),  # T = 1
 ]
 
 
@@ -214,6 +218,7 @@ def fox_grads(q, k, v, logf, ct, *, impl, blk, via_fpa):
     else:
       out = ops.fox_attention(q, k, v, logf, impl=impl, block_size=blk)
     return jnp.sum(out * ct)
+
   return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, logf)
 
 
@@ -231,21 +236,25 @@ def test_fox_grads_match_fpa_special_case():
     for name, g, w in zip(("q", "k", "v", "log_fgate"), got, want):
       g = np.asarray(g)
       assert np.all(np.isfinite(g))
-      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()),
-                                 err_msg=f"fox impl={impl}: d/d{name}")
+      np.testing.assert_allclose(
+        g, w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()), err_msg=f"fox impl={impl}: d/d{name}"
+      )
 
 
 # ----------------------------------------------------------------------------- large tiles
 
 
-@pytest.mark.parametrize("seed,t,blk,gates,seg", [
+@pytest.mark.parametrize(
+  "seed,t,blk,gates,seg",
+  [
     # Several tiles of size >= 32: diagonal tiles exercise the hand-written in-tile pullback
     # (running-min take-over rows / next-smaller spans), off-diagonal ones the (S, R, C) pullback
     # with R over more than one block in between; T not a multiple of the tile.
     (7, 100, 32, "kink_free", "sorted"),
     (8, 130, 64, "spikes", None),
     (9, 70, 16, "iid", "unsorted"),
-])
+  ],
+)
 def test_chunked_large_tiles_grads_match_quadratic(seed, t, blk, gates, seg):
   args, ct, seg = make_inputs(seed, 1, t, 2, 4, 3, gates, seg)
   val_q, want = jax_grads(args, ct, seg, "quadratic", None)

@@ -27,12 +27,14 @@ NAMES = ("q", "k", "v", "gate", "level")
 def value_and_grads(q, k, v, gate, level, ct, seg, *, impl, blk, fox):
   """(out, grads w.r.t. q, k, v, gate, level) of loss = sum(out * ct); gate is log_fgate for FoX
   (then level is unused and its gradient 0), the field for FPA."""
+
   def loss(q, k, v, gate, level):
     if fox:
       out = ops.fox_attention(q, k, v, gate, impl=impl, segment_ids=seg, block_size=blk)
     else:
       out = ops.fpa_attention(q, k, v, gate, level, impl=impl, segment_ids=seg, block_size=blk)
     return jnp.sum(out.astype(jnp.float32) * ct), out
+
   (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, gate, level)
   return out, grads
 
@@ -72,12 +74,12 @@ def flat(res):
 
 
 CASES = [
-    # (seed, b, t, h, d, dv, seg, fox, block, vs_chunked)
-    # T=21 with tile 8: 3 tiles (one in between, for R), the last one padded.
-    (0, 2, 21, 2, 4, 3, "unsorted", False, 8, True),
-    # Forward tiles of 16, backward tiles of 8 (stats for both tilings); T a multiple of both.
-    (1, 1, 16, 1, 8, 8, None, False, BlockSizes(16, 8), False),
-    (3, 2, 19, 2, 4, 4, "sorted", True, 8, True),
+  # (seed, b, t, h, d, dv, seg, fox, block, vs_chunked)
+  # T=21 with tile 8: 3 tiles (one in between, for R), the last one padded.
+  (0, 2, 21, 2, 4, 3, "unsorted", False, 8, True),
+  # Forward tiles of 16, backward tiles of 8 (stats for both tilings); T a multiple of both.
+  (1, 1, 16, 1, 8, 8, None, False, BlockSizes(16, 8), False),
+  (3, 2, 19, 2, 4, 4, "sorted", True, 8, True),
 ]
 
 
@@ -89,16 +91,24 @@ def test_pallas_matches_quadratic_and_chunked(seed, b, t, h, d, dv, seg, fox, bl
   check_close(got, want, 2e-5, "pallas vs quadratic")
   assert np.abs(np.asarray(want[4])).max() > 1e-3, "the gate gradient should not vanish"
   if vs_chunked:
-    check_close(got, flat(value_and_grads(q, k, v, gate, level, ct, seg, impl="chunked", blk=block, fox=fox)),
-                2e-5, "pallas vs chunked")
+    check_close(
+      got,
+      flat(value_and_grads(q, k, v, gate, level, ct, seg, impl="chunked", blk=block, fox=fox)),
+      2e-5,
+      "pallas vs chunked",
+    )
 
 
 def test_pallas_single_default_tile():
   # The interpreter's default tile (32) shrunk to T=5: one diagonal tile, nothing else.
   q, k, v, gate, level, _, seg = make_inputs(2, 1, 5, 2, 3, 3, "sorted")
   fpa = jax.jit(ops.fpa_attention, static_argnames=("impl",))
-  np.testing.assert_allclose(fpa(q, k, v, gate, level, segment_ids=seg, impl="pallas"),
-                             fpa(q, k, v, gate, level, segment_ids=seg, impl="quadratic"), rtol=0, atol=2e-5)
+  np.testing.assert_allclose(
+    fpa(q, k, v, gate, level, segment_ids=seg, impl="pallas"),
+    fpa(q, k, v, gate, level, segment_ids=seg, impl="quadratic"),
+    rtol=0,
+    atol=2e-5,
+  )
 
 
 def test_pallas_bf16():

@@ -126,8 +126,9 @@ def test_decode_loop_matches_quadratic(seg_kind, extra_capacity):
   assert isinstance(cache, ops.FPACache)
   prev = None
   for i in range(t):
-    out, cache = step(cache, q[:, i], k[:, i], v[:, i], field[:, i], level[:, i],
-                      segment=None if seg is None else seg[:, i])
+    out, cache = step(
+      cache, q[:, i], k[:, i], v[:, i], field[:, i], level[:, i], segment=None if seg is None else seg[:, i]
+    )
     assert int(cache.length) == i + 1
     np.testing.assert_allclose(np.asarray(out), want[:, i], atol=2e-6, err_msg=f"step {i}")
     cp = np.asarray(ops.cache_penalty(cache))  # [B, S, H]
@@ -163,17 +164,20 @@ def test_jit_and_vmap(impl, blk):
     want = single(q[m], k[m], v[m], f[m], l[m], segment_ids=seg[m])
     np.testing.assert_allclose(np.asarray(batched[m]), np.asarray(want), atol=2e-6, err_msg=f"vmap row {m}")
   pen = jax.vmap(ops.first_passage_penalty)(jnp.swapaxes(f, -1, -2), jnp.swapaxes(l, -1, -2))
-  np.testing.assert_array_equal(np.asarray(pen), np.asarray(ops.first_passage_penalty(jnp.swapaxes(f, -1, -2),
-                                                                                      jnp.swapaxes(l, -1, -2))))
+  np.testing.assert_array_equal(
+    np.asarray(pen), np.asarray(ops.first_passage_penalty(jnp.swapaxes(f, -1, -2), jnp.swapaxes(l, -1, -2)))
+  )
 
 
 def test_no_retrace_for_same_shapes():
   @jax.jit
   @chex.assert_max_traces(n=1)  # raises on a second trace
   def f(q, k, v, field, level):
-    return (ops.fpa_attention(q, k, v, field, level, impl="chunked", block_size=4)
-            + ops.fpa_attention(q, k, v, field, level, impl="recurrent")
-            + ops.fox_attention(q, k, v, -jnp.abs(field), impl="chunked", block_size=4))
+    return (
+      ops.fpa_attention(q, k, v, field, level, impl="chunked", block_size=4)
+      + ops.fpa_attention(q, k, v, field, level, impl="recurrent")
+      + ops.fox_attention(q, k, v, -jnp.abs(field), impl="chunked", block_size=4)
+    )
 
   rng = np.random.default_rng(3)
   for _ in range(3):

@@ -7,7 +7,6 @@ reproducible from the printed draw alone.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,8 +84,12 @@ def out_tol(v, rel):
   return rel * max(1.0, float(np.abs(v).max()))
 
 
-cases = st.fixed_dictionaries(dict(
-    b=st.integers(1, 2), t=st.integers(1, 40), h=st.integers(1, 3), d=st.integers(1, 8),
+cases = st.fixed_dictionaries(
+  dict(
+    b=st.integers(1, 2),
+    t=st.integers(1, 40),
+    h=st.integers(1, 3),
+    d=st.integers(1, 8),
     dv=st.one_of(st.none(), st.integers(1, 8)),  # None: v_dim == head_dim
     seg=st.sampled_from(["none", "sorted", "unsorted"]),
     gate_scale=st.sampled_from([0.1, 1.0, 10.0, 1e3]),
@@ -94,7 +97,8 @@ cases = st.fixed_dictionaries(dict(
     scale=st.sampled_from([None, 0.7]),
     blk=st.sampled_from(BLOCKS),
     seed=st.integers(0, 2**31 - 1),
-))
+  )
+)
 
 
 def make_case(c, dtype=jnp.float32, gate_dtype=jnp.float32):
@@ -107,9 +111,14 @@ def make_case(c, dtype=jnp.float32, gate_dtype=jnp.float32):
   field, level = make_gates(rng, b, t, h, c["gate_scale"], c["mode"])
   field, level = round_to(field, gate_dtype), round_to(level, gate_dtype)
   seg = make_segments(rng, b, t, c["seg"])
-  jx = dict(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
-            field=jnp.asarray(field, gate_dtype), level=jnp.asarray(level, gate_dtype),
-            segment_ids=None if seg is None else jnp.asarray(seg))
+  jx = dict(
+    q=jnp.asarray(q, dtype),
+    k=jnp.asarray(k, dtype),
+    v=jnp.asarray(v, dtype),
+    field=jnp.asarray(field, gate_dtype),
+    level=jnp.asarray(level, gate_dtype),
+    segment_ids=None if seg is None else jnp.asarray(seg),
+  )
   npx = dict(q=q, k=k, v=v, field=field, level=level, segment_ids=seg)
   return jx, npx
 
@@ -118,9 +127,13 @@ def make_case(c, dtype=jnp.float32, gate_dtype=jnp.float32):
 
 
 @settings(max_examples=15, derandomize=True)
-@given(t=st.integers(1, 24), lead=st.sampled_from([(), (2,), (2, 3)]),
-       gate_scale=st.sampled_from([0.1, 1.0, 1e3]), mode=st.sampled_from(["iid", "walk", "shared", "spikes"]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+  t=st.integers(1, 24),
+  lead=st.sampled_from([(), (2,), (2, 3)]),
+  gate_scale=st.sampled_from([0.1, 1.0, 1e3]),
+  mode=st.sampled_from(["iid", "walk", "shared", "spikes"]),
+  seed=st.integers(0, 2**31 - 1),
+)
 @example(t=1, lead=(), gate_scale=1.0, mode="iid", seed=0)
 def test_penalty_matches_loop_reference(t, lead, gate_scale, mode, seed):
   rng = np.random.default_rng(seed)
@@ -144,10 +157,7 @@ def test_penalty_hand_example():
   # field:  0   -1    2   -3 ;  level = field.  penalty[i, j] = max(0, l_j - min f(j, i]).
   f = np.array([0.0, -1.0, 2.0, -3.0])
   inf = np.inf
-  want = np.array([[0, inf, inf, inf],
-                   [1, 0, inf, inf],
-                   [1, 0, 0, inf],
-                   [3, 2, 5, 0]], np.float64)
+  want = np.array([[0, inf, inf, inf], [1, 0, inf, inf], [1, 0, 0, inf], [3, 2, 5, 0]], np.float64)
   np.testing.assert_array_equal(ref.penalty_np(f, f), want)
   np.testing.assert_array_equal(np.asarray(ops.first_passage_penalty(jnp.asarray(f), jnp.asarray(f))), want)
 
@@ -156,15 +166,26 @@ def test_penalty_hand_example():
 
 
 def _check_all_impls(jx, npx, scale, rel, blk):
-  want = ref.fpa_attention_np(npx["q"], npx["k"], npx["v"], npx["field"], npx["level"], scale=scale,
-                              segment_ids=npx["segment_ids"])
+  want = ref.fpa_attention_np(
+    npx["q"], npx["k"], npx["v"], npx["field"], npx["level"], scale=scale, segment_ids=npx["segment_ids"]
+  )
   tol = out_tol(npx["v"], rel)
   for impl, bs in impl_blocks(blk):
-    got = _fpa(jx["q"], jx["k"], jx["v"], jx["field"], jx["level"], impl=impl, scale=scale,
-               segment_ids=jx["segment_ids"], block_size=bs)
+    got = _fpa(
+      jx["q"],
+      jx["k"],
+      jx["v"],
+      jx["field"],
+      jx["level"],
+      impl=impl,
+      scale=scale,
+      segment_ids=jx["segment_ids"],
+      block_size=bs,
+    )
     assert got.shape == want.shape and got.dtype == jx["q"].dtype, (impl, blk)
-    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, atol=tol, rtol=0,
-                               err_msg=f"impl={impl} block_size={bs}")
+    np.testing.assert_allclose(
+      np.asarray(got.astype(jnp.float32)), want, atol=tol, rtol=0, err_msg=f"impl={impl} block_size={bs}"
+    )
 
 
 @settings(max_examples=3, derandomize=True)
@@ -184,8 +205,10 @@ def test_fpa_isolated_segments_return_own_value():
   c = dict(b=2, t=t, h=2, d=3, dv=4, seg="isolated", gate_scale=1e3, mode="spikes", scale=None, seed=t)
   jx, npx = make_case(c)
   np.testing.assert_allclose(
-      ref.fpa_attention_np(npx["q"], npx["k"], npx["v"], npx["field"], npx["level"],
-                           segment_ids=npx["segment_ids"]), npx["v"], atol=1e-12)
+    ref.fpa_attention_np(npx["q"], npx["k"], npx["v"], npx["field"], npx["level"], segment_ids=npx["segment_ids"]),
+    npx["v"],
+    atol=1e-12,
+  )
   _check_all_impls(jx, npx, None, rel=1e-6, blk=4)
 
 
@@ -203,11 +226,19 @@ def test_fpa_attention_bf16(gate_dtype, seg):
 # ----------------------------------------------------------------------------- FoX
 
 
-fox_cases = st.fixed_dictionaries(dict(
-    b=st.integers(1, 2), t=st.integers(1, 40), h=st.integers(1, 3), d=st.integers(1, 8),
-    dv=st.one_of(st.none(), st.integers(1, 8)), seg=st.sampled_from(["none", "sorted", "unsorted"]),
-    gate_shift=st.sampled_from([-3.0, 0.0, 4.0]), blk=st.sampled_from(BLOCKS),
-    seed=st.integers(0, 2**31 - 1)))
+fox_cases = st.fixed_dictionaries(
+  dict(
+    b=st.integers(1, 2),
+    t=st.integers(1, 40),
+    h=st.integers(1, 3),
+    d=st.integers(1, 8),
+    dv=st.one_of(st.none(), st.integers(1, 8)),
+    seg=st.sampled_from(["none", "sorted", "unsorted"]),
+    gate_shift=st.sampled_from([-3.0, 0.0, 4.0]),
+    blk=st.sampled_from(BLOCKS),
+    seed=st.integers(0, 2**31 - 1),
+  )
+)
 
 
 @settings(max_examples=2, derandomize=True)
@@ -220,8 +251,9 @@ def test_fox_attention_matches_cumsum_reference(c):
   q, k = (round_to(rng.normal(size=(b, t, h, d)), jnp.float32) for _ in range(2))
   v = round_to(rng.normal(size=(b, t, h, dv)), jnp.float32)
   # log sigmoid: <= 0; shift +4 gives slow decay, -3 fast decay (sums to ~-130 over 40 tokens).
-  logf = np.asarray(jax.nn.log_sigmoid(jnp.asarray(rng.normal(size=(b, t, h)) * 2 + c["gate_shift"], jnp.float32)),
-                    np.float64)
+  logf = np.asarray(
+    jax.nn.log_sigmoid(jnp.asarray(rng.normal(size=(b, t, h)) * 2 + c["gate_shift"], jnp.float32)), np.float64
+  )
   assert np.all(logf <= 0)
   seg = make_segments(rng, b, t, c["seg"])
   segj = None if seg is None else jnp.asarray(seg)
@@ -235,8 +267,13 @@ def test_fox_attention_matches_cumsum_reference(c):
     got = _fox(qj, kj, vj, lj, impl=impl, segment_ids=segj, block_size=blk)
     assert got.dtype == jnp.float32 and got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), want, atol=tol, rtol=0, err_msg=f"fox impl={impl} block={blk}")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(fpa_fox), atol=tol, rtol=0,
-                               err_msg=f"fox vs fpa special case, impl={impl} block={blk}")
+    np.testing.assert_allclose(
+      np.asarray(got),
+      np.asarray(fpa_fox),
+      atol=tol,
+      rtol=0,
+      err_msg=f"fox vs fpa special case, impl={impl} block={blk}",
+    )
 
 
 def test_fox_reference_is_fpa_special_case_np():
@@ -246,8 +283,7 @@ def test_fox_reference_is_fpa_special_case_np():
   q, k, v = (rng.normal(size=(b, t, h, d)) for _ in range(3))
   logf = -np.abs(rng.normal(size=(b, t, h)))
   cum = np.cumsum(logf, axis=1)
-  np.testing.assert_allclose(ref.fox_attention_np(q, k, v, logf), ref.fpa_attention_np(q, k, v, cum, cum),
-                             atol=1e-12)
+  np.testing.assert_allclose(ref.fox_attention_np(q, k, v, logf), ref.fpa_attention_np(q, k, v, cum, cum), atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -264,7 +300,16 @@ def test_softmax_attention_matches_reference(t, seg, dv):
   np.testing.assert_allclose(np.asarray(got), ref.softmax_attention_np(q, k, v, segment_ids=s), atol=out_tol(v, 2e-5))
   # FPA with a constant field (never dips below any level) is plain softmax attention.
   zero = jnp.zeros((b, t, h), jnp.float32)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(_fpa(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
-                                                              zero, zero, impl="quadratic",
-                                                              segment_ids=None if s is None else jnp.asarray(s))),
-                             atol=out_tol(v, 1e-6))
+  np.testing.assert_allclose(
+    np.asarray(got),
+    np.asarray(
+      _fpa(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+        zero,
+        zero,
+        impl="quadratic",
+        segment_ids=None if s is None else jnp.asarray(s),
+      )
+    ),
+    atol=out_tol(v, 1e-6),
+  )

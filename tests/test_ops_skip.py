@@ -56,19 +56,19 @@ def f32(x):
 def grads(q, k, v, field, level, ct, seg, *, kind, tol=None):
   """((loss, out), d loss / d (q, k, v, field, level)), loss = sum(out * ct), for one formulation:
   "chunked" (tol = skip_tolerance), "exact" (quadratic), "masked" (quadratic minus dead tiles)."""
+
   def loss(q, k, v, field, level):
     if kind == "chunked":
-      out = ops.fpa_attention(q, k, v, field, level, scale=SCALE, segment_ids=seg, block_size=BLK,
-                              skip_tolerance=tol)
+      out = ops.fpa_attention(q, k, v, field, level, scale=SCALE, segment_ids=seg, block_size=BLK, skip_tolerance=tol)
     else:
       bias = -ops.first_passage_penalty(jnp.swapaxes(field, 1, 2), jnp.swapaxes(level, 1, 2))
       if kind == "masked":
-        dead = chunked.dead_tiles(q, k, chunked.FPAGate(field, level), skip_tolerance=tol, scale=SCALE,
-                                  block_size=BLK)
-        dead = jnp.repeat(jnp.repeat(dead, BLK, -2), BLK, -1)[..., :q.shape[1], :q.shape[1]]
+        dead = chunked.dead_tiles(q, k, chunked.FPAGate(field, level), skip_tolerance=tol, scale=SCALE, block_size=BLK)
+        dead = jnp.repeat(jnp.repeat(dead, BLK, -2), BLK, -1)[..., : q.shape[1], : q.shape[1]]
         bias = jnp.where(dead, chunked.NEG, bias)
       out = masked_softmax_attention(q, k, v, bias, scale=SCALE, segment_ids=seg)
     return jnp.sum(out * ct), out
+
   return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, field, level)
 
 
@@ -110,8 +110,7 @@ def check_case(args, ct, eps, seg=None, min_dead=0.0, min_moved=0.0):
   ja = [f32(x) for x in args]
   segj = None if seg is None else jnp.asarray(seg)
   gate = chunked.FPAGate(ja[3], ja[4])
-  frac, frac_all = chunked.skipped_tile_fraction(ja[0], ja[1], gate, skip_tolerance=eps, scale=SCALE,
-                                                 block_size=BLK)
+  frac, frac_all = chunked.skipped_tile_fraction(ja[0], ja[1], gate, skip_tolerance=eps, scale=SCALE, block_size=BLK)
   assert frac >= min_dead and 0.0 <= frac_all <= frac
   (val, out), got = grads(*ja, f32(ct), segj, kind="chunked", tol=eps)
   (mval, mout), masked = grads(*ja, f32(ct), segj, kind="masked", tol=eps)
@@ -192,6 +191,7 @@ def test_segments_and_padding():
 @functools.partial(jax.jit, static_argnames=("kind", "tol"))
 def fox_grads(q, k, v, logf, ct, *, kind, tol=None):
   """(out, d loss / d (q, k, v, log_fgate)): "chunked" FoX, or the exact / masked FPA special case."""
+
   def loss(q, k, v, logf):
     if kind == "chunked":
       out = ops.fox_attention(q, k, v, logf, scale=SCALE, block_size=BLK, skip_tolerance=tol)
@@ -203,6 +203,7 @@ def fox_grads(q, k, v, logf, ct, *, kind, tol=None):
         bias = jnp.where(jnp.repeat(jnp.repeat(dead, BLK, -2), BLK, -1), chunked.NEG, bias)
       out = masked_softmax_attention(q, k, v, bias, scale=SCALE)
     return jnp.sum(out * ct), out
+
   return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, logf)[::-1]
 
 
@@ -224,8 +225,9 @@ def test_fox_skipping_within_bound():
   mout, masked = fox_grads(*map(f32, (q, k, v, logf, ct)), kind="masked", tol=eps)
   exact_out, want = fox_grads(*map(f32, (q, k, v, logf, ct)), kind="exact")
   for name, g, w in zip(("out", "q", "k", "v", "log_fgate"), (out, *got), (mout, *masked)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-5 * max(1.0, float(np.abs(w).max())),
-                               err_msg=f"tight: {name}")
+    np.testing.assert_allclose(
+      np.asarray(g), np.asarray(w), rtol=0, atol=2e-5 * max(1.0, float(np.abs(w).max())), err_msg=f"tight: {name}"
+    )
   p = weights_np(q, k, c, c, SCALE)
   dead = np.asarray(chunked.dead_tiles(f32(q), f32(k), gate, skip_tolerance=eps, scale=SCALE, block_size=BLK))
   dead = np.repeat(np.repeat(dead, BLK, -2), BLK, -1)
@@ -254,8 +256,9 @@ def test_none_is_the_exact_kernel():
   q, k, v, field, level = small()
   f = lambda **kw: ops.fpa_attention(q, k, v, field, level, block_size=8, **kw)
   np.testing.assert_array_equal(np.asarray(f(skip_tolerance=None)), np.asarray(f()))
-  g = lambda **kw: jax.grad(lambda q, k, f_, l: jnp.sum(ops.fpa_attention(q, k, v, f_, l, block_size=8, **kw)),
-                            argnums=(0, 1, 2, 3))(q, k, field, level)
+  g = lambda **kw: jax.grad(
+    lambda q, k, f_, l: jnp.sum(ops.fpa_attention(q, k, v, f_, l, block_size=8, **kw)), argnums=(0, 1, 2, 3)
+  )(q, k, field, level)
   for a, b in zip(g(skip_tolerance=None), g()):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The exact path carries no cond at all; the skipping one branches per tile.
@@ -263,12 +266,13 @@ def test_none_is_the_exact_kernel():
   assert "cond[" not in jaxpr(skip_tolerance=None)
   assert "cond[" in jaxpr(skip_tolerance=1e-3)
   lf = -jnp.abs(field)
-  np.testing.assert_array_equal(np.asarray(ops.fox_attention(q, k, v, lf, block_size=8, skip_tolerance=None)),
-                                np.asarray(ops.fox_attention(q, k, v, lf, block_size=8)))
+  np.testing.assert_array_equal(
+    np.asarray(ops.fox_attention(q, k, v, lf, block_size=8, skip_tolerance=None)),
+    np.asarray(ops.fox_attention(q, k, v, lf, block_size=8)),
+  )
 
 
-@pytest.mark.parametrize("bad", [-0.1, 0.0, 1.0, 1.5, float("nan"), 1, True, "0.1", np.float32(0.1),
-                                 jnp.asarray(0.1)])
+@pytest.mark.parametrize("bad", [-0.1, 0.0, 1.0, 1.5, float("nan"), 1, True, "0.1", np.float32(0.1), jnp.asarray(0.1)])
 def test_bad_skip_tolerance_raises(bad):
   q, k, v, field, level = small()
   with pytest.raises(ValueError, match="skip_tolerance"):

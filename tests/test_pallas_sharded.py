@@ -56,11 +56,14 @@ def layer():
   return FirstPassageAttention(cfg, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("mesh_spec, b", [
+@pytest.mark.parametrize(
+  "mesh_spec, b",
+  [
     ("data=4,model=2", 8),  # batch and heads both split
     ("data=8", 8),
     ("data=2,model=4", 6),  # 2 heads on model=4: heads replicated (as `constrain` leaves them)
-])
+  ],
+)
 def test_layer_under_mesh_matches_plain_and_gathers_nothing(layer, mesh_spec, b):
   x, seg = _inputs(b)
   (_, want_y), want_g = _grad(layer, x, seg)

@@ -24,7 +24,7 @@ def test_scopes_lm_data_resumes_exactly():
   b.set_state(state)
   got = next(b)
   assert all((want[k] == got[k]).all() for k in want)
-  assert want["inputs"].shape == (2, 32) and want["loss_mask"].max() == 4.0   # answers weighted
+  assert want["inputs"].shape == (2, 32) and want["loss_mask"].max() == 4.0  # answers weighted
 
 
 def test_quickstart_smoke(tmp_path):

@@ -14,8 +14,7 @@ from flax import nnx
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
 from fpa_jax.inference import cached_logits, generate, layer_logit_bounds
-from fpa_jax.models import (REMAT_POLICIES, abstract_model, build_model, convert_layers, count_params,
-                            weight_decay_mask)
+from fpa_jax.models import REMAT_POLICIES, abstract_model, build_model, convert_layers, count_params, weight_decay_mask
 from fpa_jax.data import SyntheticPipeline
 from fpa_jax.train import TrainStep, create_state, lr_schedule, make_optimizer
 
@@ -94,7 +93,8 @@ def test_remat_policies_give_the_same_grads():
     m.cfg = C.replace(m.cfg, remat=remat)  # a static attribute: the policy is read at trace time
     gd = nnx.graphdef(m)
     jaxpr = jax.make_jaxpr(lambda s, gd=gd: nnx.grad(lambda mm: jnp.mean(mm(tok) ** 2))(nnx.merge(gd, s)))(
-        nnx.state(m)).jaxpr
+      nnx.state(m)
+    ).jaxpr
     assert "remat" in str(jaxpr), (scan, remat)
     layer_scans = [e for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] == 3]
     assert bool(layer_scans) == scan, (scan, remat)
@@ -103,10 +103,13 @@ def test_remat_policies_give_the_same_grads():
     chex.assert_trees_all_close(_per_layer(g, 3), g0, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("overrides, match", [
+@pytest.mark.parametrize(
+  "overrides, match",
+  [
     (dict(remat="sometimes"), r"unknown remat policy 'sometimes'; use one of \('none', 'full'"),
     (dict(remat="Full"), "unknown remat policy"),
-])
+  ],
+)
 def test_bad_remat_config(overrides, match):
   with pytest.raises(ValueError, match=match):
     C.get_config("tiny", **overrides)
@@ -132,8 +135,9 @@ def test_cached_decoding_of_a_scanned_model():
 
 def _tx(cfg):
   """`train.make_optimizer` with a layout-aware decay mask (`models.weight_decay_mask`)."""
-  adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                      mask=weight_decay_mask(cfg))
+  adamw = optax.adamw(
+    lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=weight_decay_mask(cfg)
+  )
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
 
 
@@ -143,8 +147,9 @@ def test_scanned_remat_train_step_on_the_8_device_mesh():
   cfg_s = C.get_config("tiny", task="synthetic", scan_layers=True, remat="dots", warmup_steps=0, **KW)
   cfg_u = C.replace(cfg_s, scan_layers=False, remat="none")
   mesh = S.make_mesh("data=4,model=2")
-  batch = S.shard_batch(next(SyntheticPipeline(vocab_size=cfg_s.vocab_size, seq_len=cfg_s.seq_len,
-                                               batch_size=cfg_s.batch_size)), mesh)
+  batch = S.shard_batch(
+    next(SyntheticPipeline(vocab_size=cfg_s.vocab_size, seq_len=cfg_s.seq_len, batch_size=cfg_s.batch_size)), mesh
+  )
   gd_s, st_s, sh_s, _ = create_state(cfg_s, mesh, _tx(cfg_s))
   wq = st_s[0]["blocks"]["attn"]["wq"].get_value()
   assert wq.shape == (3, 32, 2, 16) and wq.sharding.spec == jax.sharding.PartitionSpec(None, "data", "model", None)
@@ -191,9 +196,20 @@ def test_scanned_step_keeps_activations_sharded():
   from test_sharding import _float_shapes
 
   from experiments.bench_train import compile_train_step
+
   b, t, d, v = 24, 32, 64, 4096  # as test_sharding's: 24 and 24 * 32 appear in no other dim
-  cfg = C.get_config("tiny", task="synthetic", batch_size=b, seq_len=t, n_layers=3, vocab_size=v, d_model=d,
-                     tie_embeddings=True, scan_layers=True, remat="full")
+  cfg = C.get_config(
+    "tiny",
+    task="synthetic",
+    batch_size=b,
+    seq_len=t,
+    n_layers=3,
+    vocab_size=v,
+    d_model=d,
+    tie_embeddings=True,
+    scan_layers=True,
+    remat="full",
+  )
   shapes = _float_shapes(compile_train_step(cfg, S.make_mesh("data=8")).as_text())
   whole_batch = [s for s in shapes if (b in s or b * t in s) and np.prod(s) > b * t * d // 8]
   assert not whole_batch, f"activations not sharded over data=8 (per-device shapes): {sorted(whole_batch)}"

@@ -31,8 +31,18 @@ def test_train_step_activations_are_batch_sharded_on_data8():
   FSDP-sharded weights. The only whole-batch float tensors allowed are the embedding lookup and its
   gradient on the device's d_model slice (at most 1/8 of a [B, T, D] activation)."""
   b, t, d, v = 24, 32, 64, 4096  # 24 and 24 * 32 = 768 appear in no other dim
-  cfg = C.get_config("tiny", task="synthetic", attention="fpa", batch_size=b, seq_len=t, n_layers=1,
-                     vocab_size=v, d_model=d, tie_embeddings=True, dtype="bfloat16")
+  cfg = C.get_config(
+    "tiny",
+    task="synthetic",
+    attention="fpa",
+    batch_size=b,
+    seq_len=t,
+    n_layers=1,
+    vocab_size=v,
+    d_model=d,
+    tie_embeddings=True,
+    dtype="bfloat16",
+  )
   mesh = S.make_mesh("data=8")
   shapes = _float_shapes(compile_train_step(cfg, mesh).as_text())
   whole_batch = [s for s in shapes if (b in s or b * t in s) and np.prod(s) > b * t * d // 8]

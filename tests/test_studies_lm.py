@@ -27,7 +27,7 @@ def test_teacher_forced_exact_match_is_greedy_decoding(attention):
   exs, want, greedy = [], [], []
   for i in range(2):
     prompt = rng.integers(3, 32, size=12 + 3 * i).astype(np.int32)
-    g = passkey.greedy_decode(model, prompt, 4, pad_to=40)              # [4]
+    g = passkey.greedy_decode(model, prompt, 4, pad_to=40)  # [4]
     for k in (None, 0, 2):  # the greedy answer itself, and with answer token k changed
       ans = g.copy()
       if k is not None:
@@ -45,8 +45,7 @@ def test_teacher_forced_exact_match_is_greedy_decoding(attention):
 
 
 def test_passkey_mix_weights_and_exact_resume(data_dir):
-  kw = dict(data_dir=data_dir, seq_len=288, batch_size=3, n_passkey=2, answer_weight=7.0, prompt_weight=0.5,
-            small=True)
+  kw = dict(data_dir=data_dir, seq_len=288, batch_size=3, n_passkey=2, answer_weight=7.0, prompt_weight=0.5, small=True)
   mix = passkey.PasskeyTextMix(**kw)
   b = next(mix)
   assert b["inputs"].shape == (3, 288) and b["loss_mask"].dtype == np.float32
@@ -70,14 +69,39 @@ TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--block-size", "32"
 
 
 def test_passkey_script_tiny_run(tmp_path, data_dir):
-  argv = ["--methods", "fox", "--train-len", "288", *TINY, "--passkey-rows", "4", "--max-steps", "2",
-          "--stage-steps", "2", "--n-val", "5", "--n-eval", "5", "--multiples", "1", "--data-dir", data_dir,
-          "--small-data", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")]
+  argv = [
+    "--methods",
+    "fox",
+    "--train-len",
+    "288",
+    *TINY,
+    "--passkey-rows",
+    "4",
+    "--max-steps",
+    "2",
+    "--stage-steps",
+    "2",
+    "--n-val",
+    "5",
+    "--n-eval",
+    "5",
+    "--multiples",
+    "1",
+    "--data-dir",
+    data_dir,
+    "--small-data",
+    "--runs-dir",
+    str(tmp_path / "runs"),
+    "--out-dir",
+    str(tmp_path / "out"),
+  ]
   res = passkey.main(argv)
   saved = json.loads((tmp_path / "out" / "passkey.json").read_text())
   assert saved["train_length"] == 288 and saved["fox"]["steps"] == 2
   e = saved["fox"]
-  assert 0 <= e["1"] <= 1 and e["2"] is None and e["8"] is None and set(e["by_depth"]["1"]) == {"0", "25", "50", "75", "100"}
+  assert (
+    0 <= e["1"] <= 1 and e["2"] is None and e["8"] is None and set(e["by_depth"]["1"]) == {"0", "25", "50", "75", "100"}
+  )
   assert e["workdir"].startswith(str(tmp_path / "runs")) and e["train_wall_s"] > 0 and "val_history" in e
   assert saved["meta"]["commit"] and saved["meta"]["command"].startswith("python -m experiments.passkey")
   assert "| fox | 2 |" in (tmp_path / "out" / "passkey.md").read_text()
@@ -88,16 +112,42 @@ def test_passkey_script_tiny_run(tmp_path, data_dir):
   assert again["fox"]["1"] == e["1"] and again["fox"]["sessions"] == e["sessions"]
   # A cooldown stage continues the same run: 2 more steps with the lr decaying to 0, scored at 1x.
   cooled = passkey.main(argv + ["--cooldown-steps", "2"])["fox"]
-  assert cooled["steps"] == 4 and cooled["cooldown_steps"] == 2 and cooled["sessions"][-1] == {
-      "from": 2, "to": 4, "wall_s": cooled["sessions"][-1]["wall_s"]}
+  assert (
+    cooled["steps"] == 4
+    and cooled["cooldown_steps"] == 2
+    and cooled["sessions"][-1] == {"from": 2, "to": 4, "wall_s": cooled["sessions"][-1]["wall_s"]}
+  )
   assert cooled["val_history"][4]["cooldown"] == 2
   assert "4 (lr cooled to 0):" in (tmp_path / "out" / "passkey.md").read_text()
 
 
 def test_perplexity_script_tiny_run(tmp_path, data_dir):
-  argv = ["--methods", "fox", "--seeds", "0", "--train-len", "32", *TINY, "--steps", "2", "--eval-tokens", "256",
-          "--eval-batch", "4", "--pos-docs", "2", "--pos-bucket", "32", "--data-dir", data_dir, "--small-data",
-          "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")]
+  argv = [
+    "--methods",
+    "fox",
+    "--seeds",
+    "0",
+    "--train-len",
+    "32",
+    *TINY,
+    "--steps",
+    "2",
+    "--eval-tokens",
+    "256",
+    "--eval-batch",
+    "4",
+    "--pos-docs",
+    "2",
+    "--pos-bucket",
+    "32",
+    "--data-dir",
+    data_dir,
+    "--small-data",
+    "--runs-dir",
+    str(tmp_path / "runs"),
+    "--out-dir",
+    str(tmp_path / "out"),
+  ]
   res = perplexity.main(argv)
   e = res["fox"]
   assert len(e["bpb"]) == 1 and 0 < e["bpb"][0] < 10 and len(e["by_position"]) == 8  # 8L / bucket

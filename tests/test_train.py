@@ -26,8 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _params(state):
-  return {"/".join(map(str, k)): np.asarray(jax.device_get(v.get_value()))
-          for k, v in nnx.to_flat_state(state[0])}
+  return {"/".join(map(str, k)): np.asarray(jax.device_get(v.get_value())) for k, v in nnx.to_flat_state(state[0])}
 
 
 def test_sharded_step_matches_single_device():
@@ -50,10 +49,29 @@ def test_sharded_step_matches_single_device():
 
 def _cli(workdir, steps):
   """Start `python -m fpa_jax.train` (tiny, test-only synthetic task) as a new process."""
-  cmd = [sys.executable, "-m", "fpa_jax.train", "--config", "tiny", "--task", "synthetic", "--steps", str(steps),
-         "--workdir", str(workdir), "--set", "lr_decay_steps=12", "--set", "ckpt_every=6", "--set", "n_layers=1", "--no_progress"]
-  return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+  cmd = [
+    sys.executable,
+    "-m",
+    "fpa_jax.train",
+    "--config",
+    "tiny",
+    "--task",
+    "synthetic",
+    "--steps",
+    str(steps),
+    "--workdir",
+    str(workdir),
+    "--set",
+    "lr_decay_steps=12",
+    "--set",
+    "ckpt_every=6",
+    "--set",
+    "n_layers=1",
+    "--no_progress",
+  ]
+  return subprocess.Popen(
+    cmd, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
 
 
 def _wait(proc):
@@ -109,10 +127,26 @@ def test_no_retracing_in_process(tmp_path):
 
 @pytest.mark.parametrize("att", C.ATTENTIONS)
 def test_tiny_model_overfits_tiny_batch(att, tmp_path):
-  cfg = C.get_config("tiny", attention=att, task="synthetic", steps=60, lr=1e-2, warmup_steps=5,
-                     log_every=60, ckpt_every=1000, n_layers=1, batch_size=2, seq_len=16)
-  out = train(cfg, workdir=str(tmp_path), data=FixedBatch(seq_len=16, batch_size=2), progress=False,
-              mesh=S.make_mesh(None, devices=jax.devices()[:1]))
+  cfg = C.get_config(
+    "tiny",
+    attention=att,
+    task="synthetic",
+    steps=60,
+    lr=1e-2,
+    warmup_steps=5,
+    log_every=60,
+    ckpt_every=1000,
+    n_layers=1,
+    batch_size=2,
+    seq_len=16,
+  )
+  out = train(
+    cfg,
+    workdir=str(tmp_path),
+    data=FixedBatch(seq_len=16, batch_size=2),
+    progress=False,
+    mesh=S.make_mesh(None, devices=jax.devices()[:1]),
+  )
   first, last = out["history"][0]["loss"], out["history"][-1]["loss"]
   assert last < first / 8, (first, last)
   assert out["traces"] == 1
@@ -121,20 +155,28 @@ def test_tiny_model_overfits_tiny_batch(att, tmp_path):
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   cfg = C.get_config("tiny", task="synthetic", steps=6, ckpt_every=1, n_layers=1)
   with pytest.raises(NonFiniteLossError, match="non-finite loss/grad at step 3.*Last good checkpoint: step 2"):
-    train(cfg, workdir=str(tmp_path), data=FixedBatch(nan_at=3), progress=False,
-          mesh=S.make_mesh(None, devices=jax.devices()[:1]))
+    train(
+      cfg,
+      workdir=str(tmp_path),
+      data=FixedBatch(nan_at=3),
+      progress=False,
+      mesh=S.make_mesh(None, devices=jax.devices()[:1]),
+    )
   ck = Checkpointer(tmp_path / "checkpoints")
   assert ck.latest_step() == 2
   ck.close()
 
 
-@pytest.mark.parametrize("args, match", [
+@pytest.mark.parametrize(
+  "args, match",
+  [
     (["--mesh", "data=3,model=2"], "product is 8"),
     (["--mesh", "data=8", "--set", "batch_size=4"], "not divisible by the data axis"),
     (["--set", "d_model=33"], "not divisible by n_heads"),
     (["--task", "wiki"], "unknown task"),
     (["--set", "lr=fast"], "expected float"),
-])
+  ],
+)
 def test_cli_bad_config_fails_before_compiling(args, match, tmp_path, capsys):
   assert main(["--config", "tiny", "--workdir", str(tmp_path), "--task", "synthetic", *args]) == 2
   assert match in capsys.readouterr().err
@@ -166,6 +208,7 @@ def test_distributed_env_vars(monkeypatch):
 
 def test_data_state_saved_per_process_and_old_checkpoints_restore(tmp_path):
   import orbax.checkpoint as ocp
+
   mesh = S.make_mesh(None, devices=jax.devices()[:1])
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = {"w": jax.device_put(np.arange(4, dtype=np.float32), sh)}
@@ -180,8 +223,12 @@ def test_data_state_saved_per_process_and_old_checkpoints_restore(tmp_path):
   assert data_state == {"n": 5}
   # A checkpoint written the old way (one bare JSON state) still restores.
   mgr = ocp.CheckpointManager(tmp_path / "old", item_names=("state", "data", "config"))
-  mgr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"n": 7}),
-                                      config=ocp.args.JsonSave({"c": 1})))
+  mgr.save(
+    3,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"n": 7}), config=ocp.args.JsonSave({"c": 1})
+    ),
+  )
   mgr.wait_until_finished()
   mgr.close()
   ck = Checkpointer(tmp_path / "old")
@@ -202,6 +249,7 @@ def test_no_host_transfer_between_log_steps(tmp_path, monkeypatch):
   (The transfer guard enforces the same on accelerators; on CPU it does not fire.)"""
   import fpa_jax.train as T
   from jax._src import array as jarray
+
   cur, reads, fetched = [0], set(), []
   A = jarray.ArrayImpl
   value, to_array, to_float = A._value, A.__array__, A.__float__
@@ -211,7 +259,9 @@ def test_no_host_transfer_between_log_steps(tmp_path, monkeypatch):
   real_get, real_shard, real_fetch = jax.device_get, T.S.shard_batch, T._fetch_metrics
   monkeypatch.setattr(jax, "device_get", lambda x: (reads.add(cur[0]), real_get(x))[1])
   monkeypatch.setattr(T.S, "shard_batch", lambda b, m: (cur.__setitem__(0, cur[0] + 1), real_shard(b, m))[1])
-  monkeypatch.setattr(T, "_fetch_metrics", lambda pending: fetched.append([d for d, _ in pending]) or real_fetch(pending))
+  monkeypatch.setattr(
+    T, "_fetch_metrics", lambda pending: fetched.append([d for d, _ in pending]) or real_fetch(pending)
+  )
   cfg = C.get_config("tiny", task="synthetic", steps=7, log_every=3, ckpt_every=100, n_layers=1)
   with jax.transfer_guard_device_to_host("disallow_explicit"):
     out = train(cfg, workdir=str(tmp_path), progress=False, mesh=S.make_mesh(None, devices=jax.devices()[:1]))
@@ -234,8 +284,26 @@ def test_nonfinite_step_is_skipped_and_stops_within_log_every(tmp_path):
 
 
 def test_cli_profile_steps_writes_trace(tmp_path):
-  assert main(["--config", "tiny", "--task", "synthetic", "--steps", "3", "--workdir", str(tmp_path),
-               "--set", "n_layers=1", "--no_progress", "--profile_steps", "2:3"]) == 0
+  assert (
+    main(
+      [
+        "--config",
+        "tiny",
+        "--task",
+        "synthetic",
+        "--steps",
+        "3",
+        "--workdir",
+        str(tmp_path),
+        "--set",
+        "n_layers=1",
+        "--no_progress",
+        "--profile_steps",
+        "2:3",
+      ]
+    )
+    == 0
+  )
   files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "profile") for f in fs]
   assert files and any(os.path.getsize(f) > 0 for f in files), files
   assert main(["--config", "tiny", "--workdir", str(tmp_path / "x"), "--profile_steps", "3:2"]) == 2
@@ -244,8 +312,10 @@ def test_cli_profile_steps_writes_trace(tmp_path):
 def test_cooldown_schedule_decays_linearly_to_zero():
   """WSD: constant lr, then the last `cooldown_steps` updates decay linearly to 0; bad values refused."""
   from fpa_jax.train import lr_schedule
-  cfg = C.get_config("tiny", steps=100, lr=1.0, min_lr_ratio=1.0, warmup_steps=10, lr_decay_steps=1000,
-                     cooldown_steps=20)
+
+  cfg = C.get_config(
+    "tiny", steps=100, lr=1.0, min_lr_ratio=1.0, warmup_steps=10, lr_decay_steps=1000, cooldown_steps=20
+  )
   lr = [float(lr_schedule(cfg)(t)) for t in range(101)]
   np.testing.assert_allclose(lr[10:81], 1.0)
   np.testing.assert_allclose(lr[80:101], np.linspace(1.0, 0.0, 21), atol=1e-6)

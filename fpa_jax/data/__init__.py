@@ -20,10 +20,18 @@ import importlib
 
 # Public name -> its module, imported on first use (PEP 562): `import fpa_jax.data.tokenizers`
 # must not pull grain and tensorflow_datasets in through this package.
-_EXPORTS = {"TASKS": "pipeline", "KEYS": "pipeline", "Pipeline": "pipeline", "make_pipeline": "pipeline",
-            "get_tokenizer": "sources", "ByteTokenizer": "tokenizers", "SpmTokenizer": "tokenizers",
-            "eval_split_name": "passkey", "passkey_eval_examples": "passkey",
-            "SyntheticPipeline": "synthetic"}
+_EXPORTS = {
+  "TASKS": "pipeline",
+  "KEYS": "pipeline",
+  "Pipeline": "pipeline",
+  "make_pipeline": "pipeline",
+  "get_tokenizer": "sources",
+  "ByteTokenizer": "tokenizers",
+  "SpmTokenizer": "tokenizers",
+  "eval_split_name": "passkey",
+  "passkey_eval_examples": "passkey",
+  "SyntheticPipeline": "synthetic",
+}
 
 __all__ = list(_EXPORTS)
 

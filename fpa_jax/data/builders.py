@@ -55,9 +55,11 @@ class _SyntheticBuilder(_FpaBuilder, skip_registration=True):
 
   def _split_generators(self, dl_manager):
     c = self.builder_config
-    return {"train": self._generate_examples("train", c.n_train),
-            "validation": self._generate_examples("validation", c.n_eval),
-            "test": self._generate_examples("test", c.n_eval)}
+    return {
+      "train": self._generate_examples("train", c.n_train),
+      "validation": self._generate_examples("validation", c.n_eval),
+      "test": self._generate_examples("test", c.n_eval),
+    }
 
   def _generate_examples(self, split, n):
     c = self.builder_config
@@ -70,15 +72,21 @@ class FpaScopes(_SyntheticBuilder):
 
   _module = scopes
   BUILDER_CONFIGS = [
-      SyntheticConfig(name="small", task=scopes.ScopesConfig(length=128, max_depth=4, n_symbols=8),
-                      n_train=256, n_eval=32),
-      SyntheticConfig(name="default", task=scopes.ScopesConfig(), n_train=20_000, n_eval=500),
+    SyntheticConfig(
+      name="small", task=scopes.ScopesConfig(length=128, max_depth=4, n_symbols=8), n_train=256, n_eval=32
+    ),
+    SyntheticConfig(name="default", task=scopes.ScopesConfig(), n_train=20_000, n_eval=500),
   ]
   DEFAULT_CONFIG_NAME = "default"
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, description=scopes.__doc__, features=tfds.features.FeaturesDict(
-        {k: _I32_SEQ() for k in ("tokens", "depth", "query_pos", "live_idx", "live_len")}))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=scopes.__doc__,
+      features=tfds.features.FeaturesDict(
+        {k: _I32_SEQ() for k in ("tokens", "depth", "query_pos", "live_idx", "live_len")}
+      ),
+    )
 
 
 class FpaDips(_SyntheticBuilder):
@@ -86,15 +94,17 @@ class FpaDips(_SyntheticBuilder):
 
   _module = dips
   BUILDER_CONFIGS = [
-      SyntheticConfig(name="small", task=dips.DipsConfig(length=128, n_levels=3, n_symbols=4),
-                      n_train=256, n_eval=32),
-      SyntheticConfig(name="default", task=dips.DipsConfig(), n_train=20_000, n_eval=500),
+    SyntheticConfig(name="small", task=dips.DipsConfig(length=128, n_levels=3, n_symbols=4), n_train=256, n_eval=32),
+    SyntheticConfig(name="default", task=dips.DipsConfig(), n_train=20_000, n_eval=500),
   ]
   DEFAULT_CONFIG_NAME = "default"
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, description=dips.__doc__, features=tfds.features.FeaturesDict(
-        {k: _I32_SEQ() for k in ("tokens", "query_pos", "live_idx", "live_len")}))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=dips.__doc__,
+      features=tfds.features.FeaturesDict({k: _I32_SEQ() for k in ("tokens", "query_pos", "live_idx", "live_len")}),
+    )
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,15 +120,25 @@ class PasskeyConfig(tfds.core.BuilderConfig):
 class FpaPasskey(_FpaBuilder):
   """Passkey prompts; splits `train` and `eval_len{N}_depth{D}` (see `passkey`)."""
 
-  BUILDER_CONFIGS = [PasskeyConfig(name="small", train_len=512, n_train=64, n_eval=2),
-                     PasskeyConfig(name="default")]
+  BUILDER_CONFIGS = [PasskeyConfig(name="small", train_len=512, n_train=64, n_eval=2), PasskeyConfig(name="default")]
   DEFAULT_CONFIG_NAME = "default"
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, description=passkey.__doc__, features=tfds.features.FeaturesDict({
-        "tokens": _I32_SEQ(), "prompt": tfds.features.Text(), "answer": tfds.features.Text(),
-        **{k: tfds.features.Scalar(dtype=np.int32)
-           for k in ("key", "depth", "needle_start", "answer_start", "target_len")}}))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=passkey.__doc__,
+      features=tfds.features.FeaturesDict(
+        {
+          "tokens": _I32_SEQ(),
+          "prompt": tfds.features.Text(),
+          "answer": tfds.features.Text(),
+          **{
+            k: tfds.features.Scalar(dtype=np.int32)
+            for k in ("key", "depth", "needle_start", "answer_start", "target_len")
+          },
+        }
+      ),
+    )
 
   def _split_generators(self, dl_manager):
     c = self.builder_config
@@ -130,9 +150,16 @@ class FpaPasskey(_FpaBuilder):
 
   @staticmethod
   def _record(ex, depth_pct, target_len):
-    return {"tokens": ex["tokens"], "prompt": ex["prompt"], "answer": ex["answer"], "key": ex["key"],
-            "depth": depth_pct, "needle_start": ex["needle_start"],
-            "answer_start": ex["answer_start"], "target_len": target_len}
+    return {
+      "tokens": ex["tokens"],
+      "prompt": ex["prompt"],
+      "answer": ex["answer"],
+      "key": ex["key"],
+      "depth": depth_pct,
+      "needle_start": ex["needle_start"],
+      "answer_start": ex["answer_start"],
+      "target_len": target_len,
+    }
 
   def _generate_examples(self, kind, multiple=1, depth=0):
     c = self.builder_config
@@ -143,8 +170,10 @@ class FpaPasskey(_FpaBuilder):
     for i in range(c.n_train):
       rng = _rng(c.seed, "train", i)
       depth = int(rng.integers(0, 101))
-      yield i, self._record(passkey.make_prompt(tok, c.train_len, depth / 100, passkey.random_key(rng)),
-                            depth, c.train_len)
+      yield (
+        i,
+        self._record(passkey.make_prompt(tok, c.train_len, depth / 100, passkey.random_key(rng)), depth, c.train_len),
+      )
 
   def _eval(self, c, multiple, depth):
     exs = passkey.passkey_eval_examples(c.train_len, multiple, depth, n=c.n_eval, seed=c.seed)
@@ -168,9 +197,18 @@ class FpaText(_FpaBuilder):
   DEFAULT_CONFIG_NAME = "default"
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, description=text.__doc__, features=tfds.features.FeaturesDict({
-        "text": tfds.features.Text(), "path": tfds.features.Text(), "sha256": tfds.features.Text(),
-        "size": tfds.features.Scalar(dtype=np.int64)}))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=text.__doc__,
+      features=tfds.features.FeaturesDict(
+        {
+          "text": tfds.features.Text(),
+          "path": tfds.features.Text(),
+          "sha256": tfds.features.Text(),
+          "size": tfds.features.Scalar(dtype=np.int64),
+        }
+      ),
+    )
 
   def _split_generators(self, dl_manager):
     c = self.builder_config
@@ -205,8 +243,9 @@ def text_config(source: str = "stdlib", small: bool = False) -> TextConfig | str
   if not os.path.isdir(root):
     raise ValueError(f"--text-dir {source!r} does not exist or is not a directory")
   tag = hashlib.sha256(root.encode()).hexdigest()[:10]
-  return TextConfig(name=f"dir_{tag}{'_small' if small else ''}", source=root, small=small,
-                    description=f"local text under {root}")
+  return TextConfig(
+    name=f"dir_{tag}{'_small' if small else ''}", source=root, small=small, description=f"local text under {root}"
+  )
 
 
 def check_data_dir(data_dir) -> str:
@@ -238,27 +277,34 @@ def get_builder(task: str, data_dir, *, small: bool = False, text_source: str = 
     if not build:
       text_dir = f" --text-dir {text_source}" if task == "text" and text_source != "stdlib" else ""
       raise ValueError(
-          f"dataset {name} is not built under {d}: build it with python -m fpa_jax.data.prepare --data-dir {d} "
-          f"--only {task}{text_dir}{' --small' if small else ''} (in a multi-process job process 0 builds it, so "
-          "the data dir must be shared by all processes)")
+        f"dataset {name} is not built under {d}: build it with python -m fpa_jax.data.prepare --data-dir {d} "
+        f"--only {task}{text_dir}{' --small' if small else ''} (in a multi-process job process 0 builds it, so "
+        "the data dir must be shared by all processes)"
+      )
     log.warning("dataset %s is not built under %s: building it now", name, d)
     print(f"[fpa_jax.data] building {name} under {d} ...", flush=True)
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return builder
 
 
-def data_source(task: str, split: str, data_dir, *, small: bool = False, text_source: str = "stdlib",
-                build: bool = True):
+def data_source(
+  task: str, split: str, data_dir, *, small: bool = False, text_source: str = "stdlib", build: bool = True
+):
   """Random-access source (len, __getitem__) of one split; builds the dataset if missing (`build`)."""
   builder = get_builder(task, data_dir, small=small, text_source=text_source, build=build)
   if split not in builder.info.splits:
-    raise ValueError(f"unknown split {split!r} for {builder.name}/{builder.builder_config.name}: "
-                     f"valid are {sorted(builder.info.splits)}")
+    raise ValueError(
+      f"unknown split {split!r} for {builder.name}/{builder.builder_config.name}: "
+      f"valid are {sorted(builder.info.splits)}"
+    )
   if isinstance(builder.builder_config, TextConfig) and builder.builder_config.name.startswith("dir_"):
     return builder.as_data_source(split)  # dynamic config: not reachable by name
-  return tfds.data_source(f"{builder.name}/{builder.builder_config.name}", split=split,
-                          data_dir=os.fspath(builder.data_dir_root), download=False)
+  return tfds.data_source(
+    f"{builder.name}/{builder.builder_config.name}",
+    split=split,
+    data_dir=os.fspath(builder.data_dir_root),
+    download=False,
+  )
 
 
 def text_data_source(data_dir, split: str = "train", *, small: bool = False, source: str = "stdlib"):

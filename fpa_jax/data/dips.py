@@ -90,8 +90,7 @@ def generate(rng: np.random.Generator, cfg: DipsConfig) -> dict[str, np.ndarray]
       tokens.append(NONE if not live else answer0(cfg) + live[-1][2])
   tokens.append(EOS)
   i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
-  return {"tokens": i32(tokens), "query_pos": i32(query_pos),
-          "live_idx": i32(live_idx), "live_len": i32(live_len)}
+  return {"tokens": i32(tokens), "query_pos": i32(query_pos), "live_idx": i32(live_idx), "live_len": i32(live_len)}
 
 
 def loss_mask(tokens: np.ndarray) -> np.ndarray:

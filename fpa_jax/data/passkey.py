@@ -15,11 +15,12 @@ import numpy as np
 
 from fpa_jax.data.tokenizers import ByteTokenizer
 
-TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
-        "them. I will quiz you about the important information there.")
+TASK = (
+  "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+  "them. I will quiz you about the important information there."
+)
 # The filler is cut into its sentences so the total length can be hit to within one sentence.
-FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-          "There and back again.")
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 NEEDLE = "The pass key is {k}. Remember it. {k} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 EVAL_MULTIPLES = (1, 2, 4, 8)
@@ -67,9 +68,16 @@ def make_prompt(tokenizer, target_len: int, depth: float, key: int) -> dict:
     n -= 1
   prompt, tokens, n_before, needle_start = build(n)
   answer_start = len(tokens) - 1 - len(enc(answer))
-  return {"prompt": prompt, "answer": answer, "key": key,
-          "tokens": np.asarray(tokens, np.int32), "answer_start": answer_start,
-          "needle_start": needle_start, "n_filler": n, "n_before": n_before}
+  return {
+    "prompt": prompt,
+    "answer": answer,
+    "key": key,
+    "tokens": np.asarray(tokens, np.int32),
+    "answer_start": answer_start,
+    "needle_start": needle_start,
+    "n_filler": n,
+    "n_before": n_before,
+  }
 
 
 def random_key(rng: np.random.Generator) -> int:
@@ -77,8 +85,9 @@ def random_key(rng: np.random.Generator) -> int:
   return int(rng.integers(10_000, 100_000))
 
 
-def passkey_eval_examples(train_len: int, multiple: int, depth: int, n: int = 8, seed: int = 0,
-                          tokenizer=None) -> list[dict]:
+def passkey_eval_examples(
+  train_len: int, multiple: int, depth: int, n: int = 8, seed: int = 0, tokenizer=None
+) -> list[dict]:
   """`n` eval prompts at `multiple` x `train_len` tokens with the needle at `depth` percent.
 
   The same prompts (same seed) as the `eval_split_name(train_len, multiple, depth)` split.
@@ -91,5 +100,5 @@ def passkey_eval_examples(train_len: int, multiple: int, depth: int, n: int = 8,
 def loss_mask(tokens: np.ndarray, answer_start: int, answer_len: int) -> np.ndarray:
   """float32 [T-1] over next-token pairs: 1 where the *target* is an answer token."""
   m = np.zeros(len(tokens) - 1, np.float32)
-  m[answer_start - 1: answer_start - 1 + answer_len] = 1.0
+  m[answer_start - 1 : answer_start - 1 + answer_len] = 1.0
   return m

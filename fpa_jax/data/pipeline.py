@@ -59,8 +59,12 @@ class _PackIterator(grain.DatasetIterator):
 
   def __next__(self) -> dict[str, np.ndarray]:
     L = self._len
-    row = {"inputs": np.zeros(L, np.int32), "targets": np.zeros(L, np.int32),
-           "segment_ids": np.zeros(L, np.int32), "loss_mask": np.zeros(L, np.float32)}
+    row = {
+      "inputs": np.zeros(L, np.int32),
+      "targets": np.zeros(L, np.int32),
+      "segment_ids": np.zeros(L, np.int32),
+      "loss_mask": np.zeros(L, np.float32),
+    }
     pos, seg = 0, 0
     while pos < L:
       if self._doc is None:
@@ -77,16 +81,18 @@ class _PackIterator(grain.DatasetIterator):
         continue
       space = L - pos
       if not self._split and not self._cut and len(mask) > L:
-        raise ValueError(f"a document of {len(mask)} next-token pairs does not fit in seq_len={L}; "
-                         f"set seq_len >= {len(mask)} (--set seq_len={len(mask)})")
+        raise ValueError(
+          f"a document of {len(mask)} next-token pairs does not fit in seq_len={L}; "
+          f"set seq_len >= {len(mask)} (--set seq_len={len(mask)})"
+        )
       if remaining > space and not self._split and pos > 0:
         break  # does not fit: pad this row, start the document on a fresh one
       k, o = min(remaining, space), self._offset
       seg += 1
-      row["inputs"][pos:pos + k] = toks[o:o + k]
-      row["targets"][pos:pos + k] = toks[o + 1:o + k + 1]
-      row["loss_mask"][pos:pos + k] = mask[o:o + k]
-      row["segment_ids"][pos:pos + k] = seg
+      row["inputs"][pos : pos + k] = toks[o : o + k]
+      row["targets"][pos : pos + k] = toks[o + 1 : o + k + 1]
+      row["loss_mask"][pos : pos + k] = mask[o : o + k]
+      row["segment_ids"][pos : pos + k] = seg
       pos += k
       self._offset += k
       if self._offset >= len(mask):
@@ -116,15 +122,18 @@ def _doc_fn(task: str, tok, text_key: str | None):
     mod = scopes if task == "scopes" else dips
     return lambda r: {"tokens": np.asarray(r["tokens"], np.int32), "mask": mod.loss_mask(r["tokens"])}
   if task == "passkey":
+
     def f(r):
       prompt, answer = tok.encode(_to_str(r["prompt"])), tok.encode(_to_str(r["answer"]))
       toks = np.asarray([tok.bos_id, *prompt, *answer, tok.eos_id], np.int32)
       return {"tokens": toks, "mask": passkey.loss_mask(toks, 1 + len(prompt), len(answer))}
+
     return f
 
   def f(r):  # text: every real next token inside the document counts
     toks = np.asarray([tok.bos_id, *tok.encode(_to_str(r[text_key])), tok.eos_id], np.int32)
     return {"tokens": toks, "mask": np.ones(len(toks) - 1, np.float32)}
+
   return f
 
 
@@ -139,9 +148,10 @@ def check_passkey_seq_len(src, seq_len: int, split: str = "train") -> None:
   target_len = int(src[0]["target_len"])
   if seq_len < target_len - 1:
     raise ValueError(
-        f"passkey split {split!r} has prompts of up to {target_len} tokens, longer than seq_len={seq_len}: "
-        f"packing would cut each prompt so the answer never sees the needle. Set seq_len >= {target_len - 1} "
-        f"(e.g. --set seq_len={target_len} with a smaller batch, --set batch_size=8)")
+      f"passkey split {split!r} has prompts of up to {target_len} tokens, longer than seq_len={seq_len}: "
+      f"packing would cut each prompt so the answer never sees the needle. Set seq_len >= {target_len - 1} "
+      f"(e.g. --set seq_len={target_len} with a smaller batch, --set batch_size=8)"
+    )
 
 
 class Pipeline:
@@ -170,11 +180,23 @@ class Pipeline:
     self._it.set_state(state["iterator"])
 
 
-def make_pipeline(task: str, split: str = "train", *, data_dir, seq_len: int, batch_size: int,
-                  seed: int = 0, tokenizer: str = "bytes", small: bool = False, shuffle: bool = True,
-                  num_epochs: int | None = None, process_index: int | None = None,
-                  process_count: int | None = None, text_source: str = "stdlib",
-                  vocab_size: int | None = None) -> Pipeline | SyntheticPipeline:
+def make_pipeline(
+  task: str,
+  split: str = "train",
+  *,
+  data_dir,
+  seq_len: int,
+  batch_size: int,
+  seed: int = 0,
+  tokenizer: str = "bytes",
+  small: bool = False,
+  shuffle: bool = True,
+  num_epochs: int | None = None,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  text_source: str = "stdlib",
+  vocab_size: int | None = None,
+) -> Pipeline | SyntheticPipeline:
   """Build the grain pipeline of `task`/`split`; builds the dataset under `data_dir` if missing
   (in a multi-process job on process 0 only, see `sources.prepare_shared`).
 
@@ -196,17 +218,25 @@ def make_pipeline(task: str, split: str = "train", *, data_dir, seq_len: int, ba
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} not in [0, {process_count})")
   if task == "synthetic":
-    return make_synthetic(split, vocab_size=vocab_size, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                          process_index=process_index, process_count=process_count)
+    return make_synthetic(
+      split,
+      vocab_size=vocab_size,
+      seq_len=seq_len,
+      batch_size=batch_size,
+      seed=seed,
+      process_index=process_index,
+      process_count=process_count,
+    )
   data_dir = builders.check_data_dir(data_dir)
   tokenized = task in ("text", "passkey")
-  sources.prepare_shared(task, data_dir, small=small, text_source=text_source,
-                         tokenizer=tokenizer if tokenized else None)
+  sources.prepare_shared(
+    task, data_dir, small=small, text_source=text_source, tokenizer=tokenizer if tokenized else None
+  )
 
   # Everything is built now: open it read-only.
   text_key = "text"
   if task == "text" and text_source.startswith("tfds:"):
-    src = sources.catalog_source(text_source[len("tfds:"):], split, data_dir, build=False)
+    src = sources.catalog_source(text_source[len("tfds:") :], split, data_dir, build=False)
     text_key = sources.catalog_text_key(src[0])
   else:
     src = builders.data_source(task, split, data_dir, small=small, text_source=text_source, build=False)
@@ -230,7 +260,18 @@ def make_pipeline(task: str, split: str = "train", *, data_dir, seq_len: int, ba
   ds = ds.repeat(num_epochs).map(_doc_fn(task, tok, text_key))
   ds = PackIterDataset(ds.to_iter_dataset(), seq_len, split_docs=(task == "text"), cut_long_docs=(task != "passkey"))
   ds = ds.batch(batch_size, drop_remainder=num_epochs is None)
-  info = {"task": task, "split": split, "seq_len": seq_len, "batch_size": batch_size, "seed": seed,
-          "tokenizer": tokenizer, "small": small, "shuffle": shuffle, "num_epochs": num_epochs,
-          "process_index": process_index, "process_count": process_count, "text_source": text_source}
+  info = {
+    "task": task,
+    "split": split,
+    "seq_len": seq_len,
+    "batch_size": batch_size,
+    "seed": seed,
+    "tokenizer": tokenizer,
+    "small": small,
+    "shuffle": shuffle,
+    "num_epochs": num_epochs,
+    "process_index": process_index,
+    "process_count": process_count,
+    "text_source": text_source,
+  }
   return Pipeline(ds, vocab, info)

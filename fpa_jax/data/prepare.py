@@ -18,8 +18,9 @@ from fpa_jax.data.pipeline import TASKS
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m fpa_jax.data.prepare", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(
+    prog="python -m fpa_jax.data.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ap.add_argument("--data-dir", required=True)
   ap.add_argument("--only", default=None, help=f"one of {TASKS} (or fpa_<task>)")
   ap.add_argument("--small", action="store_true", help="tiny configs (seconds; tests, smoke runs)")

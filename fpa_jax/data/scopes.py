@@ -92,8 +92,13 @@ def generate(rng: np.random.Generator, cfg: ScopesConfig) -> dict[str, np.ndarra
   tokens.append(EOS)
   depths.append(depth)
   i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
-  return {"tokens": i32(tokens), "depth": i32(depths), "query_pos": i32(query_pos),
-          "live_idx": i32(live_idx), "live_len": i32(live_len)}
+  return {
+    "tokens": i32(tokens),
+    "depth": i32(depths),
+    "query_pos": i32(query_pos),
+    "live_idx": i32(live_idx),
+    "live_len": i32(live_len),
+  }
 
 
 def loss_mask(tokens: np.ndarray) -> np.ndarray:

@@ -40,16 +40,19 @@ def catalog_builder(name: str, data_dir: str, *, build: bool = True):
   except Exception as e:  # tfds raises its own DatasetNotFoundError
     raise ValueError(f"unknown TFDS dataset {name!r}: {e}") from None
   if not builder.is_prepared():
-    how = (f"prepare it on a machine with network (python -m fpa_jax.data.prepare --data-dir DIR --only text "
-           f"--text-source tfds:{name}) and copy DIR here")
+    how = (
+      f"prepare it on a machine with network (python -m fpa_jax.data.prepare --data-dir DIR --only text "
+      f"--text-source tfds:{name}) and copy DIR here"
+    )
     if not build:
       raise ValueError(f"TFDS dataset {name!r} is not prepared under {data_dir!r}: {how}")
     if not network_available():
-      raise ValueError(f"TFDS dataset {name!r} is not prepared under {data_dir!r} and the network is "
-                       f"unreachable: {how}")
+      raise ValueError(
+        f"TFDS dataset {name!r} is not prepared under {data_dir!r} and the network is unreachable: {how}"
+      )
     builder.download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+      file_format="array_record", download_config=tfds.download.DownloadConfig(try_download_gcs=False)
+    )
   return builder
 
 
@@ -95,12 +98,13 @@ def get_tokenizer(name: str = "bytes", data_dir: str | None = None, *, small: bo
   return load_tokenizer(name, data_dir, small=small)
 
 
-def prepare(task: str, data_dir: str, *, small: bool = False, text_source: str = "stdlib",
-            tokenizer: str | None = None):
+def prepare(
+  task: str, data_dir: str, *, small: bool = False, text_source: str = "stdlib", tokenizer: str | None = None
+):
   """Build what `task` reads under `data_dir`: its dataset and, if given, the `tokenizer` model.
   Returns the dataset's (TFDS) builder."""
   if task == "text" and text_source.startswith("tfds:"):
-    builder = catalog_builder(text_source[len("tfds:"):], data_dir)
+    builder = catalog_builder(text_source[len("tfds:") :], data_dir)
   else:
     builder = builders.get_builder(task, data_dir, small=small, text_source=text_source)
   if tokenizer is not None:

@@ -19,8 +19,16 @@ class SyntheticPipeline:
   gets its own `batch_size // process_count` rows. Token ids are drawn from [1, vocab_size).
   """
 
-  def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0,
-               process_index: int = 0, process_count: int = 1):
+  def __init__(
+    self,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    seed: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+  ):
     if batch_size % process_count:
       raise ValueError(f"batch_size {batch_size} not divisible by process_count {process_count}")
     if vocab_size < 2:
@@ -28,8 +36,15 @@ class SyntheticPipeline:
     self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
     self.local_batch, self.process_index = batch_size // process_count, process_index
     self.step = 0
-    self.info = {"task": "synthetic", "vocab_size": vocab_size, "seq_len": seq_len, "batch_size": batch_size,
-                 "seed": seed, "process_index": process_index, "process_count": process_count}
+    self.info = {
+      "task": "synthetic",
+      "vocab_size": vocab_size,
+      "seq_len": seq_len,
+      "batch_size": batch_size,
+      "seed": seed,
+      "process_index": process_index,
+      "process_count": process_count,
+    }
 
   def __iter__(self):
     return self
@@ -41,8 +56,12 @@ class SyntheticPipeline:
     motif = rng.integers(1, self.vocab_size, (b, MOTIF))
     toks = np.tile(motif, (1, (t + 1) // MOTIF + 1))[:, : t + 1].astype(np.int32)
     seg = np.where(np.arange(t) < t // 2, 1, 2).astype(np.int32)
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.broadcast_to(seg, (b, t)).copy(),
-            "loss_mask": np.ones((b, t), np.float32)}
+    return {
+      "inputs": toks[:, :-1],
+      "targets": toks[:, 1:],
+      "segment_ids": np.broadcast_to(seg, (b, t)).copy(),
+      "loss_mask": np.ones((b, t), np.float32),
+    }
 
   def get_state(self) -> dict:
     return {"step": self.step}  # the whole position: batches are a function of it
@@ -51,12 +70,26 @@ class SyntheticPipeline:
     self.step = int(state["step"])
 
 
-def make_synthetic(split: str, *, vocab_size: int | None, seq_len: int, batch_size: int, seed: int,
-                   process_index: int, process_count: int) -> SyntheticPipeline:
+def make_synthetic(
+  split: str,
+  *,
+  vocab_size: int | None,
+  seq_len: int,
+  batch_size: int,
+  seed: int,
+  process_index: int,
+  process_count: int,
+) -> SyntheticPipeline:
   """The `split` stream with a per-process `batch_size` (as `make_pipeline` takes it)."""
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r} for synthetic: valid are {tuple(SPLITS)}")
   if vocab_size is None:
     raise ValueError("the synthetic task needs vocab_size (it has no data to take one from)")
-  return SyntheticPipeline(vocab_size=vocab_size, seq_len=seq_len, batch_size=batch_size * process_count,
-                           seed=seed + SPLITS[split], process_index=process_index, process_count=process_count)
+  return SyntheticPipeline(
+    vocab_size=vocab_size,
+    seq_len=seq_len,
+    batch_size=batch_size * process_count,
+    seed=seed + SPLITS[split],
+    process_index=process_index,
+    process_count=process_count,
+  )

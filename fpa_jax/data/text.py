@@ -31,8 +31,9 @@ def list_files(root: str, *, python_only: bool = False) -> list[str]:
   out = []
   for dirpath, dirnames, filenames in os.walk(root):
     # Installed packages are not the interpreter's own source; caches are not text.
-    dirnames[:] = [d for d in dirnames if not d.startswith(".")
-                   and d not in ("site-packages", "dist-packages", "__pycache__")]
+    dirnames[:] = [
+      d for d in dirnames if not d.startswith(".") and d not in ("site-packages", "dist-packages", "__pycache__")
+    ]
     for f in filenames:
       if f.startswith(".") or (python_only and not f.endswith(".py")):
         continue
@@ -61,8 +62,7 @@ def split_files(files: list[str], seed: int = 0, frac: float = 0.05) -> dict[str
   perm = np.random.default_rng(seed).permutation(len(files))
   k = max(1, int(round(frac * len(files))))
   picked = [files[i] for i in perm]
-  return {"validation": sorted(picked[:k]), "test": sorted(picked[k:2 * k]),
-          "train": sorted(picked[2 * k:])}
+  return {"validation": sorted(picked[:k]), "test": sorted(picked[k : 2 * k]), "train": sorted(picked[2 * k :])}
 
 
 def corpus_files(source: str, small: bool) -> tuple[str, list[str]]:
@@ -87,6 +87,5 @@ def manifest(root: str, files: list[str], splits: dict[str, list[str]]) -> dict:
   for f in files:
     with open(os.path.join(root, f), "rb") as fh:
       data = fh.read()
-    entries.append({"path": f, "split": where[f], "size": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest()})
+    entries.append({"path": f, "split": where[f], "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
   return {"root": root, "n_files": len(files), "files": entries}

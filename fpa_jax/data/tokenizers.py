@@ -70,23 +70,26 @@ def train_spm(lines: Iterable[str], model_prefix: str, vocab_size: int, seed: in
   os.makedirs(os.path.dirname(model_prefix) or ".", exist_ok=True)
   spm.set_random_generator_seed(seed)  # sentence sampling is seeded -> reproducible models
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(lines),
-      model_prefix=model_prefix,
-      vocab_size=vocab_size,
-      hard_vocab_limit=False,  # a small corpus may not support the requested size
-      model_type="unigram",
-      character_coverage=1.0,
-      byte_fallback=True,
-      normalization_rule_name="identity",
-      remove_extra_whitespaces=False,
-      add_dummy_prefix=False,
-      allow_whitespace_only_pieces=True,
-      split_digits=True,
-      pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=3,
-      input_sentence_size=2_000_000,
-      shuffle_input_sentence=True,
-      num_threads=2,
-      minloglevel=2,
+    sentence_iterator=iter(lines),
+    model_prefix=model_prefix,
+    vocab_size=vocab_size,
+    hard_vocab_limit=False,  # a small corpus may not support the requested size
+    model_type="unigram",
+    character_coverage=1.0,
+    byte_fallback=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=False,
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    pad_id=PAD_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    unk_id=3,
+    input_sentence_size=2_000_000,
+    shuffle_input_sentence=True,
+    num_threads=2,
+    minloglevel=2,
   )
   return model_prefix + ".model"
 
@@ -101,8 +104,9 @@ def parse_tokenizer_name(name: str) -> tuple[str, int | None]:
   if m and int(m.group(1)) >= 260:
     return "spm", int(m.group(1))
   raise ValueError(
-      f"unknown tokenizer {name!r}: valid are 'bytes', 'spm' (vocab {DEFAULT_SPM_VOCAB}) "
-      "or 'spm:N' with N >= 260 (byte fallback needs 256 ids plus specials)")
+    f"unknown tokenizer {name!r}: valid are 'bytes', 'spm' (vocab {DEFAULT_SPM_VOCAB}) "
+    "or 'spm:N' with N >= 260 (byte fallback needs 256 ids plus specials)"
+  )
 
 
 def spm_model_path(data_dir: str, vocab_size: int, small: bool = False) -> str:
@@ -125,6 +129,7 @@ def load_tokenizer(name: str = "bytes", data_dir: str | None = None, *, small: b
   path = spm_model_path(data_dir, vocab, small)
   if not os.path.exists(path):
     raise FileNotFoundError(
-        f"SentencePiece model {path} not found: build it with python -m fpa_jax.data.prepare "
-        f"--data-dir {data_dir} --only text --spm-vocab {vocab}{' --small' if small else ''}")
+      f"SentencePiece model {path} not found: build it with python -m fpa_jax.data.prepare "
+      f"--data-dir {data_dir} --only text --spm-vocab {vocab}{' --small' if small else ''}"
+    )
   return SpmTokenizer(path)

@@ -13,6 +13,21 @@ from fpa_jax.inference.decode import cached_logits, generate, init_caches, layer
 from fpa_jax.inference.loading import load_model, read_metrics
 from fpa_jax.inference.policies import POLICIES, Policy, PolicyName, logit_bound, make_policy, tolerance_threshold
 
-__all__ = ["load_model", "read_metrics", "generate", "cached_logits", "init_caches", "layer_logit_bounds",
-           "LayerCache", "init_cache", "decode_attend", "prefill_attend", "POLICIES", "Policy", "PolicyName",
-           "make_policy", "logit_bound", "tolerance_threshold"]
+__all__ = [
+  "load_model",
+  "read_metrics",
+  "generate",
+  "cached_logits",
+  "init_caches",
+  "layer_logit_bounds",
+  "LayerCache",
+  "init_cache",
+  "decode_attend",
+  "prefill_attend",
+  "POLICIES",
+  "Policy",
+  "PolicyName",
+  "make_policy",
+  "logit_bound",
+  "tolerance_threshold",
+]

@@ -39,6 +39,7 @@ class LayerCache(NamedTuple):
              (only when the cache never reuses slots: `measure=True` in `decode_attend`).
   overflow:  [B, H] bool a thresholded policy had to evict below its threshold (cache full).
   """
+
   k: jax.Array
   v: jax.Array
   level: jax.Array
@@ -61,23 +62,36 @@ def init_cache(batch: int, slots: int, heads: int, head_dim: int, *, dtype=F32, 
   bsh = (batch, slots, heads)
   thr = jnp.full((heads,), jnp.inf, F32) if threshold is None else jnp.asarray(threshold, F32).reshape(heads)
   return LayerCache(
-      k=jnp.zeros(bsh + (head_dim,), dtype), v=jnp.zeros(bsh + (head_dim,), dtype),
-      level=jnp.zeros(bsh, F32), run_min=jnp.full(bsh, jnp.inf, F32), pos=jnp.full(bsh, -1, jnp.int32),
-      alive=jnp.zeros(bsh, bool), score=jnp.zeros(bsh, F32), carry=jnp.zeros((batch, heads), F32),
-      threshold=thr, lost=jnp.zeros((batch, heads), F32), overflow=jnp.zeros((batch, heads), bool))
+    k=jnp.zeros(bsh + (head_dim,), dtype),
+    v=jnp.zeros(bsh + (head_dim,), dtype),
+    level=jnp.zeros(bsh, F32),
+    run_min=jnp.full(bsh, jnp.inf, F32),
+    pos=jnp.full(bsh, -1, jnp.int32),
+    alive=jnp.zeros(bsh, bool),
+    score=jnp.zeros(bsh, F32),
+    carry=jnp.zeros((batch, heads), F32),
+    threshold=thr,
+    lost=jnp.zeros((batch, heads), F32),
+    overflow=jnp.zeros((batch, heads), bool),
+  )
 
 
 def reset_rows(cache: LayerCache, rows: jax.Array) -> LayerCache:
   """Empty the cache of the rows where `rows` [B] is True (a new sequence starts there)."""
   r = rows[:, None, None]
-  return cache._replace(pos=jnp.where(r, -1, cache.pos), alive=jnp.where(r, False, cache.alive),
-                        run_min=jnp.where(r, jnp.inf, cache.run_min), score=jnp.where(r, 0.0, cache.score),
-                        carry=jnp.where(rows[:, None], 0.0, cache.carry))
+  return cache._replace(
+    pos=jnp.where(r, -1, cache.pos),
+    alive=jnp.where(r, False, cache.alive),
+    run_min=jnp.where(r, jnp.inf, cache.run_min),
+    score=jnp.where(r, 0.0, cache.score),
+    carry=jnp.where(rows[:, None], 0.0, cache.carry),
+  )
 
 
 # ------------------------------------------------------------------------------------------------
 # Which key goes
 # ------------------------------------------------------------------------------------------------
+
 
 def _argmax_lex(primary, secondary, mask, axis=1):
   """Index of the max of `primary`, ties broken by the max of `secondary`, among `mask`."""
@@ -115,8 +129,22 @@ def _scatter(x, slot, val):
 # One token
 # ------------------------------------------------------------------------------------------------
 
-def decode_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Policy, scale: float,
-                  positions: jax.Array, step: jax.Array | None = None, measure: bool = False):
+
+def decode_attend(
+  cache: LayerCache,
+  q,
+  k,
+  v,
+  field,
+  level,
+  cum,
+  *,
+  policy: Policy,
+  scale: float,
+  positions: jax.Array,
+  step: jax.Array | None = None,
+  measure: bool = False,
+):
   """One token per row against the cache: update first-passage state, evict, insert, attend.
 
   Args:
@@ -127,32 +155,37 @@ def decode_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Poli
   Returns:
     (out [B, 1, H, K], new cache).
   """
-  f, l = field[:, 0].astype(F32), level[:, 0].astype(F32)                # [B, H]
+  f, l = field[:, 0].astype(F32), level[:, 0].astype(F32)  # [B, H]
   occupied = cache.pos >= 0
   run_min = jnp.where(occupied, jnp.minimum(cache.run_min, f[:, None, :]), jnp.inf)
   cache = cache._replace(run_min=run_min)
-  pen = cache.penalty                                                    # [B, S, H]
+  pen = cache.penalty  # [B, S, H]
   alive = cache.alive
   if policy.thresholded:
     alive = alive & (pen < cache.threshold)
   # Room for the new key: capacity eviction when this (row, head) already holds `capacity` keys.
-  full = jnp.sum(alive, axis=1) >= policy.capacity                       # [B, H]
-  out_slot = victim(policy, cache, pen, alive, positions)                # [B, H]
+  full = jnp.sum(alive, axis=1) >= policy.capacity  # [B, H]
+  out_slot = victim(policy, cache, pen, alive, positions)  # [B, H]
   s_idx = jnp.arange(alive.shape[1])[None, :, None]
   alive = alive & ~(full[:, None, :] & (s_idx == out_slot[:, None, :]))
   overflow = cache.overflow | (full if policy.thresholded else False)
   if measure:
     slot = jnp.broadcast_to(step, full.shape).astype(jnp.int32)
   else:
-    slot = jnp.argmin(alive, axis=1).astype(jnp.int32)                   # first free slot
+    slot = jnp.argmin(alive, axis=1).astype(jnp.int32)  # first free slot
   cache = cache._replace(
-      k=_scatter(cache.k, slot, k[:, 0]), v=_scatter(cache.v, slot, v[:, 0]),
-      level=_scatter(cache.level, slot, l), run_min=_scatter(cache.run_min, slot, jnp.full_like(l, jnp.inf)),
-      pos=_scatter(cache.pos, slot, jnp.broadcast_to(positions[:, None], l.shape)),
-      alive=_scatter(alive, slot, jnp.ones_like(full)), score=_scatter(cache.score, slot, jnp.zeros_like(l)),
-      carry=cum[:, 0].astype(F32), overflow=overflow)
+    k=_scatter(cache.k, slot, k[:, 0]),
+    v=_scatter(cache.v, slot, v[:, 0]),
+    level=_scatter(cache.level, slot, l),
+    run_min=_scatter(cache.run_min, slot, jnp.full_like(l, jnp.inf)),
+    pos=_scatter(cache.pos, slot, jnp.broadcast_to(positions[:, None], l.shape)),
+    alive=_scatter(alive, slot, jnp.ones_like(full)),
+    score=_scatter(cache.score, slot, jnp.zeros_like(l)),
+    carry=cum[:, 0].astype(F32),
+    overflow=overflow,
+  )
   s = jnp.einsum("bhk,bshk->bhs", q[:, 0], cache.k, preferred_element_type=F32) * scale
-  logits = s - cache.penalty.transpose(0, 2, 1)                          # [B, H, S]
+  logits = s - cache.penalty.transpose(0, 2, 1)  # [B, H, S]
   live = cache.alive.transpose(0, 2, 1)
   p = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
   out = jnp.einsum("bhs,bshk->bhk", p.astype(cache.v.dtype), cache.v, preferred_element_type=F32)
@@ -168,6 +201,7 @@ def decode_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Poli
 # ------------------------------------------------------------------------------------------------
 # A whole prompt
 # ------------------------------------------------------------------------------------------------
+
 
 def _keep_order(policy: Policy, pen, pos, valid, thr):
   """[B, T, H] -> slot order (most wanted first) and whether each token is kept at all."""
@@ -186,8 +220,20 @@ def _keep_order(policy: Policy, pen, pos, valid, thr):
   return order, keep
 
 
-def prefill_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Policy, scale: float,
-                   lengths: jax.Array, block_size: int | None = None):
+def prefill_attend(
+  cache: LayerCache,
+  q,
+  k,
+  v,
+  field,
+  level,
+  cum,
+  *,
+  policy: Policy,
+  scale: float,
+  lengths: jax.Array,
+  block_size: int | None = None,
+):
   """A right-padded prompt through the chunked kernel, then the cache built from it directly.
 
   A key's running min after a prompt of length L is min(field_{j+1..L-1}), a reverse cumulative
@@ -202,9 +248,9 @@ def prefill_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Pol
   b, t, h, _ = q.shape
   out = ops.fpa_attention(q, k, v, field, level, scale=scale, block_size=block_size)
   t_idx = jnp.arange(t)[None, :, None]
-  valid = t_idx < lengths[:, None, None]                                 # [B, T, 1]
+  valid = t_idx < lengths[:, None, None]  # [B, T, 1]
   f = jnp.where(valid, field.astype(F32), jnp.inf)
-  rmin = jax.lax.cummin(f, axis=1, reverse=True)                         # min over [j, L)
+  rmin = jax.lax.cummin(f, axis=1, reverse=True)  # min over [j, L)
   run_min = jnp.concatenate([rmin[:, 1:], jnp.full((b, 1, h), jnp.inf, F32)], axis=1)  # over (j, L)
   pen = jax.nn.relu(level.astype(F32) - run_min)
   pos = jnp.broadcast_to(t_idx, (b, t, h)).astype(jnp.int32)
@@ -214,16 +260,27 @@ def prefill_attend(cache: LayerCache, q, k, v, field, level, cum, *, policy: Pol
   if t < s:  # fewer tokens than slots: pad the candidates with never-kept entries
     pad = lambda x, c: jnp.concatenate([x, jnp.full((b, s - t) + x.shape[2:], c, x.dtype)], axis=1)
     order = jnp.concatenate([order, jnp.broadcast_to(jnp.arange(t, s)[None, :, None], (b, s - t, h))], 1)
-    k, v, level, run_min, pos, keep = (pad(k, 0), pad(v, 0), pad(level.astype(F32), 0), pad(run_min, jnp.inf),
-                                       pad(pos, -1), pad(keep, False))
-  idx = order[:, :s]                                                     # [B, S, H]
+    k, v, level, run_min, pos, keep = (
+      pad(k, 0),
+      pad(v, 0),
+      pad(level.astype(F32), 0),
+      pad(run_min, jnp.inf),
+      pad(pos, -1),
+      pad(keep, False),
+    )
+  idx = order[:, :s]  # [B, S, H]
   take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 3 else idx[..., None], axis=1)
   kept = take(keep)
-  last = jnp.take_along_axis(cum.astype(F32), (lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, H]
+  last = jnp.take_along_axis(cum.astype(F32), (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
   cache = cache._replace(
-      k=take(k).astype(cache.k.dtype), v=take(v).astype(cache.v.dtype), level=take(level.astype(F32)),
-      run_min=take(run_min), pos=jnp.where(kept, take(pos), -1), alive=kept,
-      score=jnp.zeros_like(cache.score), carry=last,
-      overflow=cache.overflow | (policy.thresholded & (jnp.sum(keep, 1) > s)))
+    k=take(k).astype(cache.k.dtype),
+    v=take(v).astype(cache.v.dtype),
+    level=take(level.astype(F32)),
+    run_min=take(run_min),
+    pos=jnp.where(kept, take(pos), -1),
+    alive=kept,
+    score=jnp.zeros_like(cache.score),
+    carry=last,
+    overflow=cache.overflow | (policy.thresholded & (jnp.sum(keep, 1) > s)),
+  )
   return out, cache
-

@@ -21,12 +21,13 @@ from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefi
 from fpa_jax.inference.policies import Policy, logit_bound, make_policy, tolerance_threshold
 from fpa_jax.models import DecoderLM
 
-TRACES = {"cached_logits": 0, "generate": 0}   # Python traces of each program (tests: no retracing)
+TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (tests: no retracing)
 
 
 # ------------------------------------------------------------------------------------------------
 # Caches
 # ------------------------------------------------------------------------------------------------
+
 
 def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
   """Per layer, U [H]: a bound on |scale q.k| from the parameters (`policies.logit_bound`)."""
@@ -34,14 +35,22 @@ def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
   out = []
   for blk in model.layer_blocks():  # per-layer views of a scanned (stacked) model too
     a = blk.attn
-    out.append(logit_bound(blk.attn_norm.scale[...], a.wq[...], a.wk[...], scale=cfg.head_dim ** -0.5,
-                           q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
-                           k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...]))
+    out.append(
+      logit_bound(
+        blk.attn_norm.scale[...],
+        a.wq[...],
+        a.wk[...],
+        scale=cfg.head_dim**-0.5,
+        q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
+        k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...],
+      )
+    )
   return out
 
 
-def init_caches(model: DecoderLM, batch: int, policy: Policy, n_keys: int, slots: int | None = None
-                ) -> tuple[LayerCache, ...]:
+def init_caches(
+  model: DecoderLM, batch: int, policy: Policy, n_keys: int, slots: int | None = None
+) -> tuple[LayerCache, ...]:
   """One empty `LayerCache` per layer with the policy's thresholds.
 
   n_keys: the most keys a sequence can have (the N in the `fpa` tolerance threshold).
@@ -54,8 +63,10 @@ def init_caches(model: DecoderLM, batch: int, policy: Policy, n_keys: int, slots
     thresholds = [jnp.full((cfg.n_heads,), policy.threshold, jnp.float32)] * cfg.n_layers
   else:
     thresholds = [None] * cfg.n_layers
-  return tuple(init_cache(batch, slots or policy.capacity, cfg.n_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype),
-                          threshold=thr) for thr in thresholds)
+  return tuple(
+    init_cache(batch, slots or policy.capacity, cfg.n_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype), threshold=thr)
+    for thr in thresholds
+  )
 
 
 def _select_rows(rows: jax.Array, new: LayerCache, old: LayerCache) -> LayerCache:
@@ -78,21 +89,23 @@ def _split_on_one_device(model: DecoderLM):
 
 def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
   """One token per row: tokens, positions [B] -> (logits [B, V], caches)."""
-  attend = functools.partial(decode_attend, policy=policy, scale=model.cfg.head_dim ** -0.5, positions=positions,
-                             step=step, measure=measure)
+  attend = functools.partial(
+    decode_attend, policy=policy, scale=model.cfg.head_dim**-0.5, positions=positions, step=step, measure=measure
+  )
   logits, caches = model(tokens[:, None], positions=positions[:, None], caches=caches, attend=attend)
   return logits[:, 0], caches
 
 
 def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
   """(max keys held by any (layer, row, head), mean keys held) [], fp32."""
-  held = jnp.stack([jnp.sum(c.alive, axis=1) for c in caches]).astype(jnp.float32)   # [L, B, H]
+  held = jnp.stack([jnp.sum(c.alive, axis=1) for c in caches]).astype(jnp.float32)  # [L, B, H]
   return jnp.max(held), held
 
 
 # ------------------------------------------------------------------------------------------------
 # cached_logits
 # ------------------------------------------------------------------------------------------------
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
 def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Policy):
@@ -120,9 +133,16 @@ def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Poli
   return jnp.swapaxes(logits, 0, 1), {"peak": peak, "kept": kept, "lost": lost, "overflow": overflow}
 
 
-def cached_logits(model: DecoderLM, tokens, *, policy: str = "full", budget: float | int | None = None,
-                  tolerance: float | None = None, threshold: float | None = None,
-                  segment_ids=None) -> tuple[jax.Array, dict[str, Any]]:
+def cached_logits(
+  model: DecoderLM,
+  tokens,
+  *,
+  policy: str = "full",
+  budget: float | int | None = None,
+  tolerance: float | None = None,
+  threshold: float | None = None,
+  segment_ids=None,
+) -> tuple[jax.Array, dict[str, Any]]:
   """Decode every token of `tokens` [B, T] through the cache under a policy (no prefill), for studies.
 
   Evicted keys stay in memory (slots are not reused) only so that the attention mass they would
@@ -145,15 +165,21 @@ def cached_logits(model: DecoderLM, tokens, *, policy: str = "full", budget: flo
   graphdef, state = _split_on_one_device(model)
   logits, s = _cached_logits_program(graphdef, state, tokens, seg, policy=pol)
   s = jax.device_get(s)
-  stats = {"policy": pol.name, "capacity": pol.capacity, "cache_fraction": float(np.max(s["peak"])) / t,
-           "kept_fraction_mean": float(np.mean(s["kept"])), "lost_mass_max": float(np.max(s["lost"])),
-           "overflow": bool(np.any(s["overflow"]))}
+  stats = {
+    "policy": pol.name,
+    "capacity": pol.capacity,
+    "cache_fraction": float(np.max(s["peak"])) / t,
+    "kept_fraction_mean": float(np.mean(s["kept"])),
+    "lost_mass_max": float(np.max(s["lost"])),
+    "overflow": bool(np.any(s["overflow"])),
+  }
   return logits, stats
 
 
 # ------------------------------------------------------------------------------------------------
 # generate
 # ------------------------------------------------------------------------------------------------
+
 
 def _sample(logits, key, temperature: float, top_k: int | None):
   """logits [B, V] -> tokens [B] int32 (greedy at temperature 0)."""
@@ -166,20 +192,38 @@ def _sample(logits, key, temperature: float, top_k: int | None):
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_new", "temperature", "top_k", "prefill",
-                                             "n_keys"))
-def _generate_program(graphdef, state, prompt, lengths, key, *, policy: Policy, max_new: int, temperature: float,
-                      top_k: int | None, prefill: str, n_keys: int):
+@functools.partial(
+  jax.jit, static_argnames=("graphdef", "policy", "max_new", "temperature", "top_k", "prefill", "n_keys")
+)
+def _generate_program(
+  graphdef,
+  state,
+  prompt,
+  lengths,
+  key,
+  *,
+  policy: Policy,
+  max_new: int,
+  temperature: float,
+  top_k: int | None,
+  prefill: str,
+  n_keys: int,
+):
   TRACES["generate"] += 1
   model = nnx.merge(graphdef, state)
   b, p = prompt.shape
   caches = init_caches(model, b, policy, n_keys)
   if prefill == "parallel":
-    attend = functools.partial(prefill_attend, policy=policy, scale=model.cfg.head_dim ** -0.5, lengths=lengths,
-                               block_size=model.cfg.block_size or None)
+    attend = functools.partial(
+      prefill_attend,
+      policy=policy,
+      scale=model.cfg.head_dim**-0.5,
+      lengths=lengths,
+      block_size=model.cfg.block_size or None,
+    )
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, caches = model(prompt, positions=positions, caches=caches, attend=attend)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]   # [B, V]
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     peak0, _ = _occupancy(caches)
   else:  # token by token under the policy; rows past their prompt keep their state
 
@@ -206,15 +250,26 @@ def _generate_program(graphdef, state, prompt, lengths, key, *, policy: Policy, 
     return (caches, nxt, pos + 1, jnp.maximum(peak, _occupancy(caches)[0])), nxt
 
   (caches, _, _, peak), rest = jax.lax.scan(body, (caches, first, lengths, peak0), keys[1:])
-  tokens = jnp.concatenate([first[:, None], rest.T], axis=1)                             # [B, N]
+  tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, N]
   overflow = jnp.any(jnp.stack([c.overflow for c in caches]))
   return tokens, {"peak": peak, "overflow": overflow}
 
 
-def generate(model: DecoderLM, prompt_tokens, max_new_tokens: int, *, lengths=None, policy: str = "full",
-             budget: float | int | None = None, tolerance: float | None = None, threshold: float | None = None,
-             temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
-             prefill: Literal["parallel", "decode"] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+def generate(
+  model: DecoderLM,
+  prompt_tokens,
+  max_new_tokens: int,
+  *,
+  lengths=None,
+  policy: str = "full",
+  budget: float | int | None = None,
+  tolerance: float | None = None,
+  threshold: float | None = None,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  seed: int = 0,
+  prefill: Literal["parallel", "decode"] | None = None,
+) -> tuple[np.ndarray, dict[str, Any]]:
   """Generate `max_new_tokens` after each prompt with a KV cache under an eviction policy.
 
   Args:
@@ -246,17 +301,33 @@ def generate(model: DecoderLM, prompt_tokens, max_new_tokens: int, *, lengths=No
   if prefill == "parallel" and pol.name == "h2o":
     raise ValueError("h2o ranks keys by the attention they received: use prefill='decode'")
   graphdef, state = _split_on_one_device(model)
-  tokens, s = _generate_program(graphdef, state, prompt, lengths, jax.random.key(seed), policy=pol,
-                                max_new=max_new_tokens, temperature=float(temperature), top_k=top_k, prefill=prefill,
-                                n_keys=n_keys)
+  tokens, s = _generate_program(
+    graphdef,
+    state,
+    prompt,
+    lengths,
+    jax.random.key(seed),
+    policy=pol,
+    max_new=max_new_tokens,
+    temperature=float(temperature),
+    top_k=top_k,
+    prefill=prefill,
+    n_keys=n_keys,
+  )
   s = jax.device_get(s)
-  return np.asarray(tokens), {"policy": pol.name, "prefill": prefill, "capacity": pol.capacity,
-                              "cache_fraction": float(s["peak"]) / n_keys, "overflow": bool(s["overflow"])}
+  return np.asarray(tokens), {
+    "policy": pol.name,
+    "prefill": prefill,
+    "capacity": pol.capacity,
+    "cache_fraction": float(s["peak"]) / n_keys,
+    "overflow": bool(s["overflow"]),
+  }
 
 
 # ------------------------------------------------------------------------------------------------
 # Input checks
 # ------------------------------------------------------------------------------------------------
+
 
 def _check_tokens(tokens, model: DecoderLM) -> jax.Array:
   tokens = jnp.asarray(tokens)
@@ -271,7 +342,11 @@ def _check_tokens(tokens, model: DecoderLM) -> jax.Array:
 
 
 def _pad_prompts(prompt_tokens, lengths, model: DecoderLM) -> tuple[jax.Array, jax.Array]:
-  if isinstance(prompt_tokens, (list, tuple)) and prompt_tokens and isinstance(prompt_tokens[0], (list, tuple, np.ndarray)):
+  if (
+    isinstance(prompt_tokens, (list, tuple))
+    and prompt_tokens
+    and isinstance(prompt_tokens[0], (list, tuple, np.ndarray))
+  ):
     if lengths is not None:
       raise ValueError("pass lengths only with a padded [batch, prompt] array, not with a list of prompts")
     rows: Sequence = [np.asarray(r, np.int64).reshape(-1) for r in prompt_tokens]

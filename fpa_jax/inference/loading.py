@@ -20,8 +20,10 @@ def config_from_dict(d: dict) -> C.Config:
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(d) - names)
   if unknown:
-    raise ValueError(f"the run's config has fields this fpa_jax does not know: {unknown}; it was written by "
-                     "another version of the library")
+    raise ValueError(
+      f"the run's config has fields this fpa_jax does not know: {unknown}; it was written by "
+      "another version of the library"
+    )
   return cls(**d).validate()
 
 
@@ -34,8 +36,10 @@ def load_model(workdir: str | os.PathLike, *, step: int | None = None) -> tuple[
   """
   ckdir = os.path.join(os.fspath(workdir), "checkpoints")
   if not os.path.isdir(ckdir):
-    raise FileNotFoundError(f"{workdir} has no checkpoints/ directory: not a training workdir "
-                            "(train one with python -m fpa_jax.train --workdir ...)")
+    raise FileNotFoundError(
+      f"{workdir} has no checkpoints/ directory: not a training workdir "
+      "(train one with python -m fpa_jax.train --workdir ...)"
+    )
   ckpt = Checkpointer(ckdir, async_save=False)
   try:
     steps = ckpt.all_steps()
@@ -46,6 +50,7 @@ def load_model(workdir: str | os.PathLike, *, step: int | None = None) -> tuple[
       raise FileNotFoundError(f"no checkpoint for step {step} in {ckdir}; have {sorted(steps)}")
     cfg = config_from_dict(ckpt.saved_config(step))
     from fpa_jax.train import _init_fn, make_optimizer  # the exact state layout the trainer saved
+
     abstract = nnx.state(nnx.eval_shape(_init_fn(cfg, make_optimizer(cfg))))
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abstract)

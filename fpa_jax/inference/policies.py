@@ -28,18 +28,19 @@ import jax.numpy as jnp
 
 PolicyName = Literal["full", "fpa", "fpa_threshold", "fpa_budget", "window", "sink_window", "h2o"]
 POLICIES: tuple[str, ...] = PolicyName.__args__
-BUDGETED = ("fpa_budget", "window", "sink_window", "h2o")   # need a budget (their capacity)
-THRESHOLDED = ("fpa", "fpa_threshold")                      # evict by penalty threshold
+BUDGETED = ("fpa_budget", "window", "sink_window", "h2o")  # need a budget (their capacity)
+THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
 N_SINK = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """A resolved policy (static under jit). `capacity`: slots per (row, head) the policy may fill."""
+
   name: str
   capacity: int
-  tolerance: float | None = None   # fpa
-  threshold: float | None = None   # fpa_threshold
+  tolerance: float | None = None  # fpa
+  threshold: float | None = None  # fpa_threshold
   n_sink: int = N_SINK
 
   @property
@@ -57,14 +58,22 @@ def resolve_budget(budget: float | int | None, seq_len: int) -> int | None:
     raise ValueError(f"budget must be > 0, got {budget}")
   if isinstance(budget, float):
     if budget > 1.0:
-      raise ValueError(f"a float budget is a fraction of the sequence length and must be <= 1, got {budget}; "
-                       "pass an int for an absolute number of keys")
+      raise ValueError(
+        f"a float budget is a fraction of the sequence length and must be <= 1, got {budget}; "
+        "pass an int for an absolute number of keys"
+      )
     return max(1, int(math.ceil(budget * seq_len)))
   return int(budget)
 
 
-def make_policy(name: str, seq_len: int, *, budget: float | int | None = None, tolerance: float | None = None,
-                threshold: float | None = None) -> Policy:
+def make_policy(
+  name: str,
+  seq_len: int,
+  *,
+  budget: float | int | None = None,
+  tolerance: float | None = None,
+  threshold: float | None = None,
+) -> Policy:
   """Check the arguments of a policy for sequences of up to `seq_len` keys; raise what to change.
 
   The capacity is the budget for budgeted policies; otherwise `seq_len`, or the budget if one is
@@ -77,8 +86,9 @@ def make_policy(name: str, seq_len: int, *, budget: float | int | None = None, t
   if name in BUDGETED and cap is None:
     raise ValueError(f"policy {name!r} needs a budget (a fraction of the sequence, e.g. 0.25, or a key count)")
   if name == "fpa" and (tolerance is None or not 0.0 < tolerance < 1.0):
-    raise ValueError(f"policy 'fpa' needs a tolerance in (0, 1) (the attention mass evicted keys may carry), "
-                     f"got {tolerance!r}")
+    raise ValueError(
+      f"policy 'fpa' needs a tolerance in (0, 1) (the attention mass evicted keys may carry), got {tolerance!r}"
+    )
   if name == "fpa_threshold" and (threshold is None or not threshold > 0):
     raise ValueError(f"policy 'fpa_threshold' needs a threshold > 0 (a penalty in nats), got {threshold!r}")
   if name != "fpa" and tolerance is not None:
@@ -86,8 +96,9 @@ def make_policy(name: str, seq_len: int, *, budget: float | int | None = None, t
   if name != "fpa_threshold" and threshold is not None:
     raise ValueError(f"threshold only applies to policy 'fpa_threshold', not {name!r}")
   if name == "full" and cap is not None and cap < seq_len:
-    raise ValueError(f"policy 'full' keeps all {seq_len} keys but the budget allows {cap}; raise the budget "
-                     "or pick an evicting policy")
+    raise ValueError(
+      f"policy 'full' keeps all {seq_len} keys but the budget allows {cap}; raise the budget or pick an evicting policy"
+    )
   if name == "sink_window" and cap is not None and cap <= N_SINK:
     raise ValueError(f"sink_window keeps {N_SINK} sink keys plus a window: budget must be > {N_SINK}, got {cap}")
   if name == "h2o" and cap is not None and cap < 2:
@@ -99,13 +110,21 @@ def make_policy(name: str, seq_len: int, *, budget: float | int | None = None, t
 # The bound
 # ------------------------------------------------------------------------------------------------
 
+
 def _sigma_max(m: jax.Array) -> jax.Array:
   """Largest singular value of each [..., D, K] matrix."""
   return jnp.linalg.svd(m.astype(jnp.float32), compute_uv=False)[..., 0]
 
 
-def logit_bound(norm_scale: jax.Array, wq: jax.Array, wk: jax.Array, *, scale: float,
-                q_norm_scale: jax.Array | None = None, k_norm_scale: jax.Array | None = None) -> jax.Array:
+def logit_bound(
+  norm_scale: jax.Array,
+  wq: jax.Array,
+  wk: jax.Array,
+  *,
+  scale: float,
+  q_norm_scale: jax.Array | None = None,
+  k_norm_scale: jax.Array | None = None,
+) -> jax.Array:
   """U [H]: a bound on |scale * q.k| over every input, from one layer's parameters.
 
   The block input goes through an RMSNorm with scale g [D] before the projections: y = x/rms(x) * g
@@ -120,7 +139,7 @@ def logit_bound(norm_scale: jax.Array, wq: jax.Array, wk: jax.Array, *, scale: f
     nk = jnp.sqrt(k) * jnp.max(jnp.abs(k_norm_scale))
     return jnp.full((h,), scale * nq * nk, jnp.float32)
   g = norm_scale.astype(jnp.float32)[:, None, None]
-  per_head = lambda w: _sigma_max(jnp.moveaxis(g * w.astype(jnp.float32), 1, 0))      # [H]
+  per_head = lambda w: _sigma_max(jnp.moveaxis(g * w.astype(jnp.float32), 1, 0))  # [H]
   return scale * d * per_head(wq) * per_head(wk)
 
 

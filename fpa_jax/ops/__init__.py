@@ -5,6 +5,14 @@ from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.recurrent import FPACache, cache_penalty, decode_step, init_cache
 
 __all__ = [
-    "IMPLS", "Implementation", "fpa_attention", "fox_attention", "softmax_attention", "first_passage_penalty",
-    "FPACache", "init_cache", "decode_step", "cache_penalty",
+  "IMPLS",
+  "Implementation",
+  "fpa_attention",
+  "fox_attention",
+  "softmax_attention",
+  "first_passage_penalty",
+  "FPACache",
+  "init_cache",
+  "decode_step",
+  "cache_penalty",
 ]

@@ -17,17 +17,26 @@ from fpa_jax.ops.quadratic import masked_softmax_attention
 from fpa_jax.ops.recurrent import recurrent_attention
 
 Implementation = _v.Implementation  # Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
-IMPLS = _v.IMPLS                    # the same names as a tuple (typing.get_args(Implementation))
+IMPLS = _v.IMPLS  # the same names as a tuple (typing.get_args(Implementation))
 
 
 def _bht(x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, H, T] fp32
   return jnp.swapaxes(x, 1, 2).astype(_v.STATS_DTYPE)
 
 
-def fpa_attention(q: jax.Array, k: jax.Array, v: jax.Array, field: jax.Array, level: jax.Array, *,
-                  impl: Implementation = "chunked", scale: float | None = None,
-                  segment_ids: jax.Array | None = None, block_size: int | None = None,
-                  skip_tolerance: float | None = None) -> jax.Array:
+def fpa_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  field: jax.Array,
+  level: jax.Array,
+  *,
+  impl: Implementation = "chunked",
+  scale: float | None = None,
+  segment_ids: jax.Array | None = None,
+  block_size: int | None = None,
+  skip_tolerance: float | None = None,
+) -> jax.Array:
   """First Passage Attention.
 
       out_i = sum_j softmax_j(scale * q_i.k_j - relu(level_j - min(field_{j+1..i}))) v_j,  j <= i
@@ -63,23 +72,40 @@ def fpa_attention(q: jax.Array, k: jax.Array, v: jax.Array, field: jax.Array, le
   impl = _v.resolve_impl(impl)
   _v.check_skip_tolerance(skip_tolerance, impl)
   if impl == "pallas":
-    return _pallas.pallas_attention(q, k, v, _chunked.FPAGate(field, level), scale=scale,
-                                    segment_ids=segment_ids, block_sizes=block_size)
+    return _pallas.pallas_attention(
+      q, k, v, _chunked.FPAGate(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
+    )
   if impl == "quadratic":
     bias = -first_passage_penalty(_bht(field), _bht(level))
     return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
   if impl == "recurrent":
-    return recurrent_attention(q, k, v, field.astype(_v.STATS_DTYPE), level.astype(_v.STATS_DTYPE),
-                               scale=scale, segment_ids=segment_ids)
-  return _chunked.chunked_attention(q, k, v, _chunked.FPAGate(field, level), scale=scale,
-                                    segment_ids=segment_ids, block_size=block_size,
-                                    skip_tolerance=skip_tolerance)
+    return recurrent_attention(
+      q, k, v, field.astype(_v.STATS_DTYPE), level.astype(_v.STATS_DTYPE), scale=scale, segment_ids=segment_ids
+    )
+  return _chunked.chunked_attention(
+    q,
+    k,
+    v,
+    _chunked.FPAGate(field, level),
+    scale=scale,
+    segment_ids=segment_ids,
+    block_size=block_size,
+    skip_tolerance=skip_tolerance,
+  )
 
 
-def fox_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array, *,
-                  impl: Implementation = "chunked", scale: float | None = None,
-                  segment_ids: jax.Array | None = None, block_size: int | None = None,
-                  skip_tolerance: float | None = None) -> jax.Array:
+def fox_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  log_fgate: jax.Array,
+  *,
+  impl: Implementation = "chunked",
+  scale: float | None = None,
+  segment_ids: jax.Array | None = None,
+  block_size: int | None = None,
+  skip_tolerance: float | None = None,
+) -> jax.Array:
   """Forgetting Attention (FoX): logit_ij = scale * q_i.k_j + sum_{s=j+1..i} log_fgate_s.
 
   `quadratic` and `recurrent` go through the exact FPA special case field = level =
@@ -100,17 +126,26 @@ def fox_attention(q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array
   impl = _v.resolve_impl(impl)
   _v.check_skip_tolerance(skip_tolerance, impl)
   if impl == "pallas":
-    return _pallas.pallas_attention(q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d),
-                                    segment_ids=segment_ids, block_sizes=block_size)
+    return _pallas.pallas_attention(
+      q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d), segment_ids=segment_ids, block_sizes=block_size
+    )
   if impl == "chunked":
-    return _chunked.chunked_attention(q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d),
-                                      segment_ids=segment_ids, block_size=block_size,
-                                      skip_tolerance=skip_tolerance)
+    return _chunked.chunked_attention(
+      q,
+      k,
+      v,
+      _chunked.FoXGate(c),
+      scale=_v.default_scale(scale, d),
+      segment_ids=segment_ids,
+      block_size=block_size,
+      skip_tolerance=skip_tolerance,
+    )
   return fpa_attention(q, k, v, c, c, impl=impl, scale=scale, segment_ids=segment_ids)
 
 
-def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
+def softmax_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None, segment_ids: jax.Array | None = None
+) -> jax.Array:
   """Plain causal softmax attention (quadratic reference). [B, T, H, K] -> [B, T, H, Kv]."""
   b, t, h, d = _v.check_qkv(q, k, v)
   _v.check_segment_ids(segment_ids, (b, t))

@@ -97,11 +97,16 @@ def _fpa_bias_bwd(res, g):
   active = lvl > a
   d_a = jnp.where(active, col - col_c, 0.0)
   to_s = suffix <= r
-  return (-jnp.where(active, col, col_c), jnp.where(to_s, d_a, 0.0), g_c.sum(-1, keepdims=True),
-          jnp.where(to_s, 0.0, d_a).sum(-1, keepdims=True))
+  return (
+    -jnp.where(active, col, col_c),
+    jnp.where(to_s, d_a, 0.0),
+    g_c.sum(-1, keepdims=True),
+    jnp.where(to_s, 0.0, d_a).sum(-1, keepdims=True),
+  )
 
 
 _fpa_bias.defvjp(_fpa_bias_fwd, _fpa_bias_bwd)
+
 
 def _scan_stats(phi):
   """Within-block min statistics of phi [..., nb, blk]: (S, C, R) as in the module docstring."""
@@ -156,7 +161,7 @@ def _nse_pse(phi):
   idx = jnp.arange(n)
   nse, pse = jnp.broadcast_to(idx + 1, phi.shape), jnp.broadcast_to(idx - 1, phi.shape)
   for k in reversed(range(len(ahead))):
-    w = 2 ** k
+    w = 2**k
     nse = jnp.where((nse + w <= n) & (at(ahead[k], nse) >= phi), nse + w, nse)
     pse = jnp.where((pse - w >= -1) & (at(behind[k], pse) > phi), pse - w, pse)
   return nse, pse
@@ -309,7 +314,8 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
         p = jnp.exp(s - m_new[..., None])
         l = l * corr + p.sum(-1)
         acc = acc * corr[..., None] + jnp.einsum(
-            "bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32)
+          "bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32
+        )
         return m_new, l, acc
 
       return _visit(dead, i, j, tile, lambda *c: c, *c)
@@ -368,8 +374,9 @@ def _core_bwd(gate, scale, blk, res, do):
         return dq_i, dkj, dvj, dkstj, g[1], (() if diag else g[2])
 
       skip = lambda dq_i, dkj, dvj, dkstj: (dq_i, dkj, dvj, dkstj, zeros(qsti), zeros(pij))
-      dq_i, dkj, dvj, dkstj, gq, gp = _visit(None if diag else dead, i, j, body, skip,
-                                             _tile(dq, i, blk), dkj, dvj, dkstj)
+      dq_i, dkj, dvj, dkstj, gq, gp = _visit(
+        None if diag else dead, i, j, body, skip, _tile(dq, i, blk), dkj, dvj, dkstj
+      )
       dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * blk, 1)
       dqst = jax.tree.map(lambda a, x: a.at[:, :, i].add(x), dqst, gq)
       if not diag:
@@ -387,8 +394,14 @@ def _core_bwd(gate, scale, blk, res, do):
 
   # dK / dV tiles are final when written (each key block is visited once), so they are stored in
   # the input dtype; dQ accumulates across key blocks and stays fp32 until the end.
-  init = (jnp.zeros(q.shape, F32), zeros(qst), zeros(pst), jnp.zeros(k.shape, k.dtype),
-          jnp.zeros(v.shape, v.dtype), zeros(kst))
+  init = (
+    jnp.zeros(q.shape, F32),
+    zeros(qst),
+    zeros(pst),
+    jnp.zeros(k.shape, k.dtype),
+    jnp.zeros(v.shape, v.dtype),
+    zeros(kst),
+  )
   dq, dqst, dpst, dk, dv, dkst = jax.lax.fori_loop(0, nb, k_block, init)
   return (dq.astype(q.dtype), dk, dv, dkst, dqst, dpst, None, None)
 
@@ -450,7 +463,7 @@ def dead_tiles(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
   t, d = q.shape[1], q.shape[-1]
   blk = block_for(t, block_size)
   nb = -(-t // blk)
-  scale = d ** -0.5 if scale is None else float(scale)
+  scale = d**-0.5 if scale is None else float(scale)
   return _dead_tiles(q, k, gate, gate.stats(nb, blk), scale, skip_tolerance, nb, blk)
 
 

@@ -1,7 +1,7 @@
 """The first-passage penalty: the deepest dip of the field below a key's level on (j, i].
 
-    penalty[i, j] = max(0, level_j - min(field_{j+1}, ..., field_i)),  j <= i
-                    0 on the diagonal (empty range), +inf above it (j > i, not causal).
+penalty[i, j] = max(0, level_j - min(field_{j+1}, ..., field_i)),  j <= i
+                0 on the diagonal (empty range), +inf above it (j > i, not causal).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ class FPACache(NamedTuple):
   segment: [B, S] int32 segment id of each key (-1 for empty slots).
   length: [] int32 number of filled slots (shared by the batch).
   """
+
   k: jax.Array
   v: jax.Array
   level: jax.Array
@@ -34,16 +35,17 @@ class FPACache(NamedTuple):
   length: jax.Array
 
 
-def init_cache(batch: int, capacity: int, heads: int, head_dim: int, v_dim: int | None = None,
-               dtype=jnp.float32) -> FPACache:
+def init_cache(
+  batch: int, capacity: int, heads: int, head_dim: int, v_dim: int | None = None, dtype=jnp.float32
+) -> FPACache:
   v_dim = head_dim if v_dim is None else v_dim
   return FPACache(
-      k=jnp.zeros((batch, capacity, heads, head_dim), dtype),
-      v=jnp.zeros((batch, capacity, heads, v_dim), dtype),
-      level=jnp.zeros((batch, capacity, heads), STATS_DTYPE),
-      run_min=jnp.full((batch, capacity, heads), jnp.inf, STATS_DTYPE),
-      segment=jnp.full((batch, capacity), -1, jnp.int32),
-      length=jnp.zeros((), jnp.int32),
+    k=jnp.zeros((batch, capacity, heads, head_dim), dtype),
+    v=jnp.zeros((batch, capacity, heads, v_dim), dtype),
+    level=jnp.zeros((batch, capacity, heads), STATS_DTYPE),
+    run_min=jnp.full((batch, capacity, heads), jnp.inf, STATS_DTYPE),
+    segment=jnp.full((batch, capacity), -1, jnp.int32),
+    length=jnp.zeros((), jnp.int32),
   )
 
 
@@ -67,13 +69,14 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
   # Keys already cached see this token inside their range (j, now]; the new key sees none.
   run_min = jnp.minimum(cache.run_min, field.astype(STATS_DTYPE)[:, None, :])
   cache = FPACache(
-      k=jax.lax.dynamic_update_slice_in_dim(cache.k, k[:, None].astype(cache.k.dtype), pos, 1),
-      v=jax.lax.dynamic_update_slice_in_dim(cache.v, v[:, None].astype(cache.v.dtype), pos, 1),
-      level=jax.lax.dynamic_update_slice_in_dim(cache.level, level.astype(STATS_DTYPE)[:, None], pos, 1),
-      run_min=jax.lax.dynamic_update_slice_in_dim(
-          run_min, jnp.full((b, 1, run_min.shape[-1]), jnp.inf, STATS_DTYPE), pos, 1),
-      segment=jax.lax.dynamic_update_slice_in_dim(cache.segment, seg[:, None], pos, 1),
-      length=pos + 1,
+    k=jax.lax.dynamic_update_slice_in_dim(cache.k, k[:, None].astype(cache.k.dtype), pos, 1),
+    v=jax.lax.dynamic_update_slice_in_dim(cache.v, v[:, None].astype(cache.v.dtype), pos, 1),
+    level=jax.lax.dynamic_update_slice_in_dim(cache.level, level.astype(STATS_DTYPE)[:, None], pos, 1),
+    run_min=jax.lax.dynamic_update_slice_in_dim(
+      run_min, jnp.full((b, 1, run_min.shape[-1]), jnp.inf, STATS_DTYPE), pos, 1
+    ),
+    segment=jax.lax.dynamic_update_slice_in_dim(cache.segment, seg[:, None], pos, 1),
+    length=pos + 1,
   )
   valid = (jnp.arange(cache.k.shape[1]) <= pos)[None, :] & (cache.segment == seg[:, None])  # [B, S]
   s = jnp.einsum("bhd,bshd->bhs", q, cache.k, preferred_element_type=STATS_DTYPE) * scale

@@ -50,7 +50,7 @@ def _attend_np(q, k, v, bias_fn, scale, segment_ids):
   v = np.asarray(v, np.float64)
   bsz, t, heads, d = q.shape
   dv = v.shape[-1]
-  scale = d ** -0.5 if scale is None else float(scale)
+  scale = d**-0.5 if scale is None else float(scale)
   seg = None if segment_ids is None else np.asarray(segment_ids)
   out = np.zeros((bsz, t, heads, dv))
   for b in range(bsz):

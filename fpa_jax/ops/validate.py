@@ -30,12 +30,11 @@ def check_impl(impl: Implementation, block_size: int | None = None) -> None:
 
 
 def resolve_impl(impl: Implementation) -> str:
-  """"auto": the Pallas kernels on TPU / GPU, the XLA-tiled "chunked" elsewhere (on CPU Pallas
+  """ "auto": the Pallas kernels on TPU / GPU, the XLA-tiled "chunked" elsewhere (on CPU Pallas
   only runs in its slow interpreter). Other names pass through."""
   if impl != "auto":
     return impl
   return "pallas" if jax.default_backend() in ("tpu", "gpu") else "chunked"
-
 
 
 def resolve_block_size(impl: Implementation, block_size):
@@ -43,19 +42,22 @@ def resolve_block_size(impl: Implementation, block_size):
   that picks "chunked" (CPU) becomes its forward block (chunked tiles its backward like its
   forward, so `bwd` has no counterpart); with impl="chunked" itself it is an error. Others pass."""
   from fpa_jax.ops.pallas.kernels import BlockSizes  # lazy: the pallas package imports this module
+
   if not isinstance(block_size, BlockSizes) or resolve_impl(impl) != "chunked":
     return block_size
   if impl != "auto":
-    raise ValueError(f"impl={impl!r} takes an int block_size, got {block_size!r} (a BlockSizes is for "
-                     f"impl='pallas' / 'auto'); pass block_size={block_size.fwd}")
+    raise ValueError(
+      f"impl={impl!r} takes an int block_size, got {block_size!r} (a BlockSizes is for "
+      f"impl='pallas' / 'auto'); pass block_size={block_size.fwd}"
+    )
   return block_size.fwd
+
 
 def check_qkv(q, k, v) -> tuple[int, int, int, int]:
   """q, k, v: [batch, seq, heads, head_dim] of one float dtype. Returns (B, T, H, D)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
-      raise ValueError(
-          f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {getattr(x, 'shape', None)}")
+      raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {getattr(x, 'shape', None)}")
     if not _is_float(x):
       raise ValueError(f"{name} must be a float array (fp32 or bf16), got dtype {x.dtype}")
   if q.shape != k.shape:
@@ -82,13 +84,15 @@ def check_segment_ids(segment_ids, bt: tuple[int, int]) -> None:
   if segment_ids is None:
     return
   if getattr(segment_ids, "shape", None) != tuple(bt):
-    raise ValueError(f"segment_ids must have shape [batch, seq] = {tuple(bt)}, got {getattr(segment_ids, 'shape', None)}")
+    raise ValueError(
+      f"segment_ids must have shape [batch, seq] = {tuple(bt)}, got {getattr(segment_ids, 'shape', None)}"
+    )
   if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
     raise ValueError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
 
 
 def default_scale(scale, head_dim: int) -> float:
-  return head_dim ** -0.5 if scale is None else float(scale)
+  return head_dim**-0.5 if scale is None else float(scale)
 
 
 def check_skip_tolerance(skip_tolerance, impl: str) -> None:

@@ -79,7 +79,7 @@ def fpa_stats(field, level, blk, tp):
   for k in range(n_levels(blk)):
     ms.append(m)
     ns.append(n)
-    m, n = jnp.minimum(m, _shift(m, -2 ** k)), jnp.minimum(n, _shift(n, 2 ** k))  # disjoint halves: no ties
+    m, n = jnp.minimum(m, _shift(m, -(2**k))), jnp.minimum(n, _shift(n, 2**k))  # disjoint halves: no ties
   krow = jnp.stack([lvl, suffix.reshape(b, h, tp)] + ns, 2)
   qcol = jnp.stack([prefix.reshape(b, h, tp)] + ms, -1)
   return krow, qcol, r
@@ -122,8 +122,10 @@ def tile_bias(kind, n_lv, kvec, qvec, r, dist):
       # penalty level_j - A_j where C_i >= A_j and level_j > A_j; key-only condition after the sum
       d_a = jnp.where(lvl > a, jnp.where(pre >= a, g, 0.0).sum(0, keepdims=True), 0.0)
       to_s = suf <= r
-      return ({0: -(d_a + g_c.sum(0, keepdims=True)), 1: jnp.where(to_s, d_a, 0.0)},
-              jnp.where(to_s, 0.0, d_a).sum(1, keepdims=True))
+      return (
+        {0: -(d_a + g_c.sum(0, keepdims=True)), 1: jnp.where(to_s, d_a, 0.0)},
+        jnp.where(to_s, 0.0, d_a).sum(1, keepdims=True),
+      )
 
     return bias, pull_off
 
@@ -131,14 +133,14 @@ def tile_bias(kind, n_lv, kvec, qvec, r, dist):
   ms = [qvec(1 + k) for k in range(n_lv)]
   m = jnp.full(dist.shape, INF, F32)  # distance 0 (and masked j > i): empty range, no penalty
   for k in range(n_lv):  # ascending: the last level with 2^k <= i - j wins
-    m = jnp.where(dist >= 2 ** k, jnp.minimum(ns[k], ms[k]), m)
+    m = jnp.where(dist >= 2**k, jnp.minimum(ns[k], ms[k]), m)
   bias = -jnp.maximum(lvl - m, 0.0)
 
   def pull_diag(g, side):
     g = jnp.where(lvl > m, g, 0.0)  # bias = m - level where the penalty is active
     out = {0: -g.sum(0, keepdims=True)} if side == "key" else {}
     for k in range(n_lv):
-      band = (dist >= 2 ** k) & (dist < 2 ** (k + 1))
+      band = (dist >= 2**k) & (dist < 2 ** (k + 1))
       to_n = ns[k] <= ms[k]
       if side == "key":
         out[2 + k] = jnp.where(band & to_n, g, 0.0).sum(0, keepdims=True)

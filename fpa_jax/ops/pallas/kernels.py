@@ -42,6 +42,7 @@ class BlockSizes:
   TPU wants multiples of 128 (lanes) unless a block covers all of T; Triton wants powers of two
   >= 16. Blocks shrink for short sequences; T is padded to a multiple of both sizes.
   """
+
   fwd: int
   bwd: int | None = None  # None: same as fwd
 
@@ -60,19 +61,21 @@ _DEFAULT_BLOCKS = {"tpu": BlockSizes(128), "gpu": BlockSizes(64), "interpret": B
 
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
-  kind: str           # "fpa" | "fox"
+  kind: str  # "fpa" | "fox"
   scale: float
   fwd: int
   bwd: int
   interpret: bool
-  backend: str        # "tpu" | "gpu" | "interpret"
+  backend: str  # "tpu" | "gpu" | "interpret"
 
   def compiler_params(self):
     if self.backend == "tpu":
       from jax.experimental.pallas import tpu as pltpu
+
       return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)  # every program writes its own blocks
     if self.backend == "gpu":
       from jax.experimental.pallas import triton as plgpu
+
       return plgpu.CompilerParams(num_warps=4, num_stages=2)
     return None
 
@@ -105,8 +108,7 @@ def _logits(cfg, blk, q, k, kvec, qvec, r, qseg, kseg, diag):
   """q [bq, K], k [bk, K] -> (masked logits [bq, bk] fp32, bias pullback)."""
   dist = None
   if diag:
-    dist = (jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0)
-            - jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1))
+    dist = jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0) - jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1)
   bias, pull = tile_bias(cfg.kind, n_levels(blk), kvec, qvec, r, dist)
   s = _dot_nt(q, k) * cfg.scale + bias
   mask = None if dist is None else dist >= 0
@@ -131,17 +133,18 @@ def _unpack(refs, n_in, has_r, has_seg):
 def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
   # q, qcol, qseg: this query block; k, v, krow, kseg: all of T; r: R[I, :].
   (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, (o_ref, lse_ref) = _unpack(
-      refs, 5, has_r, has_seg)
+    refs, 5, has_r, has_seg
+  )
   i = pl.program_id(2)
   q = q_ref[...]
-  qvec = lambda n: qcol_ref[:, n:n + 1]
+  qvec = lambda n: qcol_ref[:, n : n + 1]
   qseg = qseg_ref[...] if has_seg else None
 
   def logits(j, diag):
     ks = _rows(j, blk)
     r = _pick(r_ref[...], j) if has_r and not diag else None
     kseg = kseg_ref[:, ks] if has_seg else None
-    s, _ = _logits(cfg, blk, q, k_ref[ks, :], lambda n: krow_ref[n:n + 1, ks], qvec, r, qseg, kseg, diag)
+    s, _ = _logits(cfg, blk, q, k_ref[ks, :], lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
     return s, v_ref[ks, :]
 
   s, v = logits(i, True)  # the diagonal entry is never masked, so m is finite from here on
@@ -169,7 +172,7 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
   dk_ref, dv_ref, dkrow_ref = outs[:3]
   j = pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
-  kvec = lambda n: krow_ref[n:n + 1, :]
+  kvec = lambda n: krow_ref[n : n + 1, :]
   kseg = kseg_ref[...] if has_seg else None
   r_col = r_ref[...] if has_r else None
 
@@ -179,7 +182,7 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
     q, do = q_ref[qs, :], do_ref[qs, :]
     r = _pick(r_col, i) if has_r and not diag else None
     qseg = qseg_ref[qs, :] if has_seg else None
-    s, pull = _logits(cfg, blk, q, k, kvec, lambda n: qcol_ref[qs, n:n + 1], r, qseg, kseg, diag)
+    s, pull = _logits(cfg, blk, q, k, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
     p = jnp.exp(s - lse_ref[qs, :])  # masked entries: exactly 0
     dv = dv + _dot(p.astype(do.dtype).T, do)
     ds = p * (_dot_nt(do, v) - delta_ref[qs, :])  # d loss / d logit = d loss / d bias
@@ -191,14 +194,18 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
     return dk, dv, dkrow, dr
 
   nr = krow_ref.shape[0]
-  carry = (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32), tuple(jnp.zeros((1, blk), F32) for _ in range(nr)),
-           jnp.zeros(r_col.shape, F32) if has_r else None)
+  carry = (
+    jnp.zeros(k.shape, F32),
+    jnp.zeros(v.shape, F32),
+    tuple(jnp.zeros((1, blk), F32) for _ in range(nr)),
+    jnp.zeros(r_col.shape, F32) if has_r else None,
+  )
   carry = tile(j, carry, True)
   dk, dv, dkrow, dr = jax.lax.fori_loop(j + 1, nb, lambda i, c: tile(i, c, False), carry)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
   for n, x in enumerate(dkrow):
-    dkrow_ref[n:n + 1, :] = x
+    dkrow_ref[n : n + 1, :] = x
   if has_r:
     outs[3][...] = dr
 
@@ -209,7 +216,7 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   i = pl.program_id(2)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-  qvec = lambda n: qcol_ref[:, n:n + 1]
+  qvec = lambda n: qcol_ref[:, n : n + 1]
   qseg = qseg_ref[...] if has_seg else None
 
   def tile(j, carry, diag):
@@ -217,8 +224,9 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
     ks = _rows(j, blk)
     k, v = k_ref[ks, :], v_ref[ks, :]
     r = _pick(r_ref[...], j) if has_r and not diag else None
-    s, pull = _logits(cfg, blk, q, k, lambda n: krow_ref[n:n + 1, ks], qvec, r, qseg,
-                      kseg_ref[:, ks] if has_seg else None, diag)
+    s, pull = _logits(
+      cfg, blk, q, k, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg_ref[:, ks] if has_seg else None, diag
+    )
     p = jnp.exp(s - lse)
     ds = p * (_dot_nt(do, v) - delta)
     dq = dq + _dot(ds.astype(k.dtype), k) * cfg.scale
@@ -230,7 +238,7 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
   dq, dqcol = jax.lax.fori_loop(0, i, lambda j, c: tile(j, c, False), carry)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   for n, x in enumerate(dqcol):
-    dqcol_ref[:, n:n + 1] = x
+    dqcol_ref[:, n : n + 1] = x
 
 
 # ----------------------------------------------------------------------------- pallas_calls
@@ -282,11 +290,14 @@ def _forward(cfg, q, k, v, st, seg):
     args += list(seg)
     specs += _seg_specs(seg, blk, tp, q_tiled=True)
   kernel = functools.partial(_fwd_kernel, cfg=cfg, blk=blk, has_r=r is not None, has_seg=seg is not None)
-  return cfg.call(kernel, grid=(b, h, nb), in_specs=specs,
-                  out_specs=[_tiled(blk, dv), _tiled(blk, 1)],
-                  out_shape=[jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
-                             jax.ShapeDtypeStruct((b, h, tp, 1), F32)],
-                  name=f"{cfg.kind}_attention_fwd")(*args)
+  return cfg.call(
+    kernel,
+    grid=(b, h, nb),
+    in_specs=specs,
+    out_specs=[_tiled(blk, dv), _tiled(blk, 1)],
+    out_shape=[jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype), jax.ShapeDtypeStruct((b, h, tp, 1), F32)],
+    name=f"{cfg.kind}_attention_fwd",
+  )(*args)
 
 
 def _backward(cfg, q, k, v, do, lse, delta, st, seg):
@@ -303,11 +314,22 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
 
   # dK / dV: key block J per program.
   args = [q, k, v, do, lse, delta, krow, qcol]
-  specs = [_whole(tp, d), _tiled(blk, d), _tiled(blk, dv_), _whole(tp, dv_), _whole(tp, 1), _whole(tp, 1),
-           row_tile, _whole(tp, nc)]
+  specs = [
+    _whole(tp, d),
+    _tiled(blk, d),
+    _tiled(blk, dv_),
+    _whole(tp, dv_),
+    _whole(tp, 1),
+    _whole(tp, 1),
+    row_tile,
+    _whole(tp, nc),
+  ]
   out_specs = [_tiled(blk, d), _tiled(blk, dv_), row_tile]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-               jax.ShapeDtypeStruct(krow.shape, F32)]
+  out_shape = [
+    jax.ShapeDtypeStruct(k.shape, k.dtype),
+    jax.ShapeDtypeStruct(v.shape, v.dtype),
+    jax.ShapeDtypeStruct(krow.shape, F32),
+  ]
   if has_r:
     args.append(_r_rows(jnp.swapaxes(r, -1, -2), nbp))  # R^T: program J reads R[:, J] as a row
     specs.append(_R_SPEC(nbp))
@@ -317,15 +339,24 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
     args += list(seg)
     specs += _seg_specs(seg, blk, tp, q_tiled=False)
   kernel = functools.partial(_dkv_kernel, cfg=cfg, blk=blk, nb=nb, has_r=has_r, has_seg=has_seg)
-  outs = cfg.call(kernel, grid=grid, in_specs=specs, out_specs=out_specs, out_shape=out_shape,
-                  name=f"{cfg.kind}_attention_dkv")(*args)
+  outs = cfg.call(
+    kernel, grid=grid, in_specs=specs, out_specs=out_specs, out_shape=out_shape, name=f"{cfg.kind}_attention_dkv"
+  )(*args)
   dk, dv, dkrow = outs[:3]
   dr = jnp.swapaxes(outs[3][:, :, :, 0, :nb], -1, -2) if has_r else None
 
   # dQ: query block I per program.
   args = [q, k, v, do, lse, delta, krow, qcol]
-  specs = [_tiled(blk, d), _whole(tp, d), _whole(tp, dv_), _tiled(blk, dv_), _tiled(blk, 1), _tiled(blk, 1),
-           _whole(nr, tp), _tiled(blk, nc)]
+  specs = [
+    _tiled(blk, d),
+    _whole(tp, d),
+    _whole(tp, dv_),
+    _tiled(blk, dv_),
+    _tiled(blk, 1),
+    _tiled(blk, 1),
+    _whole(nr, tp),
+    _tiled(blk, nc),
+  ]
   if has_r:
     args.append(_r_rows(r, nbp))
     specs.append(_R_SPEC(nbp))
@@ -333,9 +364,14 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
     args += list(seg)
     specs += _seg_specs(seg, blk, tp, q_tiled=True)
   kernel = functools.partial(_dq_kernel, cfg=cfg, blk=blk, has_r=has_r, has_seg=has_seg)
-  dq, dqcol = cfg.call(kernel, grid=grid, in_specs=specs, out_specs=[_tiled(blk, d), _tiled(blk, nc)],
-                       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(qcol.shape, F32)],
-                       name=f"{cfg.kind}_attention_dq")(*args)
+  dq, dqcol = cfg.call(
+    kernel,
+    grid=grid,
+    in_specs=specs,
+    out_specs=[_tiled(blk, d), _tiled(blk, nc)],
+    out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(qcol.shape, F32)],
+    name=f"{cfg.kind}_attention_dq",
+  )(*args)
   return dq, dk, dv, (dkrow, dqcol, dr)
 
 
