@@ -16,14 +16,13 @@ import grain
 import jax
 import numpy as np
 
+from fpa_jax.configs import TASKS, TEST_TASKS  # noqa: F401 - one definition; TASKS re-exported
 from fpa_jax.data import builders, dips, passkey, scopes, sources
 from fpa_jax.data.synthetic import SyntheticPipeline, make_synthetic
 from fpa_jax.data.tokenizers import load_tokenizer, parse_tokenizer_name
 
 log = logging.getLogger(__name__)
 
-TASKS = ("text", "passkey", "scopes", "dips")
-TEST_TASKS = ("synthetic",)  # in-memory, for tests and benchmarks; `prepare` builds nothing for it
 KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
 
 
