@@ -116,6 +116,7 @@ class ModelConfig(_Part):
   d_model: int = 64
   n_layers: int = 2
   n_heads: int = 2
+  n_kv_heads: int = 0  # k/v heads and gates (grouped-query attention); 0 -> n_heads; divides n_heads
   d_ff: int = 0  # SwiGLU hidden dim; 0 -> round_up(8/3 * d_model, 64)
   attention: str = "fpa"  # one of ATTENTIONS
   attn_impl: str = "auto"  # one of ATTN_IMPLS; auto: pallas on TPU/GPU, chunked on CPU; quadratic for debugging
@@ -156,6 +157,12 @@ class ModelConfig(_Part):
     return self.d_model // self.n_heads
 
   @property
+  def kv_heads(self) -> int:
+    """Heads of k, v and the gates (field / level per kv head, shared by its n_heads / kv_heads
+    query heads: one penalty per key and kv head; see `fpa_jax.ops.attention`)."""
+    return self.n_kv_heads or self.n_heads
+
+  @property
   def ff_dim(self) -> int:
     return self.d_ff or -(-int(8 * self.d_model / 3) // 64) * 64
 
@@ -176,7 +183,18 @@ class ModelConfig(_Part):
   def validate(self) -> ModelConfig:
     """Static checks (no devices needed); raises ValueError naming the field and what to change."""
     _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads")
-    _at_least(self, 0, "d_ff", "block_size")
+    _at_least(self, 0, "d_ff", "block_size", "n_kv_heads")
+    if self.n_heads % self.kv_heads:
+      raise ValueError(
+        f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each kv head serves "
+        f"n_heads / n_kv_heads query heads); use a divisor of {self.n_heads}, or 0 for n_heads"
+      )
+    if self.kv_heads != self.n_heads and self.attn_impl == "pallas":
+      # The layer's per-shard shard_map splits q and k / v heads separately: not done for groups.
+      raise ValueError(
+        f"attn_impl='pallas' needs n_kv_heads == n_heads in the model, got {self.n_kv_heads}; "
+        f"use attn_impl='auto' or 'chunked' (auto picks chunked for grouped heads)"
+      )
     if self.attention not in ATTENTIONS:
       raise ValueError(f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
     if self.attn_impl not in ATTN_IMPLS:

@@ -14,7 +14,8 @@ Per head h, token t, block input x_t (fp32), a gate has up to four linear read-o
 
 Which read-outs a gate has is `ModelConfig.gate_terms` (fox: forget; stack: step; fpa: step, absolute,
 offset). `GateParts` holds the per-token terms; `field_level` does the (carried) sum.
-Shape legend: B batch, T sequence, D d_model, H heads.
+Shape legend: B batch, T sequence, D d_model, H heads. Gates have one entry per kv head
+(`ModelConfig.kv_heads`, = n_heads unless grouped-query), written H here too.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Gate(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     terms = cfg.gate_terms
-    d, h, pdt = cfg.d_model, cfg.n_heads, jnp.dtype(cfg.param_dtype)
+    # One read-out per kv head: a key's penalty is then shared by the query heads of its group.
+    d, h, pdt = cfg.d_model, cfg.kv_heads, jnp.dtype(cfg.param_dtype)
     mk = lambda scale, std, bias: LinearReadout(
       d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt, rngs=rngs
     )

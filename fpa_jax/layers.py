@@ -1,6 +1,7 @@
 """Flax NNX building blocks: RMSNorm, RoPE, SwiGLU and the First Passage Attention layer.
 
-Shape legend: B batch, T sequence, D d_model, H heads, K head_dim, F MLP hidden.
+Shape legend: B batch, T sequence, D d_model, H heads, KVH kv heads (k, v, gates; = H unless
+grouped-query), K head_dim, F MLP hidden.
 Parameters are fp32 (`param_dtype`) and cast to the compute `dtype` at use; norms, the gate and
 the field are always computed in fp32. Every parameter carries logical axis names
 (`fpa_jax.sharding`) so the trainer can shard it without this module knowing the mesh; activations
@@ -94,8 +95,11 @@ class FirstPassageAttention(nnx.Module):
     layer(x, segment_ids)                      parallel: x [B, T, D] -> [B, T, D] (the chunked kernel)
     layer(x, positions=p, cache=c, attend=f)   cached: `f(c, q, k, v, field, level, cum) -> (o, c')`
         does the attention against a cache (prefill or one decode step; `fpa_jax.inference`), the
-        layer returns (y [B, T, D], c'). `c.carry` [B, H] is the gate's running field sum before
-        x; cum [B, T, H] the running sum through each token.
+        layer returns (y [B, T, D], c'). `c.carry` [B, KVH] is the gate's running field sum before
+        x; cum [B, T, KVH] the running sum through each token.
+
+  Grouped-query (`n_kv_heads` < `n_heads`): k, v and the gate have KVH heads; query head h reads
+  kv head h // (H / KVH) inside the ops, which never repeat k / v.
 
   `cfg`: a ModelConfig (a run Config used on its own, as in `experiments.live_sets`, is reduced to
   its `.model`: the layer keeps no training or data fields).
@@ -103,14 +107,14 @@ class FirstPassageAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig | Config, *, rngs: nnx.Rngs):
     cfg = cfg.model
-    d, h, k = cfg.d_model, cfg.n_heads, cfg.head_dim
+    d, h, kvh, k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
     std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
     self.wq = _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
-    self.wk = _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
-    self.wv = _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
+    self.wk = _param(rngs, normal(std), (d, kvh, k), (EMBED, HEADS, HEAD_DIM), pdt)
+    self.wv = _param(rngs, normal(std), (d, kvh, k), (EMBED, HEADS, HEAD_DIM), pdt)
     self.wo = _param(rngs, normal(out_std), (h, k, d), (HEADS, HEAD_DIM, EMBED), pdt)
     # Optional parts are one assignment each (None is a static attribute in NNX).
     mk_norm = lambda: RMSNorm(k, eps=cfg.norm_eps, axis_name=HEAD_DIM, param_dtype=pdt, rngs=rngs)
@@ -122,7 +126,7 @@ class FirstPassageAttention(nnx.Module):
     self.gate: Gate | None = Gate(cfg, rngs=rngs) if cfg.gate_terms else None
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B, T, D], positions [B, T] -> q, k, v [B, T, H, K] (QK-norm and RoPE applied)."""
+    """x [B, T, D], positions [B, T] -> q [B, T, H, K], k, v [B, T, KVH, K] (QK-norm, RoPE applied)."""
     cfg, dt = self.cfg, self.dtype
     q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
     k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
@@ -134,9 +138,9 @@ class FirstPassageAttention(nnx.Module):
     return constrain(q, BTHK), constrain(k, BTHK), constrain(v, BTHK)
 
   def field_level(self, x: jax.Array, carry: jax.Array | None = None):
-    """x [B, T, D] -> (field, level, cum) [B, T, H] fp32 (`gates.field_level`); zeros without a gate."""
+    """x [B, T, D] -> (field, level, cum) [B, T, KVH] fp32 (`gates.field_level`); zeros without a gate."""
     if self.gate is None:
-      z = jnp.zeros(x.shape[:2] + (self.cfg.n_heads,), F32)
+      z = jnp.zeros(x.shape[:2] + (self.cfg.kv_heads,), F32)
       return z, z, z
     return tuple(constrain(a, BTH) for a in field_level(self.gate.parts(x), carry))
 
@@ -149,14 +153,14 @@ class FirstPassageAttention(nnx.Module):
     return constrain(jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt)), BTD)
 
   def parallel_attention(self, op, q, k, v, gates, segment_ids):
-    """op(q, k, v, *gates) with the configured impl: q, k, v [B, T, H, K], gates [B, T, H] each,
-    segment_ids [B, T] or None -> [B, T, H, K].
+    """op(q, k, v, *gates) with the configured impl: q [B, T, H, K], k, v [B, T, KVH, K], gates
+    [B, T, KVH] each, segment_ids [B, T] or None -> [B, T, H, K].
 
     "pallas" under a multi-device mesh runs in `shard_local` (a shard_map): XLA cannot partition
     a pallas_call, so it would gather q, k, v to every device; the math is per (batch, head), so
     each device runs the kernel on its own batch rows and heads with no collectives."""
     cfg = self.cfg
-    impl = ops.validate.resolve_impl(cfg.attn_impl)
+    impl = ops.validate.resolve_impl(cfg.attn_impl, cfg.kv_heads != cfg.n_heads)
     kw = dict(impl=impl, block_size=(cfg.block_size or None) if cfg.attn_impl in ops.validate.BLOCKED else None)
     if impl != "pallas":
       return op(q, k, v, *gates, segment_ids=segment_ids, **kw)
@@ -183,7 +187,7 @@ class FirstPassageAttention(nnx.Module):
     cfg = self.cfg
     b, t, _ = x.shape
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
-    q, k, v = self.project(x, pos)  # [B, T, H, K]
+    q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
     if cache is not None:
       field, level, cum = self.field_level(x, cache.carry)
       o, cache = attend(cache, q, k, v, field, level, cum)
@@ -191,7 +195,7 @@ class FirstPassageAttention(nnx.Module):
     if self.gate is None:
       # softmax / nope: the same tiled kernel with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost).
-      op, gates = ops.fox_attention, (jnp.zeros((b, t, cfg.n_heads), F32),)
+      op, gates = ops.fox_attention, (jnp.zeros((b, t, cfg.kv_heads), F32),)
     elif self.gate.is_fox:
       # field == level == cumsum(log forget): the FoX kernel tiles c_i - c_j directly (cheaper,
       # mathematically identical to fpa_attention(field, field)): the honest cost baseline.

@@ -60,7 +60,7 @@ def layer():
   "mesh_spec, b",
   [
     ("data=4,model=2", 8),  # batch and heads both split
-    ("data=8", 8),
+    pytest.param("data=8", 8, marks=pytest.mark.slow),
     ("data=2,model=4", 6),  # 2 heads on model=4: heads replicated (as `constrain` leaves them)
   ],
 )
@@ -112,6 +112,7 @@ def _step(cfg, mesh, batch):
   return float(metrics["loss"]), params
 
 
+@pytest.mark.slow  # ~30 s of interpret-mode compiles; the layer tests above cover the sharding
 def test_train_step_pallas_matches_chunked_on_8_devices():
   """One step of a tiny model (FoX gate, scanned blocks) on data=4,model=2: pallas == chunked."""
   mesh = S.make_mesh("data=4,model=2")

@@ -79,16 +79,24 @@ def test_scanned_equals_unscanned_logits_and_grads(att):
   chex.assert_trees_all_close(_per_layer(gs, 3), _per_layer(gu, 3), atol=1e-6, rtol=1e-5)
 
 
-def test_remat_policies_give_the_same_grads():
+@pytest.mark.parametrize(
+  "cases",
+  [
+    [(True, "full")],
+    pytest.param([(False, "full"), (True, "dots"), (True, "dots_no_batch")], marks=pytest.mark.slow, id="others"),
+  ],
+  ids=lambda c: "scanned-full" if c == [(True, "full")] else None,
+)
+def test_remat_policies_give_the_same_grads(cases):
   """Every policy, scanned and not, gives the plain model's loss and gradients; remat and scan are
   really in the traced program (a `remat` primitive; a top-level scan over the 3 layers)."""
   base = build_model(_cfg(), seed=0)
   tok, seg = _tokens(2, 16, base.cfg.vocab_size), None
   l0, g0 = _loss_and_grads(base, tok, seg)
   g0 = _per_layer(g0, 3)
-  assert set(REMAT_POLICIES) | {"none"} == set(C.REMATS)
+  assert set(REMAT_POLICIES) | {"none"} == set(C.REMATS)  # every policy: `-m slow` runs the others
   # (scanned, none) is test_scanned_equals_unscanned_logits_and_grads
-  for scan, remat in [(False, "full"), (True, "full"), (True, "dots"), (True, "dots_no_batch")]:
+  for scan, remat in cases:
     m = nnx.clone(convert_layers(base, scan))
     m.cfg = C.replace(m.cfg, remat=remat)  # a static attribute: the policy is read at trace time
     gd = nnx.graphdef(m)

@@ -1,8 +1,11 @@
 """The first-passage KV cache of one attention layer, and attention against it.
 
-Shape legend: B batch, S cache slots, H heads, K head dim, T tokens of a call.
+Shape legend: B batch, S cache slots, H heads, K head dim, T tokens of a call. The cache is per kv
+head: under grouped-query attention (KVH < H) every [.., H] of the cache below is [.., KVH], and
+query head h reads kv head h // (H / KVH). The gates are per kv head, so a slot's penalty, its
+eviction and its threshold are one decision for the whole group.
 
-A slot holds one key of one (row, head): its k, v, level, and the running min of the field since it
+A slot holds one key of one (row, kv head): its k, v, level, and the running min of the field since it
 was written (its first-passage state). Slots are reused once their key is evicted, so the cache has
 a fixed capacity and static shapes; a whole generation compiles once. `decode_attend` is one token,
 `prefill_attend` a whole prompt through the parallel (chunked) kernel. Both are pure functions with
@@ -148,7 +151,9 @@ def decode_attend(
   """One token per row against the cache: update first-passage state, evict, insert, attend.
 
   Args:
-    q, k, v: [B, 1, H, K]; field, level, cum: [B, 1, H] (cum: the gate's running sum through it).
+    q: [B, 1, H, K]; k, v: [B, 1, KVH, K]; field, level, cum: [B, 1, KVH] (cum: the gate's running
+      sum through it). The cache is [B, S, KVH, ...]; `score` (h2o) adds the attention mass of
+      the group's query heads, `lost` is the group's largest.
     positions: [B] the token's position in its row. step: [] slot to write when `measure`.
     measure: never reuse a slot (slot = `step`; capacity >= sequence), keep evicted keys' data
       and report in `cache.lost` the full-cache attention mass the evicted keys would get.
@@ -184,18 +189,21 @@ def decode_attend(
     carry=cum[:, 0].astype(F32),
     overflow=overflow,
   )
-  s = jnp.einsum("bhk,bshk->bhs", q[:, 0], cache.k, preferred_element_type=F32) * scale
-  logits = s - cache.penalty.transpose(0, 2, 1)  # [B, H, S]
-  live = cache.alive.transpose(0, 2, 1)
+  b, _, h, dk = q.shape
+  kvh = cache.k.shape[2]
+  qg = q[:, 0].reshape(b, kvh, h // kvh, dk)  # query head h -> kv head h // G
+  s = jnp.einsum("bhgk,bshk->bhgs", qg, cache.k, preferred_element_type=F32) * scale
+  logits = s - cache.penalty.transpose(0, 2, 1)[:, :, None]  # [B, KVH, G, S]
+  live = cache.alive.transpose(0, 2, 1)[:, :, None]
   p = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
-  out = jnp.einsum("bhs,bshk->bhk", p.astype(cache.v.dtype), cache.v, preferred_element_type=F32)
+  out = jnp.einsum("bhgs,bshk->bhgk", p.astype(cache.v.dtype), cache.v, preferred_element_type=F32)
   lost = cache.lost
   if measure:
-    seen = (cache.pos >= 0).transpose(0, 2, 1)
+    seen = (cache.pos >= 0).transpose(0, 2, 1)[:, :, None]
     p_full = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
-    lost = jnp.sum(jnp.where(seen & ~live, p_full, 0.0), axis=-1)
-  cache = cache._replace(score=cache.score + p.transpose(0, 2, 1), lost=lost)
-  return out.astype(q.dtype)[:, None], cache
+    lost = jnp.sum(jnp.where(seen & ~live, p_full, 0.0), axis=-1).max(-1)
+  cache = cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1), lost=lost)
+  return out.reshape(b, h, -1).astype(q.dtype)[:, None], cache
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,10 +250,10 @@ def prefill_attend(
   and is prefilled by decode steps instead.
 
   Args:
-    q, k, v: [B, T, H, K]; field, level, cum: [B, T, H] (cum: the gate's running sums);
-    lengths: [B] prompt length of each row (1 <= L <= T), right padding.
+    q: [B, T, H, K]; k, v: [B, T, KVH, K]; field, level, cum: [B, T, KVH] (cum: the gate's running
+    sums); lengths: [B] prompt length of each row (1 <= L <= T), right padding.
   """
-  b, t, h, _ = q.shape
+  b, t, h = k.shape[:3]  # the cache's heads: kv heads
   out = ops.fpa_attention(q, k, v, field, level, scale=scale, block_size=block_size)
   t_idx = jnp.arange(t)[None, :, None]
   valid = t_idx < lengths[:, None, None]  # [B, T, 1]

@@ -30,7 +30,7 @@ TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (t
 
 
 def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
-  """Per layer, U [H]: a bound on |scale q.k| from the parameters (`policies.logit_bound`)."""
+  """Per layer, U [KVH]: a bound on |scale q.k| from the parameters (`policies.logit_bound`)."""
   cfg = model.cfg
   out = []
   for blk in model.layer_blocks():  # per-layer views of a scanned (stacked) model too
@@ -60,11 +60,12 @@ def init_caches(
   if policy.name == "fpa":
     thresholds = [tolerance_threshold(u, n_keys, policy.tolerance) for u in layer_logit_bounds(model)]
   elif policy.name == "fpa_threshold":
-    thresholds = [jnp.full((cfg.n_heads,), policy.threshold, jnp.float32)] * cfg.n_layers
+    thresholds = [jnp.full((cfg.kv_heads,), policy.threshold, jnp.float32)] * cfg.n_layers
   else:
     thresholds = [None] * cfg.n_layers
+  # Slots per kv head: a key, its level and penalty are shared by the query heads of its group.
   return tuple(
-    init_cache(batch, slots or policy.capacity, cfg.n_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype), threshold=thr)
+    init_cache(batch, slots or policy.capacity, cfg.kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype), threshold=thr)
     for thr in thresholds
   )
 

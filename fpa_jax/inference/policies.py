@@ -125,22 +125,24 @@ def logit_bound(
   q_norm_scale: jax.Array | None = None,
   k_norm_scale: jax.Array | None = None,
 ) -> jax.Array:
-  """U [H]: a bound on |scale * q.k| over every input, from one layer's parameters.
+  """U [KVH]: a bound on |scale * q.k| over every input, from one layer's parameters.
 
   The block input goes through an RMSNorm with scale g [D] before the projections: y = x/rms(x) * g
   with ||x/rms(x)||_2 <= sqrt(D), so ||q_h|| <= sqrt(D) * sigma_max(diag(g) Wq[:, h, :]) (same for k),
   and RoPE is a rotation. With QK-norm (scales s_q, s_k [K]) the bound is sqrt(K) * max|s| per side.
-  Then U_h = scale * ||q_h|| * ||k_h||. Computed in fp32; valid for fp32 compute (bf16 rounding can
-  exceed it by ~1%).
+  Then U_h = scale * ||q_h|| * ||k_h||. Grouped-query (wk [D, KVH, K]): per kv head, the max over
+  the query heads of its group (the cache thresholds are per kv head). Computed in fp32; valid for
+  fp32 compute (bf16 rounding can exceed it by ~1%).
   """
   d, h, k = wq.shape
+  kvh = wk.shape[1]
   if q_norm_scale is not None:
     nq = jnp.sqrt(k) * jnp.max(jnp.abs(q_norm_scale))
     nk = jnp.sqrt(k) * jnp.max(jnp.abs(k_norm_scale))
-    return jnp.full((h,), scale * nq * nk, jnp.float32)
+    return jnp.full((kvh,), scale * nq * nk, jnp.float32)
   g = norm_scale.astype(jnp.float32)[:, None, None]
-  per_head = lambda w: _sigma_max(jnp.moveaxis(g * w.astype(jnp.float32), 1, 0))  # [H]
-  return scale * d * per_head(wq) * per_head(wk)
+  per_head = lambda w: _sigma_max(jnp.moveaxis(g * w.astype(jnp.float32), 1, 0))  # [heads]
+  return scale * d * per_head(wq).reshape(kvh, h // kvh).max(-1) * per_head(wk)
 
 
 def tolerance_threshold(u: jax.Array, n_keys: int, tolerance: float) -> jax.Array:

@@ -1,7 +1,18 @@
 """Public entry points: First Passage Attention, Forgetting Attention (FoX), causal softmax.
 
-All take the layout of `jax.nn.dot_product_attention`: q, k, v are [batch, seq, heads, head_dim];
-per-token gates are [batch, seq, heads]; segment_ids are [batch, seq].
+All take the layout of `jax.nn.dot_product_attention`: q is [batch, seq, heads, head_dim], k / v
+are [batch, seq, kv_heads, head_dim] with kv_heads dividing heads (grouped-query attention; MQA
+is kv_heads = 1; kv_heads = heads is plain multi-head); per-token gates are [batch, seq, kv_heads];
+segment_ids are [batch, seq]. Query head h reads kv head h // (heads / kv_heads), as
+`jnp.repeat(k, heads // kv_heads, axis=2)` would give, but k / v are never repeated: q is viewed
+as [batch, seq, kv_heads, group, head_dim] and contracted per kv head.
+
+Why gates per kv head (not per query head): FPA's penalty is a property of a key, relu(level_j -
+min field), so one gate per kv head means one penalty per (key, kv head). The decode cache then
+evicts a slot for the whole group at once (a slot is k, v, level, run_min of one kv head; per
+query-head gates would keep it alive while any of the G heads wants it), and the chunked / Pallas
+tile bias is computed once per kv head and shared by its G query heads. One convention only:
+gates have kv_heads entries, which is heads when not grouped, so ungrouped calls are unchanged.
 """
 
 from __future__ import annotations
@@ -42,14 +53,16 @@ def fpa_attention(
       out_i = sum_j softmax_j(scale * q_i.k_j - relu(level_j - min(field_{j+1..i}))) v_j,  j <= i
 
   Args:
-    q, k: [batch, seq, heads, head_dim]; v: [batch, seq, heads, v_dim]; fp32 or bf16.
-    field: [batch, seq, heads] field value phi_t of each token.
-    level: [batch, seq, heads] level l_j of each key.
+    q: [batch, seq, heads, head_dim]; k: [batch, seq, kv_heads, head_dim]; v: [batch, seq,
+      kv_heads, v_dim]; one dtype, fp32 or bf16; kv_heads divides heads (see the module docstring).
+    field: [batch, seq, kv_heads] field value phi_t of each token.
+    level: [batch, seq, kv_heads] level l_j of each key.
     impl: "quadratic" (materialised T x T reference), "chunked" (flash-style tiling, O(T * block)
       memory in forward and backward), "recurrent" (scan with a KV cache and first-passage
       state, the decode formulation), "pallas" (the chunked tiling as Pallas kernels, see
       `fpa_jax.ops.pallas`; interpret mode off TPU / GPU), or "auto" ("pallas" on TPU / GPU,
-      "chunked" elsewhere). All exact and differentiable.
+      "chunked" elsewhere, and for kv_heads < heads: the grouped Pallas path is interpret-tested
+      only and keeps G partial dK / dV per kv head). All exact and differentiable.
     scale: logit scale, default head_dim ** -0.5.
     segment_ids: optional [batch, seq] int; tokens attend only inside their own segment.
     block_size: chunked / pallas / auto only; query/key tile size (default `chunked.DEFAULT_BLOCK`,
@@ -63,13 +76,13 @@ def fpa_attention(
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
   """
   _v.check_impl(impl, block_size)
-  block_size = _v.resolve_block_size(impl, block_size)
-  b, t, h, d = _v.check_qkv(q, k, v)
-  _v.check_gate("field", field, (b, t, h))
-  _v.check_gate("level", level, (b, t, h))
+  b, t, h, kvh, d = _v.check_qkv(q, k, v)
+  block_size = _v.resolve_block_size(impl, block_size, kvh != h)
+  _v.check_gate("field", field, (b, t, kvh))
+  _v.check_gate("level", level, (b, t, kvh))
   _v.check_segment_ids(segment_ids, (b, t))
   scale = _v.default_scale(scale, d)
-  impl = _v.resolve_impl(impl)
+  impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
   if impl == "pallas":
     return _pallas.pallas_attention(
@@ -113,17 +126,17 @@ def fox_attention(
   tiles FoX's own cumsum-difference bias c_i - c_j: the cost baseline FPA is benchmarked against.
 
   Args:
-    log_fgate: [batch, seq, heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)).
+    log_fgate: [batch, seq, kv_heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)).
     skip_tolerance: as in `fpa_attention` (chunked only); the tile floor is min_J c - max_I c.
     Others as in `fpa_attention`.
   """
   _v.check_impl(impl, block_size)
-  block_size = _v.resolve_block_size(impl, block_size)
-  b, t, h, d = _v.check_qkv(q, k, v)
-  _v.check_gate("log_fgate", log_fgate, (b, t, h))
+  b, t, h, kvh, d = _v.check_qkv(q, k, v)
+  block_size = _v.resolve_block_size(impl, block_size, kvh != h)
+  _v.check_gate("log_fgate", log_fgate, (b, t, kvh))
   _v.check_segment_ids(segment_ids, (b, t))
   c = jnp.cumsum(log_fgate.astype(_v.STATS_DTYPE), axis=1)
-  impl = _v.resolve_impl(impl)
+  impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
   if impl == "pallas":
     return _pallas.pallas_attention(
@@ -146,8 +159,9 @@ def fox_attention(
 def softmax_attention(
   q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None, segment_ids: jax.Array | None = None
 ) -> jax.Array:
-  """Plain causal softmax attention (quadratic reference). [B, T, H, K] -> [B, T, H, Kv]."""
-  b, t, h, d = _v.check_qkv(q, k, v)
+  """Plain causal softmax attention (quadratic reference). q: [B, T, H, K], k: [B, T, KVH, K],
+  v: [B, T, KVH, Kv] -> [B, T, H, Kv]."""
+  b, t, h, kvh, d = _v.check_qkv(q, k, v)
   _v.check_segment_ids(segment_ids, (b, t))
-  bias = jnp.zeros((b, h, t, t), _v.STATS_DTYPE)
+  bias = jnp.zeros((b, kvh, t, t), _v.STATS_DTYPE)
   return masked_softmax_attention(q, k, v, bias, scale=_v.default_scale(scale, d), segment_ids=segment_ids)

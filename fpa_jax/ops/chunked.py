@@ -35,6 +35,13 @@ delta <= eps (at most T keys, each <= eps / T), every output component moves by 
 and the logit cotangent ds_ij by <= 2 A p_ij (dropped) or 4 A p_ij eps / (1 - eps) (kept), with
 A = max|do_i| max|v_j| (2-norms); gradients are sums of those. A tile's compute is skipped
 (`lax.cond`) when it is dead for every (batch, head); otherwise dead heads are masked in it.
+
+Grouped-query attention. k, v and the gates have KVH heads, q has H = G * KVH, query head h
+reading kv head h // G. Inside the core q is [B, Tp, KVH, G, K] and every tile carries the group
+axis (logits [B, KVH, G, bq, bk]); the tile bias [B, KVH, bq, bk] is computed once per kv head and
+broadcast over G, its cotangent summed over G before the pullback, and dK / dV sum over the group
+in their einsums, so k / v are never repeated. |q|_I in the skip bound is the max over the group:
+a tile is dropped for a kv head only where it is dead for all G query heads.
 """
 
 from __future__ import annotations
@@ -260,17 +267,18 @@ def _tile(x, i, blk):
 
 
 def _logits(q, k, bias, scale, seg, i, j, causal, keep=None):
-  """q: [B, bq, H, K], k: [B, bk, H, K], bias: [B, H, bq, bk] -> masked logits [B, H, bq, bk].
+  """q: [B, bq, KVH, G, K], k: [B, bk, KVH, K], bias: [B, KVH, bq, bk] -> masked logits
+  [B, KVH, G, bq, bk] (the bias shared by the group).
 
-  keep: optional [B, H] bool; False masks the whole tile for that (batch, head) (a dead tile).
+  keep: optional [B, KVH] bool; False masks the whole tile for that (batch, kv head) (a dead tile).
   """
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) * scale + bias
-  mask = None if keep is None else keep[:, :, None, None]
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=F32) * scale + bias[:, :, None]
+  mask = None if keep is None else keep[:, :, None, None, None]
   if causal:  # diagonal tiles only, which are never dead (keep is None)
     n = s.shape[-1]
     mask = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
   if seg is not None:
-    sm = _take(seg, i, 1)[:, None, :, None] == _take(seg, j, 1)[:, None, None, :]
+    sm = _take(seg, i, 1)[:, None, None, :, None] == _take(seg, j, 1)[:, None, None, None, :]
     mask = sm if mask is None else mask & sm
   return s if mask is None else jnp.where(mask, s, NEG)
 
@@ -283,7 +291,7 @@ def _core(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
 def _visit(dead, i, j, body, skip, *operands):
   """body(*operands) on tile (i, j) unless it is dead for every (batch, head): then skip(*operands).
 
-  dead: None (exact: no cond at all) or [B, H, nb, nb] bool. body gets keep [B, H] first.
+  dead: None (exact: no cond at all) or [B, KVH, nb, nb] bool. body gets keep [B, KVH] first.
   """
   if dead is None:
     return body(None, *operands)
@@ -292,18 +300,19 @@ def _visit(dead, i, j, body, skip, *operands):
 
 
 def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
-  """q, k: [B, Tp, H, K], v: [B, Tp, H, Kv] -> (o [B, Tp, H, Kv], logsumexp [B, H, nb, blk])."""
-  b, tp, h, _ = q.shape
+  """q: [B, Tp, KVH, G, K], k: [B, Tp, KVH, K], v: [B, Tp, KVH, Kv] -> (o [B, Tp, KVH, G, Kv],
+  logsumexp [B, KVH, G, nb, blk])."""
+  b, tp, kvh, grp, _ = q.shape
   nb = tp // blk
 
   def q_block(i, carry):
     o_buf, lse_buf = carry
     qi, qsti = _tile(q, i, blk), _takes(qst, i)
     s = _logits(qi, _tile(k, i, blk), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
-    m = s.max(-1)  # [B, H, bq]; the diagonal entry is always unmasked, so m is finite
+    m = s.max(-1)  # [B, KVH, G, bq]; the diagonal entry is always unmasked, so m is finite
     p = jnp.exp(s - m[..., None])
     l = p.sum(-1)
-    acc = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
+    acc = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
 
     def kv_block(j, c):
       def tile(keep, m, l, acc):
@@ -314,19 +323,19 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
         p = jnp.exp(s - m_new[..., None])
         l = l * corr + p.sum(-1)
         acc = acc * corr[..., None] + jnp.einsum(
-          "bhqk,bkhd->bhqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32
+          "bhgqk,bkhd->bhgqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32
         )
         return m_new, l, acc
 
       return _visit(dead, i, j, tile, lambda *c: c, *c)
 
     m, l, acc = jax.lax.fori_loop(0, i, kv_block, (m, l, acc))
-    o_i = jnp.swapaxes(acc / l[..., None], 1, 2).astype(q.dtype)  # [B, bq, H, Kv]
+    o_i = jnp.moveaxis(acc / l[..., None], 3, 1).astype(q.dtype)  # [B, bq, KVH, G, Kv]
     o_buf = jax.lax.dynamic_update_slice_in_dim(o_buf, o_i, i * blk, 1)
-    lse_buf = jax.lax.dynamic_update_index_in_dim(lse_buf, m + jnp.log(l), i, 2)
+    lse_buf = jax.lax.dynamic_update_index_in_dim(lse_buf, m + jnp.log(l), i, 3)
     return o_buf, lse_buf
 
-  init = (jnp.zeros((b, tp, h, v.shape[-1]), q.dtype), jnp.zeros((b, h, nb, blk), F32))
+  init = (jnp.zeros((b, tp, kvh, grp, v.shape[-1]), q.dtype), jnp.zeros((b, kvh, grp, nb, blk), F32))
   return jax.lax.fori_loop(0, nb, q_block, init)
 
 
@@ -337,10 +346,10 @@ def _core_fwd(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
 
 def _core_bwd(gate, scale, blk, res, do):
   q, k, v, kst, qst, pst, seg, dead, o, lse = res
-  b, tp, h, _ = q.shape
+  b, tp, kvh, grp, _ = q.shape
   nb = tp // blk
-  # delta_i = do_i . o_i, in the stats layout [B, H, nb, blk].
-  delta = jnp.moveaxis(jnp.sum(do.astype(F32) * o.astype(F32), -1), 2, 1).reshape(b, h, nb, blk)
+  # delta_i = do_i . o_i, in the logsumexp layout [B, KVH, G, nb, blk].
+  delta = jnp.moveaxis(jnp.sum(do.astype(F32) * o.astype(F32), -1), 1, 3).reshape(b, kvh, grp, nb, blk)
   zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, F32), t)
 
   def k_block(j, carry):
@@ -359,17 +368,18 @@ def _core_bwd(gate, scale, blk, res, do):
         else:
           bias, pull = jax.vjp(gate.off_bias, kstj, qsti, pij)
         s = _logits(qi, kj, bias, scale, seg, i, j, diag, keep)
-        p = jnp.exp(s - _take(lse, i)[..., None])  # masked entries: exactly 0
-        dvj = dvj + jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
-        dp = jnp.einsum("bqhd,bkhd->bhqk", doi, vj, preferred_element_type=F32)
-        ds = p * (dp - _take(delta, i)[..., None])  # d loss / d logit (= d loss / d bias)
+        p = jnp.exp(s - _take(lse, i, 3)[..., None])  # masked entries: exactly 0
+        # dK / dV (and the bias cotangent below) sum over the group: k, v, bias are shared by it.
+        dvj = dvj + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vj, preferred_element_type=F32)
+        ds = p * (dp - _take(delta, i, 3)[..., None])  # d loss / d logit (= d loss / d bias)
         # Stored once: else XLA re-derives ds from p and dp inside each of its four consumers
         # (the dQ / dK matmuls, the bias pullback's passes), FPA's main extra backward cost
         # over FoX's in the profile.
         ds = jax.lax.optimization_barrier(ds)
-        dq_i = dq_i + jnp.einsum("bhqk,bkhd->bqhd", ds, kj, preferred_element_type=F32) * scale
-        dkj = dkj + jnp.einsum("bhqk,bqhd->bkhd", ds, qi, preferred_element_type=F32) * scale
-        g = pull(ds)
+        dq_i = dq_i + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=F32) * scale
+        dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, preferred_element_type=F32) * scale
+        g = pull(ds.sum(2))
         dkstj = jax.tree.map(jnp.add, dkstj, g[0])
         return dq_i, dkj, dvj, dkstj, g[1], (() if diag else g[2])
 
@@ -422,10 +432,14 @@ def block_for(t: int, block_size: int | None) -> int:
 
 
 def _dead_tiles(q, k, gate, stats, scale, skip_tolerance, nb, blk):
-  """[B, H, nb, nb] bool: tiles (I, J), J < I, that the bound in the module docstring drops."""
-  t = q.shape[1]
-  norm = lambda x: _blocks(jnp.sqrt(jnp.sum(jnp.square(x.astype(F32)), -1)), nb, blk).max(-1)  # [B, H, nb]
-  qn, kn = norm(q), norm(k)
+  """[B, KVH, nb, nb] bool: tiles (I, J), J < I, that the bound in the module docstring drops.
+  q: [B, T, H, K]; k: [B, T, KVH, K]."""
+  b, t, h, _ = q.shape
+  kvh = k.shape[2]
+  norms = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(F32)), -1))  # [B, T, heads]
+  # The group's largest query norm: a kv head's tile is dead only if it is for all G query heads.
+  qn = _blocks(norms(q).reshape(b, t, kvh, h // kvh).max(-1), nb, blk).max(-1)  # [B, KVH, nb]
+  kn = _blocks(norms(k), nb, blk).max(-1)
   u = abs(scale) * qn[..., :, None] * (kn[..., None, :] + kn[..., :, None])
   floor = gate.tile_floor(*stats)
   below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]
@@ -434,14 +448,16 @@ def _dead_tiles(q, k, gate, stats, scale, skip_tolerance, nb, blk):
 
 
 def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None, skip_tolerance=None):
-  """Tiled causal attention with a gate bias. q, k: [B, T, H, K], v: [B, T, H, Kv] -> [B, T, H, Kv].
+  """Tiled causal attention with a gate bias. q: [B, T, H, K], k: [B, T, KVH, K],
+  v: [B, T, KVH, Kv] -> [B, T, H, Kv]; KVH divides H (query head h reads kv head h // G).
 
-  `gate` is an `FPAGate` or `FoXGate`. Any T: the sequence is padded to a multiple of the block
+  `gate` is an `FPAGate` or `FoXGate` over [B, T, KVH] gates (one bias per kv head). Any T: the sequence is padded to a multiple of the block
   at the end, where causality alone keeps padding out of every real query. skip_tolerance: None
   (exact) or eps in (0, 1): drop the tiles whose weights the module docstring's bound puts below
   eps / T, in the forward and the backward (each row loses total weight <= eps).
   """
-  b, t, h, _ = q.shape
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
   blk = block_for(t, block_size)
   nb = -(-t // blk)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, nb * blk - t), (0, 0), (0, 0)]) if nb * blk != t else x
@@ -453,13 +469,15 @@ def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None
   dead = None
   if skip_tolerance is not None:
     dead = _dead_tiles(q, k, gate, (kst, qst, pst), scale, skip_tolerance, nb, blk)
-  o = _core(type(gate), float(scale), blk, pad(q), pad(k), pad(v), kst, qst, pst, seg, dead)
-  return o[:, :t]
+  qg = pad(q).reshape(b, nb * blk, kvh, h // kvh, d)  # a view: no copy of k / v per group
+  o = _core(type(gate), float(scale), blk, qg, pad(k), pad(v), kst, qst, pst, seg, dead)
+  return o.reshape(b, nb * blk, h, -1)[:, :t]
 
 
 def dead_tiles(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
-  """The tiles `chunked_attention(..., skip_tolerance=...)` drops: [B, H, nb, nb] bool (query block
-  I, key block J; only J < I can be True). q, k: [B, T, H, K]; scale defaults to K ** -0.5."""
+  """The tiles `chunked_attention(..., skip_tolerance=...)` drops: [B, KVH, nb, nb] bool (query block
+  I, key block J; only J < I can be True). q: [B, T, H, K], k: [B, T, KVH, K]; scale defaults to
+  K ** -0.5."""
   t, d = q.shape[1], q.shape[-1]
   blk = block_for(t, block_size)
   nb = -(-t // blk)
@@ -468,7 +486,7 @@ def dead_tiles(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
 
 
 def skipped_tile_fraction(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
-  """(per_head, all_heads): the fraction of off-diagonal (J < I) tiles dropped per (batch, head),
+  """(per_head, all_heads): the fraction of off-diagonal (J < I) tiles dropped per (batch, kv head),
   and the fraction dropped for every (batch, head) at once, whose compute is skipped. Floats."""
   dead = dead_tiles(q, k, gate, skip_tolerance=skip_tolerance, scale=scale, block_size=block_size)
   nb = dead.shape[-1]

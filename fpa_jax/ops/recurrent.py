@@ -5,6 +5,10 @@ every cached key keeps the running min of the field since it was written; a new 
 lowers those minima with its field value, then is appended with an empty range (min = +inf).
 A key's penalty relu(level - running_min) therefore never decreases, which is what makes
 penalty-threshold eviction safe.
+
+Grouped-query attention: the cache holds KVH heads (k, v, level, run_min per kv head) and each
+query head h reads kv head h // G, G = H / KVH. The gates are per kv head, so a slot's penalty is
+one number for the whole group and evicting it drops it for all G query heads at once.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from fpa_jax.ops.validate import STATS_DTYPE
 class FPACache(NamedTuple):
   """Per-sequence decode state. Slots [0, length) are filled.
 
-  k: [B, S, H, K], v: [B, S, H, Kv] cached keys / values (S = capacity).
-  level: [B, S, H] fp32 key levels.
-  run_min: [B, S, H] fp32 min of the field over (j, now]; +inf right after key j is written.
+  k: [B, S, KVH, K], v: [B, S, KVH, Kv] cached keys / values (S = capacity).
+  level: [B, S, KVH] fp32 key levels.
+  run_min: [B, S, KVH] fp32 min of the field over (j, now]; +inf right after key j is written.
   segment: [B, S] int32 segment id of each key (-1 for empty slots).
   length: [] int32 number of filled slots (shared by the batch).
   """
@@ -38,6 +42,7 @@ class FPACache(NamedTuple):
 def init_cache(
   batch: int, capacity: int, heads: int, head_dim: int, v_dim: int | None = None, dtype=jnp.float32
 ) -> FPACache:
+  """An empty cache; `heads` is the number of kv heads (KVH)."""
   v_dim = head_dim if v_dim is None else v_dim
   return FPACache(
     k=jnp.zeros((batch, capacity, heads, head_dim), dtype),
@@ -50,7 +55,7 @@ def init_cache(
 
 
 def cache_penalty(cache: FPACache) -> jax.Array:
-  """[B, S, H] fp32 current penalty of every cached key (0 for the newest; junk in empty slots)."""
+  """[B, S, KVH] fp32 current penalty of every cached key (0 for the newest; junk in empty slots)."""
   return jax.nn.relu(cache.level - cache.run_min)
 
 
@@ -59,11 +64,12 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
 
   Args:
     cache: FPACache with length < capacity.
-    q, k: [B, H, K]; v: [B, H, Kv]; field, level: [B, H]; segment: optional [B] int.
+    q: [B, H, K]; k: [B, KVH, K]; v: [B, KVH, Kv]; field, level: [B, KVH]; segment: optional [B] int.
   Returns:
     (out [B, H, Kv] in q's dtype, new cache).
   """
-  b = q.shape[0]
+  b, h, d = q.shape
+  kvh = cache.k.shape[2]
   seg = jnp.zeros((b,), jnp.int32) if segment is None else segment.astype(jnp.int32)
   pos = cache.length
   # Keys already cached see this token inside their range (j, now]; the new key sees none.
@@ -79,21 +85,23 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
     length=pos + 1,
   )
   valid = (jnp.arange(cache.k.shape[1]) <= pos)[None, :] & (cache.segment == seg[:, None])  # [B, S]
-  s = jnp.einsum("bhd,bshd->bhs", q, cache.k, preferred_element_type=STATS_DTYPE) * scale
-  logits = s - jnp.where(valid[:, :, None], cache_penalty(cache), 0.0).transpose(0, 2, 1)
-  logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
+  qg = q.reshape(b, kvh, h // kvh, d)  # query head h reads kv head h // G
+  s = jnp.einsum("bhgd,bshd->bhgs", qg, cache.k, preferred_element_type=STATS_DTYPE) * scale
+  pen = jnp.where(valid[:, :, None], cache_penalty(cache), 0.0).transpose(0, 2, 1)  # [B, KVH, S]
+  logits = jnp.where(valid[:, None, None, :], s - pen[:, :, None], -jnp.inf)
   p = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bhs,bshd->bhd", p.astype(cache.v.dtype), cache.v, preferred_element_type=STATS_DTYPE)
-  return out.astype(q.dtype), cache
+  out = jnp.einsum("bhgs,bshd->bhgd", p.astype(cache.v.dtype), cache.v, preferred_element_type=STATS_DTYPE)
+  return out.reshape(b, h, -1).astype(q.dtype), cache
 
 
 def recurrent_attention(q, k, v, field, level, *, scale, segment_ids=None):
-  """Causal FPA by scanning `decode_step` over time. [B, T, H, K] -> [B, T, H, Kv].
+  """Causal FPA by scanning `decode_step` over time. q: [B, T, H, K]; k: [B, T, KVH, K];
+  v: [B, T, KVH, Kv]; field, level: [B, T, KVH] -> [B, T, H, Kv].
 
   O(T) state per step, O(T^2) total work. Differentiable (scan autodiff, each step rematerialised).
   """
-  b, t, h, d = q.shape
-  cache = init_cache(b, t, h, d, v.shape[-1], dtype=k.dtype)
+  b, t, _, d = q.shape
+  cache = init_cache(b, t, k.shape[2], d, v.shape[-1], dtype=k.dtype)
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
 
   @jax.checkpoint

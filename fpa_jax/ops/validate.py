@@ -29,21 +29,22 @@ def check_impl(impl: Implementation, block_size: int | None = None) -> None:
     raise ValueError(f"block_size only applies to impl in {BLOCKED}, got impl={impl!r}")
 
 
-def resolve_impl(impl: Implementation) -> str:
+def resolve_impl(impl: Implementation, grouped: bool = False) -> str:
   """ "auto": the Pallas kernels on TPU / GPU, the XLA-tiled "chunked" elsewhere (on CPU Pallas
-  only runs in its slow interpreter). Other names pass through."""
+  only runs in its slow interpreter) and for grouped-query k / v (kv_heads < heads), whose Pallas
+  path is interpret-tested only and keeps G partial dK / dV per kv head. Other names pass through."""
   if impl != "auto":
     return impl
-  return "pallas" if jax.default_backend() in ("tpu", "gpu") else "chunked"
+  return "pallas" if jax.default_backend() in ("tpu", "gpu") and not grouped else "chunked"
 
 
-def resolve_block_size(impl: Implementation, block_size):
+def resolve_block_size(impl: Implementation, block_size, grouped: bool = False):
   """The block_size to hand the impl `impl` resolves to. A `pallas.BlockSizes` under "auto" where
   that picks "chunked" (CPU) becomes its forward block (chunked tiles its backward like its
   forward, so `bwd` has no counterpart); with impl="chunked" itself it is an error. Others pass."""
   from fpa_jax.ops.pallas.kernels import BlockSizes  # lazy: the pallas package imports this module
 
-  if not isinstance(block_size, BlockSizes) or resolve_impl(impl) != "chunked":
+  if not isinstance(block_size, BlockSizes) or resolve_impl(impl, grouped) != "chunked":
     return block_size
   if impl != "auto":
     raise ValueError(
@@ -53,29 +54,40 @@ def resolve_block_size(impl: Implementation, block_size):
   return block_size.fwd
 
 
-def check_qkv(q, k, v) -> tuple[int, int, int, int]:
-  """q, k, v: [batch, seq, heads, head_dim] of one float dtype. Returns (B, T, H, D)."""
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+  """q: [batch, seq, heads, head_dim]; k: [batch, seq, kv_heads, head_dim]; v: [batch, seq,
+  kv_heads, v_dim]; one float dtype. kv_heads divides heads (grouped-query attention; kv_heads ==
+  heads is plain multi-head). Returns (B, T, H, KVH, K)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {getattr(x, 'shape', None)}")
     if not _is_float(x):
       raise ValueError(f"{name} must be a float array (fp32 or bf16), got dtype {x.dtype}")
-  if q.shape != k.shape:
-    raise ValueError(f"q and k must have the same shape, got {q.shape} and {k.shape}")
-  if v.shape[:3] != q.shape[:3]:
-    raise ValueError(f"v must be [batch, seq, heads, v_dim] matching q's {q.shape[:3]}, got {v.shape}")
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  if k.shape[:2] != (b, t) or k.shape[3] != d:
+    raise ValueError(
+      f"q and k must have the same shape up to heads (k: [batch, seq, kv_heads, head_dim] "
+      f"with q's batch, seq, head_dim {(b, t, d)}), got {q.shape} and {k.shape}"
+    )
+  if kvh < 1 or h % kvh:
+    raise ValueError(f"q's heads ({h}) must be a multiple of k's kv_heads ({kvh}), got q {q.shape}, k {k.shape}")
+  if v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"v must be [batch, seq, kv_heads, v_dim] matching k's {k.shape[:3]}, got {v.shape}")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  b, t, h, d = q.shape
   if t == 0:
     raise ValueError("seq must be at least 1")
-  return b, t, h, d
+  return b, t, h, kvh, d
 
 
 def check_gate(name: str, x, bth: tuple[int, int, int]) -> None:
-  """A per-token, per-head scalar gate: [batch, seq, heads], float."""
+  """A per-token, per-kv-head scalar gate: [batch, seq, kv_heads], float."""
   if getattr(x, "shape", None) != tuple(bth):
-    raise ValueError(f"{name} must have shape [batch, seq, heads] = {tuple(bth)}, got {getattr(x, 'shape', None)}")
+    raise ValueError(
+      f"{name} must have shape [batch, seq, kv_heads] = {tuple(bth)} (one entry per k/v "
+      f"head), got {getattr(x, 'shape', None)}"
+    )
   if not _is_float(x):
     raise ValueError(f"{name} must be a float array, got dtype {x.dtype}")
 

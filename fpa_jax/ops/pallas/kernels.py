@@ -15,6 +15,13 @@ block per (batch, head), sliced with `pl.ds` inside the loop: the portable form 
 Triton alike, which needs it to fit in VMEM / be addressable (long T on TPU would want a 4-D grid
 with scratch accumulators instead; not done).
 
+Grouped-query attention (k, v, gates with KVH = H / G heads): every grid stays (B, H, .) over query
+heads and the BlockSpec index maps send query head h to kv head h // G for k, v and the gate
+stats, so k / v are never repeated. The dK / dV kernel then writes one partial dK / dV (and key-stat
+cotangent) per query head, fp32, summed over the group outside the kernel: G times the memory of
+dK / dV in the backward, but every output block still has one writer (an in-kernel sum over the
+group would loop over G query heads per program; not done).
+
 Status: written for TPU (Mosaic) and GPU (Triton) lowering but run and tested only in interpret
 mode on CPU (`interpret=True`, the default there); the compiled paths are unverified.
 """
@@ -67,6 +74,7 @@ class _Cfg:
   bwd: int
   interpret: bool
   backend: str  # "tpu" | "gpu" | "interpret"
+  group: int = 1  # G = H / KVH: query head h reads kv head h // G
 
   def compiler_params(self):
     if self.backend == "tpu":
@@ -244,12 +252,13 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _tiled(blk, cols):  # [B, H, Tp, cols] in row tiles of T, indexed by the grid's third axis
-  return pl.BlockSpec((None, None, blk, cols), lambda b, h, x: (b, h, x, 0))
+# g: the grid runs over query heads h; an array with kv heads (k, v, gate stats) is read at h // g.
+def _tiled(blk, cols, g=1):  # [B, H, Tp, cols] in row tiles of T, indexed by the grid's third axis
+  return pl.BlockSpec((None, None, blk, cols), lambda b, h, x: (b, h // g, x, 0))
 
 
-def _whole(rows, cols):  # all of a [B, H, rows, cols] per (batch, head)
-  return pl.BlockSpec((None, None, rows, cols), lambda b, h, x: (b, h, 0, 0))
+def _whole(rows, cols, g=1):  # all of a [B, H, rows, cols] per (batch, head)
+  return pl.BlockSpec((None, None, rows, cols), lambda b, h, x: (b, h // g, 0, 0))
 
 
 def _r_rows(r, nbp):
@@ -258,7 +267,14 @@ def _r_rows(r, nbp):
   return r[:, :, :, None, :]
 
 
-_R_SPEC = lambda nbp: pl.BlockSpec((None, None, None, 1, nbp), lambda b, h, x: (b, h, x, 0, 0))
+_R_SPEC = lambda nbp, g=1: pl.BlockSpec((None, None, None, 1, nbp), lambda b, h, x: (b, h // g, x, 0, 0))
+
+
+def _group_sum(x, g, dtype):
+  """[B, H, ...] per-query-head partials -> [B, H / g, ...] summed over each group, in dtype."""
+  if g == 1:
+    return x.astype(dtype)
+  return x.reshape((x.shape[0], x.shape[1] // g, g) + x.shape[2:]).sum(2).astype(dtype)
 
 
 def _seg_specs(seg, blk, tp, q_tiled):
@@ -275,17 +291,18 @@ def _nbp(cfg, nb):
 
 
 def _forward(cfg, q, k, v, st, seg):
-  """q, k [B, H, Tp, K], v [B, H, Tp, Kv] -> (o [B, H, Tp, Kv], lse [B, H, Tp, 1] fp32)."""
+  """q [B, H, Tp, K], k [B, KVH, Tp, K], v [B, KVH, Tp, Kv], stats per kv head -> (o [B, H, Tp, Kv],
+  lse [B, H, Tp, 1] fp32)."""
   b, h, tp, d = q.shape
-  dv, blk = v.shape[-1], cfg.fwd
+  dv, blk, g = v.shape[-1], cfg.fwd, cfg.group
   nb = tp // blk
   krow, qcol, r = st
   nr, nc = krow.shape[2], qcol.shape[3]
   args = [q, k, v, krow, qcol]
-  specs = [_tiled(blk, d), _whole(tp, d), _whole(tp, dv), _whole(nr, tp), _tiled(blk, nc)]
+  specs = [_tiled(blk, d), _whole(tp, d, g), _whole(tp, dv, g), _whole(nr, tp, g), _tiled(blk, nc, g)]
   if r is not None:
     args.append(_r_rows(r, _nbp(cfg, nb)))
-    specs.append(_R_SPEC(_nbp(cfg, nb)))
+    specs.append(_R_SPEC(_nbp(cfg, nb), g))
   if seg is not None:
     args += list(seg)
     specs += _seg_specs(seg, blk, tp, q_tiled=True)
@@ -301,38 +318,36 @@ def _forward(cfg, q, k, v, st, seg):
 
 
 def _backward(cfg, q, k, v, do, lse, delta, st, seg):
-  """-> dq, dk, dv (input dtypes) and the stat cotangents (dkrow, dqcol, dr)."""
+  """-> dq, dk, dv (input dtypes) and the stat cotangents (dkrow, dqcol, dr), per kv head (the
+  per-query-head partials summed over each group)."""
   b, h, tp, d = q.shape
-  dv_, blk = v.shape[-1], cfg.bwd
+  dv_, blk, g = v.shape[-1], cfg.bwd, cfg.group
   nb = tp // blk
   krow, qcol, r = st
   nr, nc = krow.shape[2], qcol.shape[3]
   has_r, has_seg = r is not None, seg is not None
   nbp = _nbp(cfg, nb)
   grid = (b, h, nb)
-  row_tile = pl.BlockSpec((None, None, nr, blk), lambda b, h, x: (b, h, 0, x))
+  row_tile = lambda g: pl.BlockSpec((None, None, nr, blk), lambda b, h, x: (b, h // g, 0, x))
 
-  # dK / dV: key block J per program.
+  # dK / dV: key block J per program; grouped: one partial per query head (fp32), summed below.
   args = [q, k, v, do, lse, delta, krow, qcol]
   specs = [
     _whole(tp, d),
-    _tiled(blk, d),
-    _tiled(blk, dv_),
+    _tiled(blk, d, g),
+    _tiled(blk, dv_, g),
     _whole(tp, dv_),
     _whole(tp, 1),
     _whole(tp, 1),
-    row_tile,
-    _whole(tp, nc),
+    row_tile(g),
+    _whole(tp, nc, g),
   ]
-  out_specs = [_tiled(blk, d), _tiled(blk, dv_), row_tile]
-  out_shape = [
-    jax.ShapeDtypeStruct(k.shape, k.dtype),
-    jax.ShapeDtypeStruct(v.shape, v.dtype),
-    jax.ShapeDtypeStruct(krow.shape, F32),
-  ]
+  out_specs = [_tiled(blk, d), _tiled(blk, dv_), row_tile(1)]
+  part = lambda x: jax.ShapeDtypeStruct((b, h) + x.shape[2:], x.dtype if g == 1 else F32)
+  out_shape = [part(k), part(v), jax.ShapeDtypeStruct((b, h) + krow.shape[2:], F32)]
   if has_r:
     args.append(_r_rows(jnp.swapaxes(r, -1, -2), nbp))  # R^T: program J reads R[:, J] as a row
-    specs.append(_R_SPEC(nbp))
+    specs.append(_R_SPEC(nbp, g))
     out_specs.append(_R_SPEC(nbp))
     out_shape.append(jax.ShapeDtypeStruct((b, h, nb, 1, nbp), F32))
   if has_seg:
@@ -342,24 +357,24 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
   outs = cfg.call(
     kernel, grid=grid, in_specs=specs, out_specs=out_specs, out_shape=out_shape, name=f"{cfg.kind}_attention_dkv"
   )(*args)
-  dk, dv, dkrow = outs[:3]
-  dr = jnp.swapaxes(outs[3][:, :, :, 0, :nb], -1, -2) if has_r else None
+  dk, dv, dkrow = _group_sum(outs[0], g, k.dtype), _group_sum(outs[1], g, v.dtype), _group_sum(outs[2], g, F32)
+  dr = _group_sum(jnp.swapaxes(outs[3][:, :, :, 0, :nb], -1, -2), g, F32) if has_r else None
 
   # dQ: query block I per program.
   args = [q, k, v, do, lse, delta, krow, qcol]
   specs = [
     _tiled(blk, d),
-    _whole(tp, d),
-    _whole(tp, dv_),
+    _whole(tp, d, g),
+    _whole(tp, dv_, g),
     _tiled(blk, dv_),
     _tiled(blk, 1),
     _tiled(blk, 1),
-    _whole(nr, tp),
-    _tiled(blk, nc),
+    _whole(nr, tp, g),
+    _tiled(blk, nc, g),
   ]
   if has_r:
     args.append(_r_rows(r, nbp))
-    specs.append(_R_SPEC(nbp))
+    specs.append(_R_SPEC(nbp, g))
   if has_seg:
     args += list(seg)
     specs += _seg_specs(seg, blk, tp, q_tiled=True)
@@ -369,10 +384,10 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
     grid=grid,
     in_specs=specs,
     out_specs=[_tiled(blk, d), _tiled(blk, nc)],
-    out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(qcol.shape, F32)],
+    out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h) + qcol.shape[2:], F32)],
     name=f"{cfg.kind}_attention_dq",
   )(*args)
-  return dq, dk, dv, (dkrow, dqcol, dr)
+  return dq, dk, dv, (dkrow, _group_sum(dqcol, g, F32), dr)
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -432,8 +447,9 @@ def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None
   """Causal attention with an FPA or FoX bias in Pallas kernels.
 
   Args:
-    q, k: [B, T, H, K]; v: [B, T, H, Kv]; fp32 or bf16.
-    gate: `chunked.FPAGate(field, level)` or `chunked.FoXGate(c)` (c = cumsum(log_fgate)), [B, T, H].
+    q: [B, T, H, K]; k: [B, T, KVH, K]; v: [B, T, KVH, Kv]; fp32 or bf16; KVH divides H (query
+      head h reads kv head h // G; see the module docstring for the backward's group sum).
+    gate: `chunked.FPAGate(field, level)` or `chunked.FoXGate(c)` (c = cumsum(log_fgate)), [B, T, KVH].
     scale: logit scale.
     segment_ids: optional [B, T] int.
     block_sizes: `BlockSizes`, an int (both passes), or None (`BlockSizes.default` of the backend).
@@ -466,6 +482,6 @@ def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None
   if segment_ids is not None:
     s = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, tp - t)], constant_values=-1)
     seg = (s[:, :, None], s[:, None, :])  # query column [B, Tp, 1], key row [B, 1, Tp]
-  cfg = _Cfg(kind, float(scale), bf, bb, bool(interpret), mode)
+  cfg = _Cfg(kind, float(scale), bf, bb, bool(interpret), mode, h // k.shape[2])
   o = _core(cfg, prep(q, dpad(d)), prep(k, dpad(d)), prep(v, dpad(dv)), fst, bst, seg)
   return jnp.swapaxes(o[:, :, :t, :dv], 1, 2)
