@@ -35,6 +35,8 @@ METHODS = {
   # FPA started exactly at FoX (FoX's log-sigmoid term in the increment, bias 5, the other read-outs
   # small): the start that made FPA learn passkey retrieval (experiments.passkey)
   "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0},
+  # ... and at FoX's own init (bias 0: log sigmoid(0) = -0.69 per token, a strong recency prior at step 0)
+  "fpa_fox0": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0},
 }
 LN2 = math.log(2.0)
 

@@ -47,12 +47,39 @@ def test_report_claims_table_reads_results(tmp_path):
   (tmp_path / "results" / "scopes.json").write_text(
     json.dumps({"fpa": {"seeds": 5, "successes": 5}, "fox": {"seeds": 5, "successes": 0}, "meta": {}})
   )
-  (tmp_path / "results" / "perplexity.json").write_text(
-    json.dumps({"fpa": {"bpb": [2.0, 2.2]}, "fox": {"bpb": [2.0, 2.0]}, "meta": {}})
-  )
+  ppl = {"fpa": {"bpb": [2.0, 2.2]}, "fox": {"bpb": [2.0, 2.0]}, "recipe": {"steps": 300}, "meta": {}}
+  (tmp_path / "results" / "perplexity.json").write_text(json.dumps(ppl))
   md = report.claims_table(tmp_path)
-  assert "fpa 5/5, fox 0/5" in md and "fpa / fox = 1.050" in md
-  assert "not run yet (`python -m experiments.passkey`)" in md
+  assert "fpa 5/5, fox 0/5" in md and "after 300 steps" in md and "fpa / fox = 1.050" in md
+  assert "trained longer" not in md and "not run yet (`python -m experiments.passkey`)" in md
+  # the longer run, passkey (competent or not at 1x) and both kv prefills join the same rows
+  (tmp_path / "results" / "perplexity_long").mkdir()
+  long = {"fox": {"bpb": [2.0]}, "fpa_fox5": {"bpb": [2.2]}, "recipe": {"steps": 1200}, "meta": {}}
+  (tmp_path / "results" / "perplexity_long" / "perplexity.json").write_text(json.dumps(long))
+  pk = {
+    "train_length": 64,
+    "meta": {},
+    "fpa": {"1": 0.9, "8": 0.8, "steps": 30, "competent_1x": True},
+    "fox": {"1": 0.0, "8": 0.0, "steps": 30, "competent_1x": False},
+  }
+  (tmp_path / "results" / "passkey.json").write_text(json.dumps(pk))
+  cell = lambda a, f=0.25: {"accuracy": a, "cache_fraction": f}  # noqa: E731
+  kv = {
+    "multiple": 8,
+    "prefill": "parallel",
+    "tolerance": 1e-3,
+    "n_prompts": 20,
+    "cells": {"fpa/fpa_budget": {"0.25": cell(0.5)}, "fpa/fpa": {"tol": cell(0.9, 0.6)}},
+  }
+  (tmp_path / "results" / "kv_compression.json").write_text(json.dumps(kv))
+  (tmp_path / "results" / "kv_compression_decode").mkdir()
+  dec = {**kv, "prefill": "decode", "n_prompts": 5, "cells": {"fpa/h2o": {"0.25": cell(0.8)}}}
+  (tmp_path / "results" / "kv_compression_decode" / "kv_compression.json").write_text(json.dumps(dec))
+  md = report.claims_table(tmp_path)
+  assert "trained longer: held-out bits per byte after 1200 steps" in md and "fpa_fox5 / fox = 1.100" in md
+  assert "fpa 0.80 (1x 0.90, 30 steps)" in md and "not competent at 1x" in md and "fox 0.00" not in md
+  assert "fpa/fpa_budget 25%: 0.50" in md and "fpa/fpa ε=0.001: 0.90 at 0.60 of the cache" in md
+  assert "(5 prompts per cell): exact match at 8x (prefill decode): fpa/h2o 25%: 0.80" in md
 
 
 def test_update_readme_fills_marked_blocks(tmp_path):
