@@ -171,8 +171,10 @@ def train_lm(cfg, workdir: str, data, *, progress_bar: bool | None = None) -> di
 
 
 def init_config(workdir: str, fallback=None) -> dict | None:
-  """The config `workdir`'s run started with (`study_init_config.json`), else `fallback` (a Config or dict)."""
-  saved = read_json(Path(workdir) / "study_init_config.json")
+  """The config `workdir`'s run started with (`study_init_config.json`), else `fallback` (a Config or dict).
+
+  A relative `workdir` (as results files record them) is taken from the repository root."""
+  saved = read_json(ROOT / workdir / "study_init_config.json")
   if saved is not None:
     return saved
   return fallback.to_dict() if hasattr(fallback, "to_dict") else fallback

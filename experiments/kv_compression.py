@@ -228,7 +228,7 @@ def main(argv=None) -> dict:
   for m, p, b, kw in U.progress(todo, desc="kv_compression"):
     if m not in loaded:
       workdir = pk[m]["workdir"]
-      loaded = {m: load_model(workdir if Path(workdir).is_absolute() else U.ROOT / workdir)[0]}
+      loaded = {m: load_model(U.ROOT / workdir)[0]}  # an absolute workdir stays as it is
     cell = passkey_accuracy(loaded[m], examples, policy=p, prefill=a.prefill, batch=min(a.batch, len(examples)), **kw)
     res["cells"].setdefault(f"{m}/{p}", {})[b] = cell
     res["meta"] = U.run_meta(

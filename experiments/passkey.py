@@ -629,9 +629,7 @@ def main(argv=None) -> dict | None:
     if res is None:
       raise SystemExit(f"{args.out_dir}/passkey.json not found: run python -m {MODULE} first")
     for m in (m for m in METHODS if m in res):  # the config each run started with (see _common.init_config)
-      res[m]["config"] = U.init_config(
-        U.ROOT / res[m]["workdir"] if not os.path.isabs(res[m]["workdir"]) else res[m]["workdir"], res[m].get("config")
-      )
+      res[m]["config"] = U.init_config(res[m]["workdir"], res[m].get("config"))
     write_outputs(res, Path(args.out_dir))
     return res
   log = lambda s: print(s, file=sys.stderr, flush=True)

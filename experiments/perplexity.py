@@ -355,8 +355,7 @@ def main(argv=None) -> dict | None:
     if res is None:
       raise SystemExit(f"{args.out_dir}/perplexity.json not found: run python -m {MODULE} first")
     for m in (m for m in METHODS if m in res):  # the config each run started with (see _common.init_config)
-      wd = res[m]["workdirs"][-1]
-      res[m]["config"] = U.init_config(wd if os.path.isabs(wd) else U.ROOT / wd, res[m].get("config"))
+      res[m]["config"] = U.init_config(res[m]["workdirs"][-1], res[m].get("config"))
     write_outputs(res, Path(args.out_dir))
     return res
   log = lambda s: print(s, file=sys.stderr, flush=True)
