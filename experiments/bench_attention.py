@@ -2,13 +2,14 @@
 
     python -m experiments.bench_attention            # full sweep, T = 512 .. 16384 (~15 min, 2-core CPU)
     python -m experiments.bench_attention --quick    # T = 512, 1024 (a minute)
-    python -m experiments.bench_attention --no-sweep --blocks 128 256 512 --skip-bench --repeats 3
+    python -m experiments.bench_attention --no-sweep --blocks 128 256 512 --skip-bench --repeats 9
         # chunked FPA vs FoX at T=4096 per block size, and dead-tile skipping; keeps the sweep's rows
     python -m experiments.bench_attention --backend gpu   # on an accelerator: Pallas FPA / FoX vs
         # chunked FPA vs cuDNN softmax (GPU); writes results/bench_attention_gpu.*; fails if no GPU
 
 B=1, H=4, D=64, fp32. For every method and T: forward and forward+backward wall time (best of
---repeats after one warm-up) and XLA's compiled temp memory (`.lower().compile().memory_analysis()`).
+--repeats, all methods of one T interleaved, each timed call after an untimed one) and XLA's
+compiled temp memory (`.lower().compile().memory_analysis()`).
 A variant whose compiled temp memory exceeds --mem-budget-gib is compiled but not run
 ("skipped"). Writes results/bench_attention.{json,md,png} and prints the issue's targets as
 measured ratios. FLOP convention (FlashAttention's): causal forward = 2 * B*H*T^2*D (two
@@ -124,15 +125,22 @@ def _time(compiled, args, repeats):
   return min(times)
 
 
-def _time_side_by_side(compiled, repeats):
+def _time_side_by_side(compiled, repeats, rewarm=False):
   """{key: (wall_s, cpu_s)}, each the best of `repeats`; compiled: {key: (fn, args)}. The repeats
-  interleave the keys, so a busy spell on a shared machine slows them alike."""
+  interleave the keys, so a busy spell on a shared machine slows them alike.
+
+  rewarm: one untimed call before each timed one. For mixes of light and heavy kernels: a run
+  right after one with GiBs of temp memory measured ~1.4x slower in wall and CPU time (at T=4096,
+  chunked FPA after the quadratic reference), which would bias whichever kernel comes first.
+  """
   for fn, args in compiled.values():
     jax.block_until_ready(fn(*args))  # warm-up
   wall = {key: [] for key in compiled}
   cpu = {key: [] for key in compiled}
   for _ in range(repeats):
     for key, (fn, args) in compiled.items():
+      if rewarm:
+        jax.block_until_ready(fn(*args))
       c0, t0 = time.process_time(), time.perf_counter()
       jax.block_until_ready(fn(*args))
       wall[key].append(time.perf_counter() - t0)
@@ -273,28 +281,31 @@ def run(seq_lens, repeats, block_size, mem_budget_gib, only=None):
     if unknown:
       raise ValueError(f"unknown method(s) {unknown}; choose from {sorted(methods)}")
     methods = {k: v for k, v in methods.items() if k in only}
-  todo = [(t, m) for t in seq_lens for m in methods]
-  for t, name in tqdm(todo, desc="bench_attention", unit="cfg"):
-    fn, max_t = methods[name]
-    row = {"method": name, "T": t}
-    if max_t is not None and t > max_t:
-      rows.append(row | {"skipped": f"reference impl, run up to T={max_t}"})
-      continue
+  for t in tqdm(seq_lens, desc="bench_attention", unit="T"):
+    # Every method at this T is compiled first and then timed side by side (interleaved
+    # repeats), so a busy spell on a shared machine slows them alike instead of one cell.
     args = _inputs(t)
-    loss = lambda q, k, v, f, l: jnp.sum(fn(q, k, v, f, l) * v)
-    fb = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     flops_f = 2 * B * H * t * t * D
-    for tag, f_, flops in (("fwd", fn, flops_f), ("fwdbwd", fb, 3.5 * flops_f)):
-      compiled, temp = _compile(f_, args)
-      row[f"{tag}_temp_bytes"] = temp
-      if temp is not None and temp > budget:
-        row[f"{tag}_skipped"] = f"temp {temp / 2**30:.1f} GiB > budget {mem_budget_gib} GiB"
+    by_t, compiled = {}, {}
+    for name, (fn, max_t) in methods.items():
+      row = by_t[name] = {"method": name, "T": t}
+      if max_t is not None and t > max_t:
+        row["skipped"] = f"reference impl, run up to T={max_t}"
         continue
-      secs = _time(compiled, args, repeats)
-      row[f"{tag}_s"] = secs
-      row[f"{tag}_gflops"] = flops / secs / 1e9
-      del compiled
-    rows.append(row)
+      loss = lambda q, k, v, f, l, fn=fn: jnp.sum(fn(q, k, v, f, l) * v)
+      fb = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+      for tag, f_ in (("fwd", fn), ("fwdbwd", fb)):
+        exe, temp = _compile(f_, args)
+        row[f"{tag}_temp_bytes"] = temp
+        if temp is not None and temp > budget:
+          row[f"{tag}_skipped"] = f"temp {temp / 2**30:.1f} GiB > budget {mem_budget_gib} GiB"
+        else:
+          compiled[(name, tag)] = (exe, args)
+    for (name, tag), (secs, _) in _time_side_by_side(compiled, repeats, rewarm=True).items():
+      by_t[name][f"{tag}_s"] = secs
+      by_t[name][f"{tag}_gflops"] = (3.5 if tag == "fwdbwd" else 1.0) * flops_f / secs / 1e9
+    rows += by_t.values()
+    del compiled
   return rows
 
 

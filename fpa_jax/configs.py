@@ -189,12 +189,6 @@ class ModelConfig(_Part):
         f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each kv head serves "
         f"n_heads / n_kv_heads query heads); use a divisor of {self.n_heads}, or 0 for n_heads"
       )
-    if self.kv_heads != self.n_heads and self.attn_impl == "pallas":
-      # The layer's per-shard shard_map splits q and k / v heads separately: not done for groups.
-      raise ValueError(
-        f"attn_impl='pallas' needs n_kv_heads == n_heads in the model, got {self.n_kv_heads}; "
-        f"use attn_impl='auto' or 'chunked' (auto picks chunked for grouped heads)"
-      )
     if self.attention not in ATTENTIONS:
       raise ValueError(f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
     if self.attn_impl not in ATTN_IMPLS:

@@ -158,7 +158,10 @@ class FirstPassageAttention(nnx.Module):
 
     "pallas" under a multi-device mesh runs in `shard_local` (a shard_map): XLA cannot partition
     a pallas_call, so it would gather q, k, v to every device; the math is per (batch, head), so
-    each device runs the kernel on its own batch rows and heads with no collectives."""
+    each device runs the kernel on its own batch rows and heads with no collectives. Grouped
+    heads stay whole: `local_specs` splits the heads axis only where the mesh divides both H and
+    KVH, and then device s holds query heads [s H/M, (s+1) H/M) and exactly the kv heads they
+    read, [s KVH/M, (s+1) KVH/M); otherwise heads are replicated."""
     cfg = self.cfg
     impl = ops.validate.resolve_impl(cfg.attn_impl, cfg.kv_heads != cfg.n_heads)
     kw = dict(impl=impl, block_size=(cfg.block_size or None) if cfg.attn_impl in ops.validate.BLOCKED else None)

@@ -227,10 +227,17 @@ def test_softmax_attention_grouped():
 
 
 @pytest.mark.parametrize(
-  "kind,h,kvh,seg,block", [("fpa", 4, 2, True, 8), ("fox", 2, 1, False, 8), ("fpa", 2, 1, False, BlockSizes(16, 8))]
+  "kind,h,kvh,seg,block",
+  [
+    ("fpa", 4, 2, True, 8),
+    ("fox", 2, 1, False, 8),
+    ("fpa", 2, 1, False, BlockSizes(16, 8)),
+    ("fpa", 6, 2, False, 8),  # G = 3: the dK / dV kernel's [G, T, .] head blocks start at h G
+  ],
 )
 def test_pallas_grouped_matches_quadratic(kind, h, kvh, seg, block):
-  """Interpret mode: index maps h -> h // G, dK / dV / key-stat partials summed over the group."""
+  """Interpret mode: forward / dQ index maps h -> h // G; the dK / dV kernel per kv head summing its
+  group's query heads in the kernel."""
   b, t = 1, 13 if block == 8 else 16  # 13 with tile 8: two tiles, the last padded
   q, k, v, field, level, lf, ct, s = make(6, b, t, h, kvh, d=4, dv=3, seg=seg, kink_free=True)
   g1, g2 = (field, level) if kind == "fpa" else (lf, lf)

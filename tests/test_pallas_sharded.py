@@ -76,6 +76,34 @@ def test_layer_under_mesh_matches_plain_and_gathers_nothing(layer, mesh_spec, b)
   assert not _gathers(hlo), f"all-gathers in the sharded layer's step: {_gathers(hlo)}"
 
 
+@pytest.mark.parametrize(
+  "mesh_spec, q_gathered",
+  [
+    # model divides H=4 and KVH=2: each device holds whole groups, nothing is gathered.
+    ("data=4,model=2", False),
+    # model divides H but not KVH: the kernel runs with heads replicated, so q (split over heads
+    # outside, by `constrain`) is gathered over `model`; k / v were never split. Correct, not lean.
+    ("data=2,model=4", True),
+  ],
+)
+def test_grouped_heads_under_mesh_match_chunked(mesh_spec, q_gathered):
+  """GQA (4 query heads reading 2 kv heads) through the sharded pallas layer: equal to the chunked
+  layer with the same weights (unsharded)."""
+  kw = dict(attention="fpa", d_model=D, n_heads=4, n_kv_heads=2, seq_len=T)
+  pallas = FirstPassageAttention(C.get_config("tiny", attn_impl="pallas", **kw), rngs=nnx.Rngs(1))
+  chunked = FirstPassageAttention(C.get_config("tiny", attn_impl="chunked", **kw), rngs=nnx.Rngs(1))
+  x, seg = _inputs(4)
+  (_, want_y), want_g = _grad(chunked, x, seg)
+  mesh = S.make_mesh(mesh_spec)
+  with jax.set_mesh(mesh):
+    (_, y), g = _grad(pallas, x, seg)
+    hlo = _grad.lower(pallas, x, seg).compile().as_text()
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), atol=1e-5)
+  chex.assert_trees_all_close(nnx.state(g), nnx.state(want_g), atol=1e-5, rtol=0)
+  q_local = f"f32[{4 // mesh.shape['data']},{T},4,{pallas.cfg.head_dim}]"
+  assert all(s.startswith(q_local) for s in _gathers(hlo)) and bool(_gathers(hlo)) == q_gathered, _gathers(hlo)
+
+
 def test_unsharded_pallas_op_gathers_qkv():
   """The control for the check above: the bare op under the mesh (no shard_map) gathers the whole
   batch of q / k / v ([B, H, T, K] kernel layout) to every device."""

@@ -62,7 +62,7 @@ def fpa_attention(
       state, the decode formulation), "pallas" (the chunked tiling as Pallas kernels, see
       `fpa_jax.ops.pallas`; interpret mode off TPU / GPU), or "auto" ("pallas" on TPU / GPU,
       "chunked" elsewhere, and for kv_heads < heads: the grouped Pallas path is interpret-tested
-      only and keeps G partial dK / dV per kv head). All exact and differentiable.
+      only). All exact and differentiable.
     scale: logit scale, default head_dim ** -0.5.
     segment_ids: optional [batch, seq] int; tokens attend only inside their own segment.
     block_size: chunked / pallas / auto only; query/key tile size (default `chunked.DEFAULT_BLOCK`,

@@ -9,13 +9,17 @@ the rest of J after j, the whole blocks strictly between, and the start of I up 
       C_i     = min of the field in I up to and incl. i   (query-only, per token)
 
 so an off-diagonal tile's bias is -relu(level_j - min(S_j, R[I, J], C_i)): O(block^2) elementwise
-work like FoX's c_i - c_j. Diagonal tiles use an in-tile associative min-scan down each column.
+work like FoX's c_i - c_j. A diagonal tile applies the same identity to its sub-tiles of
+`DIAG_SUB` tokens, from sub-tile statistics computed for every tile at once outside the tile loop,
+and runs a column min-scan only inside its diagonal sub-tiles (small tiles: in the whole tile), so
+it also costs O(block^2) elementwise work rather than O(block^2 log block).
 
 Gradients. S, C and R are computed *outside* the custom VJP by plain differentiable JAX; the core
 treats them as inputs. In the backward pass each tile re-computes its bias under `jax.vjp` and
-pulls the softmax cotangent back to (S, C, R, level) or, on the diagonal, to (level, field); JAX
-autodiff then routes S, C, R through the min-scans to the field. Both tile biases carry
-hand-written pullbacks (`_fpa_bias`, `_diag_bias`): autodiff of min/relu and of the scan was the
+pulls the softmax cotangent back to (S, C, R, level) or, on the diagonal, to level and the
+field (small tiles) or the sub-tile statistics; JAX autodiff then routes them through the
+min-scans to the field. The tile biases carry hand-written pullbacks (`_fpa_bias`, `_diag_bias`,
+`_diag_bias_sub`, `_column_min_stat`): autodiff of min/relu and of the scan was the
 backward pass's bottleneck. Nothing T x T is ever stored: the forward keeps out and logsumexp,
 the backward recomputes tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local).
 
@@ -115,16 +119,25 @@ def _fpa_bias_bwd(res, g):
 _fpa_bias.defvjp(_fpa_bias_fwd, _fpa_bias_bwd)
 
 
-def _scan_stats(phi):
+def _short_min_scan(x, axis, reverse=False):
+  """`_min_scan` for short axes: a masked min over an [n, n] square. O(n^2) work, but a handful of
+  ops to compile and to differentiate, where an associative scan's autodiff is ~100."""
+  x = jnp.moveaxis(x, axis, -1)
+  i = jnp.arange(x.shape[-1])
+  keep = i[None, :] >= i[:, None] if reverse else i[None, :] <= i[:, None]  # [out, in]
+  return jnp.moveaxis(jnp.where(keep, x[..., None, :], jnp.inf).min(-1), -1, axis)
+
+
+def _scan_stats(phi, scan=_min_scan):
   """Within-block min statistics of phi [..., nb, blk]: (S, C, R) as in the module docstring."""
   nb = phi.shape[-2]
   inf = jnp.full(phi.shape[:-1] + (1,), jnp.inf, F32)
-  suffix = jnp.concatenate([_min_scan(phi, -1, reverse=True)[..., 1:], inf], -1)  # S_j, excl. j
-  prefix = _min_scan(phi, -1)  # C_i, incl. i
+  suffix = jnp.concatenate([scan(phi, -1, reverse=True)[..., 1:], inf], -1)  # S_j, excl. j
+  prefix = scan(phi, -1)  # C_i, incl. i
   bmin = phi.min(-1)  # [..., nb]
   # P[b, J] = min(bmin over (J, b]); R[I, J] = P[I - 1, J] = min over blocks strictly between.
   ib = jnp.arange(nb)
-  p = _min_scan(jnp.where(ib[:, None] > ib[None, :], bmin[..., :, None], jnp.inf), -2)
+  p = scan(jnp.where(ib[:, None] > ib[None, :], bmin[..., :, None], jnp.inf), -2)
   r = jnp.concatenate([jnp.full(p.shape[:-2] + (1, nb), jnp.inf, F32), p[..., :-1, :]], -2)
   return suffix, prefix, r
 
@@ -174,26 +187,125 @@ def _nse_pse(phi):
   return nse, pse
 
 
-def _diag_bias_bwd(res, g):
-  # Autodiff through the associative scan costs ~100 tile-sized passes; this is a handful.
-  # Column j's running min is phi_s exactly for rows s <= i < nse(s) (the next *strictly*
-  # smaller field value after s) and keys pse(s) <= j < s (pse: the last earlier position with
-  # field <= phi_s; ties go to the earliest position, a valid subgradient), so
-  #   d phi_s = sum_{j = pse(s)}^{s-1} sum_{i = s}^{nse(s) - 1} dm[i, j]
-  # a difference of column prefix sums.
-  lvl, phi, m = res
+def _colmin_pullback(phi, dm):
+  """Cotangent of phi [..., n] from dm [..., n, n], the cotangent of `_column_min(phi)`.
+
+  Autodiff through the associative scan costs ~100 tile-sized passes; this is a handful.
+  Column j's running min is phi_s exactly for rows s <= i < nse(s) (the next *strictly* smaller
+  field value after s) and keys pse(s) <= j < s (pse: the last earlier position with field <=
+  phi_s; ties go to the earliest position, a valid subgradient), so
+    d phi_s = sum_{j = pse(s)}^{s-1} sum_{i = s}^{nse(s) - 1} dm[i, j]
+  a difference of column prefix sums.
+  """
   n = phi.shape[-1]
-  dm = jnp.where(lvl[..., None, :] > m, g, 0.0)  # bias = m - level where the penalty is active
   idx = jnp.arange(n)
   nse, pse = _nse_pse(phi)
   cum = jax.lax.associative_scan(jnp.add, dm, axis=dm.ndim - 2)  # 2x faster than jnp.cumsum on CPU
   end = jnp.take_along_axis(cum, jnp.broadcast_to((nse - 1)[..., :, None], cum.shape), axis=-2)
   rows = end - cum + dm  # [s, j] = sum_{i = s}^{nse(s) - 1} dm[i, j]
   took = (idx[None, :] < idx[:, None]) & (idx[None, :] >= pse[..., :, None])  # [s, j]
-  return -dm.sum(-2), jnp.where(took, rows, 0.0).sum(-1)
+  return jnp.where(took, rows, 0.0).sum(-1)
+
+
+def _diag_bias_bwd(res, g):
+  lvl, phi, m = res
+  dm = jnp.where(lvl[..., None, :] > m, g, 0.0)  # bias = m - level where the penalty is active
+  return -dm.sum(-2), _colmin_pullback(phi, dm)
 
 
 _diag_bias.defvjp(_diag_bias_fwd, _diag_bias_bwd)
+
+
+@jax.custom_vjp
+def _column_min_stat(phi):
+  """`_column_min` with the hand-written pullback: [..., n] -> [..., n, n]."""
+  return _column_min(phi)
+
+
+_column_min_stat.defvjp(lambda phi: (_column_min(phi), phi), lambda phi, dm: (_colmin_pullback(phi, dm),))
+
+# Sub-tile size of large diagonal tiles. The in-tile scan costs O(n^2 log n) per tile and, inside
+# the tile loop, XLA fuses its last levels into the tile-sized loops (re-evaluated per element);
+# so a diagonal tile of n >= 2 * DIAG_SUB tokens applies the tiling identity once more inside
+# itself, from sub-tile statistics computed for all tiles at once *outside* the loop, and scans
+# only its diagonal sub-tiles.
+DIAG_SUB = 64
+
+
+def _diag_sub(n):
+  """The sub-tile used for an n-token diagonal tile, or None (plain in-tile scan)."""
+  return DIAG_SUB if n >= 2 * DIAG_SUB and n % DIAG_SUB == 0 else None
+
+
+def _sub_stats(phi, sub):
+  """Statistics of the diagonal tiles' sub-tiles, phi [..., nb, blk] -> (a [..., nb, ns, blk],
+  c [..., nb, ns, sub], phi [..., nb, ns, sub]), ns = blk / sub: O(T * ns) memory.
+
+  In a diagonal tile, row i of query sub-tile I' sees key j of an earlier sub-tile J' < I' at
+  min(a[I', j], c[I', i]), a = min(S'_j, R'[I', J']) (the key side and the sub-tiles between),
+  c = C'_i; on a diagonal sub-tile it sees the in-sub-tile column min, which `_diag_bias_tiled`
+  scans per tile (precomputed for all tiles it would cost O(T * sub) memory).
+  """
+  lead, blk = phi.shape[:-1], phi.shape[-1]
+  ps = phi.reshape(lead + (blk // sub, sub))
+  suffix, prefix, r = _scan_stats(ps, _short_min_scan)  # sub, blk / sub <= 64: short axes
+  a = jnp.minimum(suffix[..., None, :, :], r[..., :, :, None]).reshape(lead + (blk // sub, blk))
+  return a, prefix, ps
+
+
+def _diag_bias_tiled(lvl, a, c, ps):
+  """A diagonal tile's bias [..., n, n] from `_sub_stats` of that tile; lvl [..., n]."""
+  return _diag_bias_sub(lvl, a, c, _column_min_stat(ps))
+
+
+def _set_diag_blocks(x, blocks):
+  """x [..., n, n] with its diagonal sub x sub blocks replaced by blocks [..., ns, sub, sub].
+
+  Static in-place slice updates: a select against a block-diagonal broadcast of `blocks` is
+  ~7x slower on XLA:CPU than the min it would wrap."""
+  sub = blocks.shape[-1]
+  for i in range(blocks.shape[-3]):
+    x = x.at[..., i * sub : (i + 1) * sub, i * sub : (i + 1) * sub].set(blocks[..., i, :, :])
+  return x
+
+
+def _sub_min(a, c, d):
+  """The diagonal tile's column min [..., n, n] from `_sub_stats` of that tile."""
+  n = a.shape[-1]
+  off = jnp.minimum(a[..., :, None, :], c[..., :, :, None]).reshape(a.shape[:-2] + (n, n))
+  return _set_diag_blocks(off, d)
+
+
+@jax.custom_vjp
+def _diag_bias_sub(lvl, a, c, d):
+  """Exact first-passage bias of a diagonal tile from its sub-tile statistics: lvl [..., n] ->
+  [..., n, n]. Sub-tiles above the diagonal hold finite values that the causal mask drops."""
+  return -jax.nn.relu(lvl[..., None, :] - _sub_min(a, c, d))
+
+
+def _diag_bias_sub_fwd(lvl, a, c, d):
+  m = _sub_min(a, c, d)
+  return -jax.nn.relu(lvl[..., None, :] - m), (lvl, a, c, m)
+
+
+def _diag_bias_sub_bwd(res, g):
+  # Route each active penalty's cotangent to the statistic that set the min: d on the diagonal
+  # sub-tiles, else a (key side, wins ties) or c. Three reductions over the tile, no scan; the
+  # diagonal sub-tiles are masked out of a's and c's by an iota compare (cheap in the fused
+  # reductions, unlike a copy of the tile with those blocks zeroed).
+  lvl, a, c, m = res
+  ns, sub = c.shape[-2:]
+  n = a.shape[-1]
+  dm = jnp.where(lvl[..., None, :] > m, g, 0.0).reshape(c.shape + (n,))  # [..., I', i, j]
+  off = (jnp.arange(n) // sub)[None, None, :] != jnp.arange(ns)[:, None, None]  # key j outside sub-tile I'
+  to_a = a[..., :, None, :] <= c[..., :, :, None]
+  d_a = jnp.where(to_a & off, dm, 0.0).sum(-2)
+  d_c = jnp.where(~to_a & off, dm, 0.0).sum(-1)
+  d_d = jnp.stack([dm[..., i, :, i * sub : (i + 1) * sub] for i in range(ns)], -3)
+  return -dm.sum((-3, -2)), d_a, d_c, d_d
+
+
+_diag_bias_sub.defvjp(_diag_bias_sub_fwd, _diag_bias_sub_bwd)
 
 
 class FPAGate:
@@ -206,7 +318,9 @@ class FPAGate:
     phi = _blocks(self.field.astype(F32), nb, blk)  # [B, H, nb, blk]
     lvl = _blocks(self.level.astype(F32), nb, blk)
     suffix, prefix, r = _scan_stats(phi)
-    return (lvl, suffix), (prefix, phi), (r,)
+    sub = _diag_sub(blk)
+    diag = (phi,) if sub is None else _sub_stats(phi, sub)
+    return (lvl, suffix), (prefix, diag), (r,)
 
   @staticmethod
   def off_bias(kst, qst, pst):
@@ -215,8 +329,8 @@ class FPAGate:
 
   @staticmethod
   def diag_bias(kst, qst):
-    (lvl, _), (_, phi) = kst, qst
-    return _diag_bias(lvl, phi)
+    (lvl, _), (_, diag) = kst, qst
+    return _diag_bias(lvl, *diag) if len(diag) == 1 else _diag_bias_tiled(lvl, *diag)
 
   @staticmethod
   def tile_floor(kst, qst, pst):

@@ -32,7 +32,8 @@ def check_impl(impl: Implementation, block_size: int | None = None) -> None:
 def resolve_impl(impl: Implementation, grouped: bool = False) -> str:
   """ "auto": the Pallas kernels on TPU / GPU, the XLA-tiled "chunked" elsewhere (on CPU Pallas
   only runs in its slow interpreter) and for grouped-query k / v (kv_heads < heads), whose Pallas
-  path is interpret-tested only and keeps G partial dK / dV per kv head. Other names pass through."""
+  path (a [G, T, .] block of query heads per dK / dV program) is interpret-tested only. Other
+  names pass through."""
   if impl != "auto":
     return impl
   return "pallas" if jax.default_backend() in ("tpu", "gpu") and not grouped else "chunked"

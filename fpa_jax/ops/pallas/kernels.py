@@ -15,12 +15,13 @@ block per (batch, head), sliced with `pl.ds` inside the loop: the portable form 
 Triton alike, which needs it to fit in VMEM / be addressable (long T on TPU would want a 4-D grid
 with scratch accumulators instead; not done).
 
-Grouped-query attention (k, v, gates with KVH = H / G heads): every grid stays (B, H, .) over query
-heads and the BlockSpec index maps send query head h to kv head h // G for k, v and the gate
-stats, so k / v are never repeated. The dK / dV kernel then writes one partial dK / dV (and key-stat
-cotangent) per query head, fp32, summed over the group outside the kernel: G times the memory of
-dK / dV in the backward, but every output block still has one writer (an in-kernel sum over the
-group would loop over G query heads per program; not done).
+Grouped-query attention (k, v, gates with KVH = H / G heads): the forward and dQ grids run over
+query heads, and their BlockSpec index maps send query head h to kv head h // G for k, v and the
+gate stats, so k / v are never repeated. The dK / dV grid runs over kv heads: each program reads
+the [G, Tp, .] block of its group's q / dO / logsumexp / delta and loops over the G query heads,
+computing the tile bias once and pulling back the group's summed cotangent, so dK / dV and the
+key-stat cotangents are written once, in their own dtype (only the small query-stat cotangents
+of the dQ kernel are summed over the group outside).
 
 Status: written for TPU (Mosaic) and GPU (Triton) lowering but run and tested only in interpret
 mode on CPU (`interpret=True`, the default there); the compiled paths are unverified.
@@ -112,18 +113,24 @@ def _pick(row, idx):
   return jnp.min(jnp.where(iota == idx, row, INF), axis=1, keepdims=True)
 
 
-def _logits(cfg, blk, q, k, kvec, qvec, r, qseg, kseg, diag):
-  """q [bq, K], k [bk, K] -> (masked logits [bq, bk] fp32, bias pullback)."""
+def _tile_gate(cfg, blk, kvec, qvec, r, qseg, kseg, diag):
+  """A tile's (bias [bq, bk] fp32, mask [bq, bk] bool or None, bias pullback): one per kv head,
+  shared by the query heads of its group."""
   dist = None
   if diag:
     dist = jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0) - jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1)
   bias, pull = tile_bias(cfg.kind, n_levels(blk), kvec, qvec, r, dist)
-  s = _dot_nt(q, k) * cfg.scale + bias
   mask = None if dist is None else dist >= 0
   if qseg is not None:
     same = qseg == kseg  # [bq, 1] == [1, bk]
     mask = same if mask is None else mask & same
-  return (s if mask is None else jnp.where(mask, s, NEG)), pull
+  return bias, mask, pull
+
+
+def _logits(cfg, q, k, bias, mask):
+  """q [bq, K], k [bk, K] -> masked logits [bq, bk] fp32."""
+  s = _dot_nt(q, k) * cfg.scale + bias
+  return s if mask is None else jnp.where(mask, s, NEG)
 
 
 def _unpack(refs, n_in, has_r, has_seg):
@@ -152,8 +159,8 @@ def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
     ks = _rows(j, blk)
     r = _pick(r_ref[...], j) if has_r and not diag else None
     kseg = kseg_ref[:, ks] if has_seg else None
-    s, _ = _logits(cfg, blk, q, k_ref[ks, :], lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
-    return s, v_ref[ks, :]
+    bias, mask, _ = _tile_gate(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
+    return _logits(cfg, q, k_ref[ks, :], bias, mask), v_ref[ks, :]
 
   s, v = logits(i, True)  # the diagonal entry is never masked, so m is finite from here on
   m = s.max(1, keepdims=True)
@@ -174,7 +181,8 @@ def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
 
 
 def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
-  # k, v, krow, kseg: this key block; q, dO, lse, delta, qcol, qseg: all of T; r: R[:, J].
+  # Grid (B, KVH, J). k, v, krow, kseg: this key block of kv head h; q, dO, lse, delta: all of T
+  # for the G query heads reading h ([G, Tp, .]); qcol, qseg: all of T; r: R[:, J].
   fixed, r_ref, qseg_ref, kseg_ref, outs = _unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   dk_ref, dv_ref, dkrow_ref = outs[:3]
@@ -187,15 +195,18 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
   def tile(i, carry, diag):
     dk, dv, dkrow, dr = carry
     qs = _rows(i, blk)
-    q, do = q_ref[qs, :], do_ref[qs, :]
     r = _pick(r_col, i) if has_r and not diag else None
     qseg = qseg_ref[qs, :] if has_seg else None
-    s, pull = _logits(cfg, blk, q, k, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
-    p = jnp.exp(s - lse_ref[qs, :])  # masked entries: exactly 0
-    dv = dv + _dot(p.astype(do.dtype).T, do)
-    ds = p * (_dot_nt(do, v) - delta_ref[qs, :])  # d loss / d logit = d loss / d bias
-    dk = dk + _dot(ds.astype(q.dtype).T, q) * cfg.scale
-    rows, d_r = pull(ds, "key")
+    bias, mask, pull = _tile_gate(cfg, blk, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
+    ds_group = None
+    for g in range(cfg.group):  # the group's query heads share k, v and the bias: sum in here
+      q, do = q_ref[g, qs, :], do_ref[g, qs, :]
+      p = jnp.exp(_logits(cfg, q, k, bias, mask) - lse_ref[g, qs, :])  # masked entries: exactly 0
+      dv = dv + _dot(p.astype(do.dtype).T, do)
+      ds = p * (_dot_nt(do, v) - delta_ref[g, qs, :])  # d loss / d logit = d loss / d bias
+      dk = dk + _dot(ds.astype(q.dtype).T, q) * cfg.scale
+      ds_group = ds if ds_group is None else ds_group + ds
+    rows, d_r = pull(ds_group, "key")
     dkrow = tuple(x + rows[n] if n in rows else x for n, x in enumerate(dkrow))
     if d_r is not None:
       dr = dr + jnp.where(jax.lax.broadcasted_iota(jnp.int32, dr.shape, 1) == i, d_r, 0.0)
@@ -232,10 +243,9 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
     ks = _rows(j, blk)
     k, v = k_ref[ks, :], v_ref[ks, :]
     r = _pick(r_ref[...], j) if has_r and not diag else None
-    s, pull = _logits(
-      cfg, blk, q, k, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg_ref[:, ks] if has_seg else None, diag
-    )
-    p = jnp.exp(s - lse)
+    kseg = kseg_ref[:, ks] if has_seg else None
+    bias, mask, pull = _tile_gate(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
+    p = jnp.exp(_logits(cfg, q, k, bias, mask) - lse)
     ds = p * (_dot_nt(do, v) - delta)
     dq = dq + _dot(ds.astype(k.dtype), k) * cfg.scale
     cols = pull(ds, "query")
@@ -318,8 +328,8 @@ def _forward(cfg, q, k, v, st, seg):
 
 
 def _backward(cfg, q, k, v, do, lse, delta, st, seg):
-  """-> dq, dk, dv (input dtypes) and the stat cotangents (dkrow, dqcol, dr), per kv head (the
-  per-query-head partials summed over each group)."""
+  """-> dq, dk, dv (input dtypes) and the stat cotangents (dkrow, dqcol, dr), per kv head (dK / dV,
+  dkrow, dr summed over the group in the kernel; dqcol from per-query-head partials)."""
   b, h, tp, d = q.shape
   dv_, blk, g = v.shape[-1], cfg.bwd, cfg.group
   nb = tp // blk
@@ -328,37 +338,35 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
   has_r, has_seg = r is not None, seg is not None
   nbp = _nbp(cfg, nb)
   grid = (b, h, nb)
-  row_tile = lambda g: pl.BlockSpec((None, None, nr, blk), lambda b, h, x: (b, h // g, 0, x))
+  row_tile = pl.BlockSpec((None, None, nr, blk), lambda b, h, x: (b, h, 0, x))  # krow's tile of key block J
 
-  # dK / dV: key block J per program; grouped: one partial per query head (fp32), summed below.
+  # dK / dV: grid over kv heads, key block J per program, looping over the G query heads that
+  # read the kv head (a [G, Tp, .] block of heads h G .. h G + G - 1): one writer per dK / dV block.
+  group = lambda cols: pl.BlockSpec((None, g, tp, cols), lambda b, h, x: (b, h, 0, 0))
   args = [q, k, v, do, lse, delta, krow, qcol]
-  specs = [
-    _whole(tp, d),
-    _tiled(blk, d, g),
-    _tiled(blk, dv_, g),
-    _whole(tp, dv_),
-    _whole(tp, 1),
-    _whole(tp, 1),
-    row_tile(g),
-    _whole(tp, nc, g),
-  ]
-  out_specs = [_tiled(blk, d), _tiled(blk, dv_), row_tile(1)]
-  part = lambda x: jax.ShapeDtypeStruct((b, h) + x.shape[2:], x.dtype if g == 1 else F32)
-  out_shape = [part(k), part(v), jax.ShapeDtypeStruct((b, h) + krow.shape[2:], F32)]
+  specs = [group(d), _tiled(blk, d), _tiled(blk, dv_), group(dv_), group(1), group(1), row_tile, _whole(tp, nc)]
+  out_specs = [_tiled(blk, d), _tiled(blk, dv_), row_tile]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_shape.append(jax.ShapeDtypeStruct(krow.shape, F32))
   if has_r:
     args.append(_r_rows(jnp.swapaxes(r, -1, -2), nbp))  # R^T: program J reads R[:, J] as a row
-    specs.append(_R_SPEC(nbp, g))
+    specs.append(_R_SPEC(nbp))
     out_specs.append(_R_SPEC(nbp))
-    out_shape.append(jax.ShapeDtypeStruct((b, h, nb, 1, nbp), F32))
+    out_shape.append(jax.ShapeDtypeStruct(r.shape[:2] + (nb, 1, nbp), F32))
   if has_seg:
     args += list(seg)
     specs += _seg_specs(seg, blk, tp, q_tiled=False)
   kernel = functools.partial(_dkv_kernel, cfg=cfg, blk=blk, nb=nb, has_r=has_r, has_seg=has_seg)
   outs = cfg.call(
-    kernel, grid=grid, in_specs=specs, out_specs=out_specs, out_shape=out_shape, name=f"{cfg.kind}_attention_dkv"
+    kernel,
+    grid=(b, h // g, nb),
+    in_specs=specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    name=f"{cfg.kind}_attention_dkv",
   )(*args)
-  dk, dv, dkrow = _group_sum(outs[0], g, k.dtype), _group_sum(outs[1], g, v.dtype), _group_sum(outs[2], g, F32)
-  dr = _group_sum(jnp.swapaxes(outs[3][:, :, :, 0, :nb], -1, -2), g, F32) if has_r else None
+  dk, dv, dkrow = outs[:3]
+  dr = jnp.swapaxes(outs[3][:, :, :, 0, :nb], -1, -2) if has_r else None
 
   # dQ: query block I per program.
   args = [q, k, v, do, lse, delta, krow, qcol]
