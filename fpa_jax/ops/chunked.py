@@ -119,25 +119,16 @@ def _fpa_bias_bwd(res, g):
 _fpa_bias.defvjp(_fpa_bias_fwd, _fpa_bias_bwd)
 
 
-def _short_min_scan(x, axis, reverse=False):
-  """`_min_scan` for short axes: a masked min over an [n, n] square. O(n^2) work, but a handful of
-  ops to compile and to differentiate, where an associative scan's autodiff is ~100."""
-  x = jnp.moveaxis(x, axis, -1)
-  i = jnp.arange(x.shape[-1])
-  keep = i[None, :] >= i[:, None] if reverse else i[None, :] <= i[:, None]  # [out, in]
-  return jnp.moveaxis(jnp.where(keep, x[..., None, :], jnp.inf).min(-1), -1, axis)
-
-
-def _scan_stats(phi, scan=_min_scan):
+def _scan_stats(phi):
   """Within-block min statistics of phi [..., nb, blk]: (S, C, R) as in the module docstring."""
   nb = phi.shape[-2]
   inf = jnp.full(phi.shape[:-1] + (1,), jnp.inf, F32)
-  suffix = jnp.concatenate([scan(phi, -1, reverse=True)[..., 1:], inf], -1)  # S_j, excl. j
-  prefix = scan(phi, -1)  # C_i, incl. i
+  suffix = jnp.concatenate([_min_scan(phi, -1, reverse=True)[..., 1:], inf], -1)  # S_j, excl. j
+  prefix = _min_scan(phi, -1)  # C_i, incl. i
   bmin = phi.min(-1)  # [..., nb]
   # P[b, J] = min(bmin over (J, b]); R[I, J] = P[I - 1, J] = min over blocks strictly between.
   ib = jnp.arange(nb)
-  p = scan(jnp.where(ib[:, None] > ib[None, :], bmin[..., :, None], jnp.inf), -2)
+  p = _min_scan(jnp.where(ib[:, None] > ib[None, :], bmin[..., :, None], jnp.inf), -2)
   r = jnp.concatenate([jnp.full(p.shape[:-2] + (1, nb), jnp.inf, F32), p[..., :-1, :]], -2)
   return suffix, prefix, r
 
@@ -248,7 +239,7 @@ def _sub_stats(phi, sub):
   """
   lead, blk = phi.shape[:-1], phi.shape[-1]
   ps = phi.reshape(lead + (blk // sub, sub))
-  suffix, prefix, r = _scan_stats(ps, _short_min_scan)  # sub, blk / sub <= 64: short axes
+  suffix, prefix, r = _scan_stats(ps)
   a = jnp.minimum(suffix[..., None, :, :], r[..., :, :, None]).reshape(lead + (blk // sub, blk))
   return a, prefix, ps
 
