@@ -1,14 +1,25 @@
-"""Decode speed and KV-cache bytes at 1x..8x a model's training length: full vs fpa_budget vs window.
+"""Decode speed and KV-cache bytes at 1x..8x a model's training length: full vs the eviction policies.
 
     python -m experiments.bench_decode                     # `small` config (L=256), contexts 1x 2x 4x 8x
     python -m experiments.bench_decode --workdir runs/x    # a trained run's model and length
     python -m experiments.bench_decode --quick             # contexts 1x 2x, fewer tokens (smoke)
+    python -m experiments.bench_decode --policies full fpa_budget fpa_global   # a subset (labels below)
+
+Policies (`POLICIES`, label -> policy and arguments): full; fpa_budget, window, snapkv at 25%;
+fpa_global at 12.5% of the keys with a head cap of 25% (the same cache bytes as fpa_budget 25%:
+static shapes allocate the head cap for every head); fpa_global_keys at 25% with a head cap of 50%
+(the same keys held as fpa_budget 25%, twice its bytes). For the global budgets, the kept fraction
+per layer and kv head at the end of the largest context is written as a heat map
+(`<out>_kept_<label>.png`). With --tolerance (default 1e-3; 0: skip) the `fpa` tolerance policy's
+kept fraction and measured lost mass at 1x (`cached_logits` on the same prompts) are reported for
+both bounds, per-key (`bound="keys"`) and parameter (`bound="params"`).
 
 For each context P (a prompt of P tokens, prefilled by the parallel kernel under the policy) and
 each policy, N greedy decode steps run as one jitted scan (the loop `generate` runs), compiled and
 warmed up first, then timed (median of --repeats) and divided by N: prefill is excluded.
-Cache bytes: every array of the per-layer caches (`jax.eval_shape`, no allocation). Speed does not
-depend on the weights, so an untrained model is measured unless --workdir is given.
+Cache bytes: every array of the per-layer caches (`inference.decode.cache_bytes`, no allocation).
+Speed does not depend on the weights, so an untrained model is measured unless --workdir is given
+(kept fractions and the tolerance study do: random prompts on an untrained model say little).
 Writes results/bench_decode.{json,md}.
 """
 
@@ -29,16 +40,41 @@ from tqdm import tqdm
 
 from experiments._common import ROOT, md_table, run_meta, write_json
 from fpa_jax import configs as C
-from fpa_jax.inference import init_caches, load_model, make_policy, prefill_attend
-from fpa_jax.inference.decode import _step
+from fpa_jax.inference import cache_bytes, cached_logits, global_evict, init_caches, load_model, make_policy
+from fpa_jax.inference import prefill_attend
+from fpa_jax.inference.decode import _occupancy, _step
 from fpa_jax.models import build_model
 
-POLICIES = (("full", None), ("fpa_budget", 0.25), ("window", 0.25))
+POLICIES: dict[str, tuple[str, dict]] = {
+  "full": ("full", {}),
+  "fpa_budget": ("fpa_budget", {"budget": 0.25}),
+  "window": ("window", {"budget": 0.25}),
+  "snapkv": ("snapkv", {"budget": 0.25}),
+  "fpa_global": ("fpa_global", {"budget": 0.125, "head_cap": 0.25}),  # fpa_budget 25%'s bytes
+  "fpa_global_keys": ("fpa_global", {"budget": 0.25, "head_cap": 0.5}),  # fpa_budget 25%'s keys
+}
+QUICK = ("full", "fpa_budget", "window", "fpa_global")
 
 
-def cache_bytes(model, batch: int, policy) -> int:
-  shapes = jax.eval_shape(lambda: init_caches(model, batch, policy, policy.capacity))
-  return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
+def plot_kept_heatmap(kept, path: str, title: str) -> None:
+  """kept [L, KVH] (kept fraction per layer and kv head) -> a png heat map (heads x layers)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  kept = np.asarray(kept, np.float64)
+  fig, ax = plt.subplots(figsize=(max(4.0, 1.2 + 0.5 * kept.shape[0]), max(2.5, 1.0 + 0.4 * kept.shape[1])))
+  im = ax.imshow(kept.T, origin="lower", aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(kept.max()), 1e-6))
+  ax.set_xlabel("layer")
+  ax.set_ylabel("kv head")
+  ax.set_xticks(range(kept.shape[0]))
+  ax.set_yticks(range(kept.shape[1]))
+  ax.set_title(title, fontsize=7, wrap=True)
+  fig.colorbar(im, ax=ax, label="kept fraction")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def decode_timer(model, prompt, n_new: int, policy):
@@ -59,6 +95,8 @@ def decode_timer(model, prompt, n_new: int, policy):
       caches=init_caches(m, b, policy, p + n_new),
       attend=attend,
     )
+    if policy.is_global:
+      caches = global_evict(caches, policy, lengths - 1)
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
 
   @jax.jit
@@ -71,23 +109,37 @@ def decode_timer(model, prompt, n_new: int, policy):
       return (caches, jnp.argmax(logits, -1).astype(jnp.int32)), None
 
     (caches, tok), _ = jax.lax.scan(body, (caches, tok), jnp.arange(p, p + n_new))
-    return tok
+    held = _occupancy(caches)[1]  # [L, B, KVH]
+    return tok, jnp.mean(held, axis=1) / (p + n_new)  # kept fraction per layer and kv head
 
   tok, caches = prefill(state, jnp.asarray(prompt, jnp.int32))
+  kept = []
 
   def run() -> float:
     t = time.perf_counter()
-    jax.block_until_ready(decode(state, caches, tok))
-    return time.perf_counter() - t
+    out = jax.block_until_ready(decode(state, caches, tok))
+    dt = time.perf_counter() - t
+    kept[:] = [np.asarray(out[1])]
+    return dt
 
+  run.kept = kept
   return run
 
 
-def time_decode(model, prompt, n_new: int, repeats: int, policy) -> float:
-  """Median seconds per decode step (compile and one warm-up call excluded)."""
+def time_decode(model, prompt, n_new: int, repeats: int, policy) -> tuple[float, np.ndarray]:
+  """(median seconds per decode step (compile and one warm-up call excluded), kept [L, KVH] at the end)."""
   run = decode_timer(model, prompt, n_new, policy)
   run(), run()
-  return statistics.median(run() for _ in range(repeats)) / n_new
+  return statistics.median(run() for _ in range(repeats)) / n_new, run.kept[0]
+
+
+def tolerance_study(model, prompt, eps: float) -> dict:
+  """The `fpa` tolerance policy with each bound on `prompt` [B, T]: kept fraction and measured lost mass."""
+  out = {}
+  for bound in ("keys", "params"):
+    _, s = cached_logits(model, prompt, policy="fpa", tolerance=eps, bound=bound)
+    out[bound] = {k: s[k] for k in ("kept_fraction_mean", "cache_fraction", "lost_mass_max", "overflow")}
+  return out
 
 
 def main(argv=None) -> dict:
@@ -98,11 +150,19 @@ def main(argv=None) -> dict:
   ap.add_argument("--new-tokens", type=int, default=64)
   ap.add_argument("--batch", type=int, default=4)
   ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--quick", action="store_true", help="multiples 1 2, 16 new tokens, 1 repeat")
+  ap.add_argument("--quick", action="store_true", help=f"multiples 1 2, 16 new tokens, 1 repeat, {QUICK}, no tolerance")
+  ap.add_argument("--policies", nargs="+", choices=sorted(POLICIES), help="labels to run (default: all)")
+  ap.add_argument("--tolerance", type=float, help="fpa tolerance study at 1x (default 1e-3, --quick: 0 = skip)")
   ap.add_argument("--out", default=str(ROOT / "results" / "bench_decode"))
   a = ap.parse_args(argv)
+  labels = list(a.policies or (QUICK if a.quick else POLICIES))
+  if "full" not in labels:
+    labels.insert(0, "full")  # the reference of every ratio
   if a.quick:
     a.multiples, a.new_tokens, a.repeats = [1, 2], 16, 1
+  if a.tolerance is None:
+    a.tolerance = 0.0 if a.quick else 1e-3
+
   t_start = time.perf_counter()
   if a.workdir:
     model, cfg = load_model(a.workdir)
@@ -112,46 +172,69 @@ def main(argv=None) -> dict:
   length = cfg.seq_len
   rng = np.random.default_rng(0)
   rows, table = {}, []
-  todo = [(m, p, b) for m in a.multiples for p, b in POLICIES]
-  for mult, policy, budget in tqdm(todo, desc="bench_decode", disable=None):
+  prompts = {m: rng.integers(3, cfg.vocab_size, (a.batch, length * m)) for m in a.multiples}
+  todo = [(m, label) for m in a.multiples for label in labels]
+  for mult, label in tqdm(todo, desc="bench_decode", disable=None):
     p = length * mult
-    prompt = rng.integers(3, cfg.vocab_size, (a.batch, p))
-    pol = make_policy(policy, p + a.new_tokens, budget=budget)
-    per_token = time_decode(model, prompt, a.new_tokens, a.repeats, pol)
+    policy, kw = POLICIES[label]
+    pol = make_policy(policy, p + a.new_tokens, **kw)
+    per_token, kept = time_decode(model, prompts[mult], a.new_tokens, a.repeats, pol)
     r = {
       "context": p,
       "multiple": mult,
       "policy": policy,
-      "budget": budget,
+      "label": label,
+      "budget": kw.get("budget"),
+      "head_cap": kw.get("head_cap"),
       "capacity": pol.capacity,
-      "cache_bytes": cache_bytes(model, a.batch, pol),
+      "recent": pol.recent,
+      "cache_bytes": cache_bytes(model, a.batch, pol, p + a.new_tokens),
       "decode_ms_per_token": per_token * 1e3,
       "tokens_per_s": a.batch / per_token,
+      "kept_fraction_mean": float(np.mean(kept)),
+      "kept_fraction_per_head": kept.tolist(),
     }
-    rows[f"{mult}x/{policy}"] = r
+    rows[f"{mult}x/{label}"] = r
+  top = max(a.multiples)
+  heatmaps = {}
+  for label in labels:
+    if POLICIES[label][0] == "fpa_global":
+      path = f"{a.out}_kept_{label}.png"
+      r = rows[f"{top}x/{label}"]
+      title = f"{cfg.name} {cfg.attention} {label} ({r['budget']} keys, cap {r['head_cap']}) at {top}x"
+      plot_kept_heatmap(r["kept_fraction_per_head"], path, title)
+      heatmaps[label] = path
+  tol = None
+  if a.tolerance:
+    tol = {
+      "tolerance": a.tolerance,
+      "context": length,
+      **tolerance_study(model, jnp.asarray(prompts[min(a.multiples)])[:, :length], a.tolerance),
+    }
   for mult in a.multiples:
     full = rows[f"{mult}x/full"]
-    for policy, _ in POLICIES:
-      r = rows[f"{mult}x/{policy}"]
+    for label in labels:
+      r = rows[f"{mult}x/{label}"]
       r["cache_bytes_over_full"] = r["cache_bytes"] / full["cache_bytes"]
       r["decode_time_over_full"] = r["decode_ms_per_token"] / full["decode_ms_per_token"]
       table.append(
         [
           f"{mult}x ({r['context']})",
-          policy,
+          label,
           r["capacity"],
           f"{r['cache_bytes'] / 2**20:.2f}",
           f"{r['cache_bytes_over_full']:.3f}",
           f"{r['decode_ms_per_token']:.2f}",
           f"{r['decode_time_over_full']:.3f}",
           f"{r['tokens_per_s']:.0f}",
+          f"{r['kept_fraction_mean']:.3f}",
         ]
       )
-  top = max(a.multiples)
-  targets = {
-    f"fpa_budget_cache_bytes_over_full_{top}x": rows[f"{top}x/fpa_budget"]["cache_bytes_over_full"],
-    f"fpa_budget_decode_time_over_full_{top}x": rows[f"{top}x/fpa_budget"]["decode_time_over_full"],
-  }
+  targets = {}
+  for label in ("fpa_budget", "fpa_global"):
+    if label in labels:
+      targets[f"{label}_cache_bytes_over_full_{top}x"] = rows[f"{top}x/{label}"]["cache_bytes_over_full"]
+      targets[f"{label}_decode_time_over_full_{top}x"] = rows[f"{top}x/{label}"]["decode_time_over_full"]
   meta = run_meta(
     "experiments.bench_decode",
     argv,
@@ -168,7 +251,7 @@ def main(argv=None) -> dict:
     new_tokens=a.new_tokens,
     workdir=a.workdir,
   )
-  out = {"rows": rows, "targets": targets, "meta": meta}
+  out = {"rows": rows, "targets": targets, "tolerance": tol, "heatmaps": heatmaps, "meta": meta}
   write_json(a.out + ".json", out)
   head = (
     f"`{meta['command']}`: {cfg.name} {cfg.attention} model (d_model {cfg.d_model}, {cfg.n_layers} layers, "
@@ -176,15 +259,40 @@ def main(argv=None) -> dict:
     f"prompt of the given context (parallel prefill, excluded), {meta['machine']['backend']}, "
     f"{meta['machine']['cpu_count']} cores.\n\n"
   )
+  legend = "; ".join(f"{k}: {v[0]} {v[1]}" for k, v in POLICIES.items() if k in labels)
+  head += f"Policies: {legend} (capacity: slots per layer and head; kept: keys held at the end / seen).\n\n"
   md = head + md_table(
-    ["context", "policy", "capacity", "cache MiB", "cache / full", "decode ms/token", "time / full", "tokens/s"], table
+    [
+      "context",
+      "policy",
+      "capacity",
+      "cache MiB",
+      "cache / full",
+      "decode ms/token",
+      "time / full",
+      "tokens/s",
+      "kept",
+    ],
+    table,
   )
-  tb, tt = targets.values()
-  md += (
-    f"\nAt {top}x: fpa_budget 25% holds **{tb:.3f}x** the cache bytes of full (target <= 0.3: "
-    f"{'met' if tb <= 0.3 else 'not met'}) and decodes a token in **{tt:.3f}x** full's time (target < 1: "
-    f"{'met' if tt < 1 else 'not met'}).\n"
-  )
+  for label in ("fpa_budget", "fpa_global"):
+    if label in labels:
+      tb, tt = targets[f"{label}_cache_bytes_over_full_{top}x"], targets[f"{label}_decode_time_over_full_{top}x"]
+      md += (
+        f"\nAt {top}x: {label} holds **{tb:.3f}x** the cache bytes of full (target <= 0.3: "
+        f"{'met' if tb <= 0.3 else 'not met'}) and decodes a token in **{tt:.3f}x** full's time (target < 1: "
+        f"{'met' if tt < 1 else 'not met'}).\n"
+      )
+  if tol:
+    md += f"\nTolerance policy `fpa` (eps = {a.tolerance:g}) at 1x ({length} tokens, every token decoded):\n\n"
+    md += md_table(
+      ["bound", "kept / seen (mean)", "peak keys held / seq", "max lost mass", "overflow"],
+      [
+        [b, f"{v['kept_fraction_mean']:.3f}", f"{v['cache_fraction']:.3f}", f"{v['lost_mass_max']:.2e}", v["overflow"]]
+        for b, v in tol.items()
+        if b in ("keys", "params")
+      ],
+    )
   with open(a.out + ".md", "w") as f:
     f.write(md)
   print(md)

@@ -8,6 +8,13 @@ Each attention type gets the same model/batch/mesh; the jitted train step (forwa
 AdamW update) is compiled and warmed up first, then timed over --steps steps with a
 block_until_ready per step. Reports median tokens/s and the FPA/FoX ratio (target >= 0.9).
 
+    python -m experiments.bench_train --evict         # + each gated attention with the evictability objective
+
+--evict adds a row "<attention>+evict" per gated attention, the same step with `evict_weight`
+(--evict_weight, default 1; the other evict_* fields from the config or --set), and reports its
+step time over the plain step's (the objective's cost: the per-layer gates returned from the same
+forward pass, the reverse running min on `evict_queries` sampled queries, and their backward).
+
     python -m experiments.bench_train --memory        # writes results/bench_train_memory.{json,md}
 
 --memory only compiles (never runs) the `base110m` train step (2 layers, seq 2048, global batch 8
@@ -344,6 +351,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--mesh", default=None)
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
   ap.add_argument("--out", default="results/bench_train.json")
+  ap.add_argument("--evict", action="store_true", help="also time each gated attention with the evictability objective")
+  ap.add_argument("--evict_weight", type=float, default=1.0, help="--evict: the objective's weight")
   ap.add_argument(
     "--memory",
     action="store_true",
@@ -374,12 +383,16 @@ def main(argv=None) -> dict:
   for att in args.attention:
     cfg = C.get_config(args.config, **{**overrides, "attention": att, "task": "synthetic"})
     cfg.validate_mesh(dict(mesh.shape))
-    results[att] = bench_one(cfg, mesh, args.steps, args.warmup)
-    print(
-      f"{att:8s} {results[att]['tokens_per_s']:12.0f} tokens/s  (step {results[att]['step_s_median'] * 1e3:.1f} ms, "
-      f"compile {results[att]['compile_s']:.1f} s)",
-      flush=True,
-    )
+    runs = [(att, cfg)]
+    if args.evict and att in C.GATED:
+      runs.append((f"{att}+evict", C.replace(cfg, evict_weight=args.evict_weight)))
+    for name, c in runs:
+      results[name] = bench_one(c, mesh, args.steps, args.warmup)
+      print(
+        f"{name:12s} {results[name]['tokens_per_s']:12.0f} tokens/s  (step {results[name]['step_s_median'] * 1e3:.1f} "
+        f"ms, compile {results[name]['compile_s']:.1f} s)",
+        flush=True,
+      )
   out = {
     "config": args.config,
     "overrides": overrides,
@@ -396,6 +409,14 @@ def main(argv=None) -> dict:
     print(f"FPA / FoX throughput: {out['fpa_over_fox']:.3f} (target >= 0.9)")
   if "softmax" in results and "fox" in results:
     out["fox_over_softmax"] = results["fox"]["tokens_per_s"] / results["softmax"]["tokens_per_s"]
+  evict_cost = {
+    a: results[f"{a}+evict"]["step_s_median"] / results[a]["step_s_median"]
+    for a in args.attention
+    if f"{a}+evict" in results
+  }
+  if evict_cost:
+    out["evict_step_over_plain"] = evict_cost
+    print("evictability objective, step time / plain step: " + ", ".join(f"{a} {r:.3f}" for a, r in evict_cost.items()))
   out["command"] = "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   scan = None
@@ -427,6 +448,9 @@ def markdown(out: dict) -> str:
   if "fpa_over_fox" in out:
     ratio = out["fpa_over_fox"]
     lines += ["", f"FPA / FoX throughput: **{ratio:.3f}** (target ≥ 0.9: {'met' if ratio >= 0.9 else 'not met'})."]
+  if out.get("evict_step_over_plain"):
+    cost = ", ".join(f"{a} {r:.3f}" for a, r in out["evict_step_over_plain"].items())
+    lines += ["", f"Evictability objective (`<attention>+evict` rows), step time over the plain step: {cost}."]
   return "\n".join(lines) + "\n"
 
 

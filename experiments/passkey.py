@@ -30,11 +30,13 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from experiments import _common as U
+
+# Scoring lives in fpa_jax.eval; its names stay importable from here (tests, notebooks).
+from fpa_jax.eval import answer_span, argmax_fn, eval_batch, teacher_forced_exact_match  # noqa: F401
 
 MODULE = "experiments.passkey"
 # method -> config overrides (on top of the study's model/training settings)
@@ -157,53 +159,8 @@ class PasskeyTextMix:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _argmax(graphdef, state, tokens):
-  return jnp.argmax(nnx.merge(graphdef, state)(tokens), axis=-1).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def _logits(graphdef, state, tokens):
   return nnx.merge(graphdef, state)(tokens)
-
-
-def argmax_fn(model):
-  """tokens int [B, T] -> greedy next-token predictions int32 [B, T] (parallel model, jitted;
-  compiles are shared by every model of the same structure and shape)."""
-  graphdef, state = nnx.split(model)
-  return lambda tokens: _argmax(graphdef, state, tokens)
-
-
-def answer_span(ex: dict) -> tuple[int, int]:
-  """(first answer token index, answer length) of a `make_prompt` example; tokens end with EOS."""
-  return int(ex["answer_start"]), len(ex["tokens"]) - 1 - int(ex["answer_start"])
-
-
-def teacher_forced_exact_match(
-  predict, examples: list[dict], length: int | None = None, batch_size: int = 8
-) -> tuple[np.ndarray, list[np.ndarray]]:
-  """Greedy exact match of each example's answer from one teacher-forced forward pass.
-
-  `predict`: tokens int [B, T] -> argmax int [B, T] (e.g. `argmax_fn(model)`). Each example's
-  prompt + answer (no EOS) is right-padded to `length` (default: the longest; causal, so padding
-  never changes earlier positions). Greedy decoding emits answer token k iff the argmax after
-  prompt + answer[:k] is answer[k]; by induction it reproduces the whole answer iff that holds
-  for every k. Returns (correct bool [n], per-example predicted answer tokens int [n_answer]).
-  """
-  seqs = [np.asarray(ex["tokens"][:-1], np.int32) for ex in examples]  # drop EOS
-  length = length or max(map(len, seqs))
-  correct, preds = [], []
-  for i in range(0, len(seqs), batch_size):
-    chunk = seqs[i : i + batch_size]
-    batch = np.zeros((batch_size, length), np.int32)  # fixed shape: one compile per length
-    for r, s in enumerate(chunk):
-      batch[r, : len(s)] = s
-    am = np.asarray(predict(batch))
-    for r, ex in enumerate(examples[i : i + batch_size]):
-      a0, n = answer_span(ex)
-      p = am[r, a0 - 1 : a0 - 1 + n]  # position t predicts token t + 1
-      preds.append(p)
-      correct.append(bool((p == np.asarray(ex["tokens"][a0 : a0 + n])).all()))
-  return np.asarray(correct, bool), preds
 
 
 def greedy_decode(model, prompt: np.ndarray, n: int, pad_to: int | None = None) -> np.ndarray:
@@ -221,11 +178,6 @@ def greedy_decode(model, prompt: np.ndarray, n: int, pad_to: int | None = None) 
   return np.asarray(toks[len(prompt) :], np.int32)
 
 
-def eval_batch(length: int, n: int, eval_tokens: int = 16384) -> int:
-  """Rows per eval forward pass: up to `eval_tokens` tokens, at most `n` (the prompts per cell)."""
-  return max(1, min(n, eval_tokens // length))
-
-
 def evaluate(
   model,
   train_len: int,
@@ -237,24 +189,21 @@ def evaluate(
   eval_tokens: int = 16384,
   desc: str = "eval",
 ) -> dict:
-  """Greedy exact match per (multiple, depth) cell on `passkey_eval_examples(train_len, m, d, n, seed)`.
+  """Greedy exact match per (multiple, depth) cell on `passkey_eval_examples(train_len, m, d, n, seed)`
+  (`fpa_jax.eval.passkey_eval`, teacher-forced on the parallel model).
 
-  -> {"1": acc, ..., "by_depth": {"1": {"0": acc, ...}, ...}}; rows are batched up to `eval_tokens` tokens.
+  -> {"1": acc, ..., "by_depth": {"1": {"0": acc, ...}, ...}, "ci95": {"1": [lo, hi], ...}} (95% Wilson
+  interval of each length's accuracy over its depths); rows are batched up to `eval_tokens` tokens.
   """
-  from fpa_jax.data import passkey_eval_examples
+  from fpa_jax.eval import passkey_eval
 
-  predict = argmax_fn(model)
-  out, by_depth = {}, {}
-  cells = [(m, d) for m in multiples for d in depths]
-  for m, d in U.progress(cells, desc=desc, leave=False):
-    exs = passkey_eval_examples(train_len, m, d, n=n, seed=seed)
-    ok, _ = teacher_forced_exact_match(
-      predict, exs, length=train_len * m, batch_size=eval_batch(train_len * m, n, eval_tokens)
-    )
-    by_depth.setdefault(str(m), {})[str(d)] = float(ok.mean())
-  for m in multiples:
-    out[str(m)] = float(np.mean(list(by_depth[str(m)].values())))
+  r = passkey_eval(
+    model, train_len, multiples=multiples, depths=depths, n=n, seed=seed, eval_tokens=eval_tokens, desc=desc
+  )
+  by_depth = {m: {d: c["accuracy"] for d, c in cells.items()} for m, cells in r["cells"].items()}
+  out = {m: float(np.mean(list(accs.values()))) for m, accs in by_depth.items()}
   out["by_depth"] = by_depth
+  out["ci95"] = {m: r["by_length"][m]["ci95"] for m in by_depth}
   return out
 
 
@@ -333,11 +282,10 @@ def train_to_competence(method: str, args, log) -> dict:
   val_exs = [e for d in DEPTHS for e in passkey_eval_examples(args.train_len, 1, d, n=per, seed=1000 + args.seed)]
 
   def validate(model) -> dict:  # greedy exact match / digit accuracy at 1x, as the 1x test
-    ok, preds = teacher_forced_exact_match(
-      argmax_fn(model), val_exs, length=args.train_len, batch_size=eval_batch(args.train_len, args.n_eval)
-    )
-    digits = np.mean([np.mean(p[1:] == e["tokens"][answer_span(e)[0] + 1 : -1]) for p, e in zip(preds, val_exs)])
-    return {"exact": float(ok.mean()), "digit": float(digits)}
+    from fpa_jax.eval import passkey_cell
+
+    c = passkey_cell(model, val_exs, length=args.train_len, batch_size=eval_batch(args.train_len, args.n_eval))
+    return {"exact": float(c["accuracy"]), "digit": float(c["digit_accuracy"])}
 
   steps, out = 0, None
   while steps < args.max_steps:
@@ -655,6 +603,7 @@ def main(argv=None) -> dict | None:
       "wall_s": round(time.perf_counter() - tm, 1),
       "command": U.command(MODULE, argv),
       "commit": U.git_commit(),
+      "text_rows": "windows",  # its fpa_text rows are shuffled windows (issue 18); older entries lack this
     }
     log(f"[passkey] {method}: " + ", ".join(f"{k}x {ev[str(k)]}" for k in args.multiples))
     res["meta"] = U.run_meta(

@@ -6,9 +6,12 @@
 
 Byte LMs trained identically on `fpa_text` (`small` with 2 layers, d_model 128, 4 heads, L=256,
 AdamW warmup + cosine) with the library trainer (rerunning resumes from `runs/perplexity/...`).
-Held-out bits per byte: the first `--eval-tokens` next-token pairs of the `fpa_text` validation
-split packed at length L exactly as in training (no shuffling; EOS targets excluded), the same
-tokens for every run. Loss by position: held-out validation documents of at least 8L + 1 bytes,
+Held-out bits per byte: the fixed held-out set of `--heldout-windows` windows of length L spread
+over every `fpa_text` validation document (`fpa_jax.data.make_heldout`: one window inside each
+document, the rest by length; EOS targets excluded), the same bytes for every run; its coverage
+(documents, bytes) is in the results file. Training rows are windows shuffled over the whole train
+split (issue 18); results trained before that fix (each batch from one file) are kept under
+`results/correlated_batches/`. Loss by position: held-out validation documents of at least 8L + 1 bytes,
 each read from its start in one parallel (chunked) forward pass of 8L tokens, NLL averaged over
 documents in position buckets. Writes results/perplexity.{json,md,png}.
 """
@@ -41,7 +44,8 @@ METHODS = {
 LN2 = math.log(2.0)
 
 
-def study_config(method: str, args, seed: int):
+def study_config(method: str, args, seed: int, overrides: dict | None = None):
+  """The study's run config of `method` (or of explicit `overrides` of the same recipe)."""
   from fpa_jax.configs import get_config
 
   return get_config(
@@ -65,7 +69,7 @@ def study_config(method: str, args, seed: int):
     seed=seed,
     log_every=10,
     ckpt_every=args.ckpt_every,
-    **METHODS[method],
+    **(METHODS[method] if overrides is None else overrides),
   )
 
 
@@ -78,34 +82,30 @@ def run_tag(args) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def heldout_batches(args) -> list[dict]:
-  """The fixed held-out stream: validation rows packed at L (as in training), up to `eval_tokens`
-  next-token pairs. -> list of batches, each inputs/targets/segment_ids int32 [B, L], mask bool [B, L]."""
-  from fpa_jax.data import ByteTokenizer, make_pipeline
+def heldout_batches(args) -> tuple[list[dict], dict]:
+  """The fixed held-out set: `--heldout-windows` windows of L spread over every `fpa_text`
+  validation document (`fpa_jax.data.make_heldout`, the trainer's eval set), the same for every run.
+  -> (batches, coverage): inputs/targets/segment_ids int32 [B, L], mask bool [B, L] (bytes only:
+  EOS targets and the pairs between documents excluded); coverage as `windows.coverage`."""
+  from fpa_jax.data import ByteTokenizer, make_heldout
 
   eos = ByteTokenizer().eos_id
-  p = make_pipeline(
-    "text",
+  h = make_heldout(
     "validation",
     data_dir=args.data_dir,
     seq_len=args.train_len,
     batch_size=args.eval_batch,
+    n_windows=args.heldout_windows,
     small=args.small_data,
-    shuffle=False,
-    num_epochs=1,
     process_index=0,
     process_count=1,
   )
-  out, n = [], 0
-  for b in p:
-    if len(b["inputs"]) < args.eval_batch:  # last partial batch: pad (fixed shape, one compile)
-      b = {k: np.concatenate([v, np.zeros((args.eval_batch - len(v),) + v.shape[1:], v.dtype)]) for k, v in b.items()}
-    mask = (b["loss_mask"] > 0) & (b["targets"] != eos)  # bytes only: bits per *byte*
+  out = []
+  for b in h:
+    mask = (b["loss_mask"] > 0) & (b["targets"] != eos)  # bits per *byte*
     out.append({"inputs": b["inputs"], "targets": b["targets"], "segment_ids": b["segment_ids"], "mask": mask})
-    n += int(mask.sum())
-    if n >= args.eval_tokens:
-      break
-  return out
+  cov = dict(h.info["coverage"], bytes_scored=int(sum(b["mask"].sum() for b in out)))
+  return out, cov
 
 
 def long_documents(args) -> np.ndarray:
@@ -155,20 +155,6 @@ def bits_per_byte(nll, batches: list[dict]) -> float:
   return tot / n / LN2
 
 
-def loss_by_position(nll, docs: np.ndarray, bucket: int, batch: int) -> list[float]:
-  """docs int [N, T + 1] -> mean NLL (nats) per position bucket [T / bucket], in one pass per doc."""
-  inputs, targets = docs[:, :-1], docs[:, 1:]
-  ce = []
-  for i in range(0, len(docs), batch):
-    x, y = inputs[i : i + batch], targets[i : i + batch]
-    pad = batch - len(x)  # fixed batch shape
-    x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, ((0, pad), (0, 0)))
-    ce.append(np.asarray(nll(x, y, None))[: len(x) - pad])
-  ce = np.concatenate(ce)  # [N, T]
-  t = ce.shape[1]
-  return [float(v) for v in ce[:, : t // bucket * bucket].reshape(len(ce), -1, bucket).mean(axis=(0, 2))]
-
-
 # ------------------------------------------------------------------------------------------------
 # Outputs
 # ------------------------------------------------------------------------------------------------
@@ -191,6 +177,16 @@ def summarise(res: dict) -> dict:
   return out
 
 
+def _heldout_words(res: dict) -> str:
+  cov = res.get("heldout")
+  if cov is None:  # results written before the held-out set (issue 18)
+    return f"the first {res['eval_tokens']} `fpa_text` validation bytes (about 8 of its documents)"
+  return (
+    f"{cov['bytes_scored']} bytes of {cov['windows']} windows spread over {cov['docs_covered']} of the "
+    f"{cov['docs_in_split']} `fpa_text` validation documents"
+  )
+
+
 def markdown(res: dict) -> str:
   s, L, r = res["summary"], res["train_length"], res["recipe"]
   buckets = res["position_buckets"]
@@ -199,7 +195,7 @@ def markdown(res: dict) -> str:
   head = (
     f"`python -m {MODULE}` (each method's exact command and commit are in perplexity.json): byte LMs ({r['layers']} layers, d_model {r['d_model']}, {r['heads']} heads), "
     f"L={L}, batch {r['batch_size']}, {r['steps']} steps, lr {r['lr']} (cosine), seeds {r['seeds']}; held-out "
-    f"bits per byte on {res['eval_tokens']} `fpa_text` validation bytes; loss by position on "
+    f"bits per byte on {_heldout_words(res)}; loss by position on "
     f"{res['pos_docs']} validation documents read from their start to {res['pos_multiple']}L. \"train min\" is "
     f"wall time on a shared {res['meta']['machine']['cpu_count']}-core machine (load average "
     f"{res['meta'].get('load_avg_1_5_15min', ['?'])[-1]} at the end).\n\n"
@@ -331,7 +327,7 @@ def parse_args(argv=None):
   ap.add_argument("--lr", type=float, default=2e-3)
   ap.add_argument("--warmup", type=int, default=30)
   ap.add_argument("--ckpt-every", type=int, default=100)
-  ap.add_argument("--eval-tokens", type=int, default=131072, help="held-out bytes for bits per byte")
+  ap.add_argument("--heldout-windows", type=int, default=512, help="held-out windows of L for bits per byte")
   ap.add_argument("--eval-batch", type=int, default=16)
   ap.add_argument("--pos-multiple", type=int, default=8, help="loss by position out to this multiple of L")
   ap.add_argument("--pos-docs", type=int, default=32)
@@ -346,6 +342,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict | None:
+  from fpa_jax import eval as ev
+
   args = parse_args(argv)
   if args.scale == "base110m":
     print(base110m_recipe())
@@ -362,7 +360,7 @@ def main(argv=None) -> dict | None:
   t0 = time.perf_counter()
   out_dir = Path(args.out_dir)
   tag = run_tag(args)
-  held = heldout_batches(args)
+  held, coverage = heldout_batches(args)
   docs = long_documents(args)
   T = docs.shape[1] - 1
   buckets = [(a, min(a + args.pos_bucket, T)) for a in range(0, T, args.pos_bucket)]
@@ -385,7 +383,8 @@ def main(argv=None) -> dict | None:
       tr = U.train_lm(study_config(method, args, seed), workdir, None)
       nll = nll_fn(tr["model"])
       entry["bpb"].append(bits_per_byte(nll, held))
-      entry["by_position_seeds"].append(loss_by_position(nll, docs, args.pos_bucket, batch=4))
+      by_pos = ev.loss_by_position(tr["model"], docs, bucket=args.pos_bucket, batch_size=4, show_progress=False)
+      entry["by_position_seeds"].append(by_pos["nll"])
       entry["train_wall_s"].append(tr["train_wall_s"])
       entry["workdirs"].append(workdir)
       entry["final_train_loss"].append(tr["history"][-1]["loss"] if tr["history"] else None)
@@ -400,7 +399,7 @@ def main(argv=None) -> dict | None:
         method: entry,
         "recipe": recipe,
         "train_length": args.train_len,
-        "eval_tokens": args.eval_tokens,
+        "heldout": coverage,
         "pos_docs": len(docs),
         "pos_multiple": args.pos_multiple,
         "position_buckets": buckets,

@@ -53,6 +53,17 @@ def _live_sets(doc, task: str) -> str:
   return "seeds succeeding (mass and coverage >= 0.95 at 1x and 2x): " + ", ".join(parts)
 
 
+STALE_TEXT = " *(models trained before the text-pipeline fix: their fpa_text rows came one file at a time)*"
+
+
+def _stale(doc, models=None) -> str:
+  """A label for results whose models' text rows predate issue 18: such entries (and files) carry
+  no `text_rows`; `models` is the passkey file whose entries a KV study's models are."""
+  entries = [v for k, v in (models or doc).items() if isinstance(v, dict) and "steps" in v]
+  fresh = doc.get("text_rows") == "windows" or (entries and all(e.get("text_rows") == "windows" for e in entries))
+  return "" if fresh else STALE_TEXT
+
+
 def _passkey(doc) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.passkey`)"
@@ -65,10 +76,11 @@ def _passkey(doc) -> str:
     f"exact match at 8x L={doc['train_length']} of the models competent at 1x: "
     + ", ".join(ok)
     + (f"; not competent at 1x within their step budget (no retrieval to extrapolate): {', '.join(no)}" if no else "")
+    + _stale(doc)
   )
 
 
-def _kv(doc, decode=None) -> str:
+def _kv(doc, decode=None, passkey=None) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.kv_compression`)"
   text = _kv_cells(doc)
@@ -77,7 +89,7 @@ def _kv(doc, decode=None) -> str:
       f"; with every prompt token decoded under the policy ({decode['n_prompts']} prompts per cell): "
       + _kv_cells(decode, ("fpa_budget", "window", "h2o"))
     )
-  return text
+  return text + _stale(doc, passkey)
 
 
 def _kv_cells(doc, policies=("fpa_budget", "window")) -> str:
@@ -94,12 +106,15 @@ def _kv_cells(doc, policies=("fpa_budget", "window")) -> str:
   return f"exact match at {doc['multiple']}x (prefill {doc['prefill']}): " + "; ".join(out)
 
 
-def _ppl(doc, long=None) -> str:
-  if doc is None:
-    return "not run yet (`python -m experiments.perplexity`)"
-  text = _ppl_one(doc)
+def _ppl(doc, long=None, old=(None, None)) -> str:
+  """The perplexity claim; `old` = the (short, long) runs trained on correlated batches (each batch
+  from one file, before issue 18), kept beside the current runs and labelled."""
+  text = "not run yet on the fixed pipeline (`python -m experiments.perplexity`)" if doc is None else _ppl_one(doc)
   if long is not None:
     text += "; trained longer: " + _ppl_one(long)
+  stale = [_ppl_one(d) for d in old if d is not None]
+  if stale:
+    text += "; *trained on correlated batches (before the text-pipeline fix)*: " + "; ".join(stale)
   return text
 
 
@@ -128,11 +143,15 @@ def claims_table(root: Path = ROOT) -> str:
     ),
     (
       "... and keeps that with the KV cache compressed to ~25%",
-      _kv(_load(root, "kv_compression"), _load(root, "kv_compression_decode/kv_compression")),
+      _kv(_load(root, "kv_compression"), _load(root, "kv_compression_decode/kv_compression"), _load(root, "passkey")),
     ),
     (
       "Perplexity on par with FoX (within 2%)",
-      _ppl(_load(root, "perplexity"), _load(root, "perplexity_long/perplexity")),
+      _ppl(
+        _load(root, "perplexity"),
+        _load(root, "perplexity_long/perplexity"),
+        (_load(root, "correlated_batches/perplexity"), _load(root, "correlated_batches/perplexity_long/perplexity")),
+      ),
     ),
   ]
   lines = ["| claim (paper) | measured here (CPU scale; see each study's table) |", "|---|---|"]

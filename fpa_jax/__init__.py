@@ -11,3 +11,28 @@ per-token gates (field, level, log forget) [B, T, KVH]; segment_ids [B, T].
 """
 
 __version__ = "0.1.0"
+
+import importlib as _importlib
+
+# Public name -> its module, imported on first use (PEP 562): `import fpa_jax.data.tokenizers` (or
+# any submodule) does not load Flax and the models through this package.
+_EXPORTS = {
+  "FirstPassageAttention": "fpa_jax.layers",
+  "fpa_attention": "fpa_jax.ops",
+  "fox_attention": "fpa_jax.ops",
+  "ModelConfig": "fpa_jax.configs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value  # later lookups skip this function
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

@@ -3,7 +3,11 @@
 Layout: `<workdir>/checkpoints/<step>/{state,data,config}`. Atomicity: orbax writes each step into
 `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` only once every item is written
 (finalize), so a crash mid-save leaves at most a tmp directory, which `latest_step()` ignores (and
-orbax deletes on the next start). Restores are sharded directly onto the mesh from an abstract
+orbax deletes on the next start). A finalized checkpoint can still be damaged later (a disk fault,
+an interrupted copy): `restore_newest` (what a resumed run uses) falls back to the newest step that
+restores, logs each one it skipped and why, and moves those to `<directory>.corrupt/`; if none
+restores it raises one `CheckpointRestoreError` naming the directory and the fix (tests:
+`tests/test_checkpoint_fallback.py`). Restores are sharded directly onto the mesh from an abstract
 target (ShapeDtypeStruct + NamedSharding), never materialised unsharded.
 
 Data iterator state is per process (each host reads its own shard): `save` gathers every process's
@@ -16,11 +20,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+
+class CheckpointRestoreError(ValueError):
+  """No checkpoint in the directory restores (`Checkpointer.restore_newest`); the message says how to go on."""
+
+
+def _short(e: BaseException, head: int = 100, tail: int = 200) -> str:
+  """One line of an exception: orbax / tensorstore errors carry kilobytes of JSON specs, and their
+  cause (e.g. "Requested byte range [0, 4557) is not valid for value of size 2278") comes last."""
+  lines = str(e).split(" [tensorstore_spec")[0].strip().splitlines()
+  text = lines[0] if lines else ""
+  return f"{type(e).__name__}: " + (text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}")
 
 
 class Checkpointer:
@@ -70,6 +86,78 @@ class Checkpointer:
   def saved_config(self, step: int) -> dict:
     """The config dict saved with `step` alone (no state read): to check it before a restore."""
     return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+  def newest_config(self) -> tuple[int, dict] | None:
+    """(step, saved config) of the newest checkpoint whose config item reads; None if there is none."""
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        return step, self.saved_config(step)
+      except Exception:  # noqa: BLE001 - an unreadable one is reported by restore_newest
+        continue
+    return None
+
+  def restore_newest(
+    self, abstract_state: Any, *, check_config: Callable[[dict], None] | None = None, log: Callable[[str], None]
+  ) -> tuple[int, Any, dict, dict] | None:
+    """-> (step, state, data state, config) of the newest checkpoint that restores (see `restore`),
+    or None if the directory holds no checkpoint.
+
+    A checkpoint that fails to restore (its files truncated by a disk fault, an interrupted copy)
+    is skipped, and `log` says which step and why. Once an older one restores, the skipped steps
+    are moved out of the way, to `<directory>.corrupt/<step>` (kept for inspection): orbax refuses
+    to save a step that exists and `keep` would count them, so the run could not checkpoint past
+    them. If none restores, nothing is moved and `CheckpointRestoreError` names the directory, each
+    step's error and the fix. `check_config(saved config dict)` runs before each restore; its
+    errors (e.g. another model's checkpoint) propagate unchanged, they are no corruption."""
+    failed: list[tuple[int, str]] = []
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        config = self.saved_config(step)
+      except Exception as e:  # noqa: BLE001 - any read error: try the next older checkpoint
+        failed.append((step, _short(e)))
+        log(f"[checkpoint] skipping step {step} in {self.directory}: its config does not read ({failed[-1][1]})")
+        continue
+      if check_config is not None:
+        check_config(config)
+      try:
+        state, data, config = self.restore(step, abstract_state)
+      except Exception as e:  # noqa: BLE001
+        failed.append((step, _short(e)))
+        log(f"[checkpoint] skipping step {step} in {self.directory}: it does not restore ({failed[-1][1]})")
+        continue
+      if failed:
+        where = self._quarantine([s for s, _ in failed])
+        log(f"[checkpoint] restored step {step}; moved the unreadable step(s) {[s for s, _ in failed]} to {where}")
+      return step, state, data, config
+    if failed:
+      listing = "; ".join(f"step {s}: {why}" for s, why in failed)
+      dirs = " ".join(os.path.join(self.directory, str(s)) for s, _ in failed)
+      raise CheckpointRestoreError(
+        f"no checkpoint in {self.directory} restores ({listing}). If their files are damaged (a disk "
+        f"fault, an interrupted copy), none of these steps can be resumed: move or delete them (rm -r {dirs}) "
+        "to start this workdir over, or train in a fresh --workdir. If they are intact, the errors above "
+        "say what failed instead (e.g. memory, a file system that is not mounted)."
+      )
+    return None
+
+  def _quarantine(self, steps: list[int]) -> str:
+    """Moves the step directories `steps` to `<directory>.corrupt/` (process 0; all processes then
+    reload the step list); returns that directory."""
+    dest = self.directory.rstrip(os.sep) + ".corrupt"
+    if jax.process_index() == 0:
+      os.makedirs(dest, exist_ok=True)
+      for step in steps:
+        target = os.path.join(dest, str(step))
+        n = 1
+        while os.path.exists(target):  # a step quarantined before: keep both
+          target, n = os.path.join(dest, f"{step}.{n}"), n + 1
+        os.replace(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils as mhu
+
+      mhu.sync_global_devices("fpa_jax.checkpoint.quarantine")
+    self.manager.reload()
+    return dest
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

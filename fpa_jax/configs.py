@@ -7,20 +7,21 @@
     model = build_model(cfg)                # the model keeps only cfg.model
 
 - `ModelConfig`: the network and how it computes (sizes, attention and its gate, RoPE, init,
-  attn_impl / block_size, dtypes, scan_layers / remat) and derived sizes (head_dim, ff_dim,
+  attn_impl / block_size / skip_tolerance, matmul precision, dtypes, scan_layers / remat) and derived sizes (head_dim, ff_dim,
   gate_terms). It is all that the model side (`fpa_jax.models`, `layers`, `gates`, `inference`)
   sees: `DecoderLM(cfg)` keeps `cfg.model`, never the learning rate or the data directory.
 - `DataConfig`: what `fpa_jax.data` feeds it (task, data_dir, tokenizer, small_data, seq_len,
   batch_size).
 - `TrainConfig`: the run (preset name, steps, lr schedule incl. cooldown, AdamW, grad_accum, seed,
-  mesh, log / checkpoint / eval cadence).
+  mesh, log / checkpoint / eval cadence, the evictability objective `evict_*`: `fpa_jax.losses`).
 
 `Config` inherits the three (every field belongs to exactly one part, `tests/test_configs.py`);
 `cfg.model`, `cfg.data`, `cfg.train` return each part as its own dataclass. Each part validates its
 own fields, `Config.validate` adds the checks across parts (batch_size vs grad_accum) and
 `validate_mesh` those that need the mesh. A run's `config.json` (and a checkpoint's config item) is
 the flat `Config.to_dict()`. Resuming compares the model fields in `resume_fields()`: all but
-`FREE_ON_RESUME` (attn_impl, block_size, dtype, remat and the init-only fields may change).
+`FREE_ON_RESUME` (attn_impl, block_size, skip_tolerance, precision, dtype, remat and the init-only
+fields may change).
 
 Every field can be overridden on the command line with `--set key=value` (parsed with the field's
 type) and the most common ones have their own flags (`--attention`, `--task`, `--steps`, `--mesh`).
@@ -75,6 +76,8 @@ Depth (`scan_layers`, `remat`; same logits and gradients either way, `tests/test
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 import typing
 from typing import Any
@@ -89,6 +92,9 @@ TEST_TASKS = ("synthetic",)  # in-memory, for tests and benchmarks (fpa_jax.data
 ATTN_IMPLS = _ops_validate.IMPLS  # fpa_jax.ops impl names (one definition: ops.validate.Implementation)
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "full", "dots", "dots_no_batch")  # per-block jax.checkpoint policies (fpa_jax.models.REMAT_POLICIES)
+# jax.default_matmul_precision names: "default" is the backend's (bf16 passes for fp32 on TPU, TF32 on
+# recent GPUs), "high" 3 bf16 passes (or TF32), "highest" full fp32. CPU computes fp32 exactly under each.
+PRECISIONS = ("default", "high", "highest")
 
 
 class _Part:
@@ -103,9 +109,37 @@ class _Part:
 
 
 def _at_least(cfg, minimum: int, *names: str) -> None:
+  """Integer fields >= minimum (a bool, float or string is an error too: `--set` parses ints, but
+  `get_config(steps="10")` or a hand-edited config.json need not)."""
   for f in names:
-    if getattr(cfg, f) < minimum:
-      raise ValueError(f"{f} must be >= {minimum}, got {getattr(cfg, f)}")
+    v = getattr(cfg, f)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+      raise ValueError(f"{f}={v!r} must be an int >= {minimum}")
+    if v < minimum:
+      raise ValueError(f"{f} must be >= {minimum}, got {v}")
+
+
+def _number(cfg, name: str, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False, why: str = "") -> None:
+  """A finite real field in the interval [lo, hi] (open ends with lo_open / hi_open; None: unbounded);
+  the error names the field, its value, the interval and `why` (what the field does / a usual value)."""
+  v = getattr(cfg, name)
+  ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
+  if ok and lo is not None:
+    ok = v > lo if lo_open else v >= lo
+  if ok and hi is not None:
+    ok = v < hi if hi_open else v <= hi
+  if not ok:
+    a, b = ("-inf" if lo is None else lo), ("inf" if hi is None else hi)
+    interval = f"{'(' if lo_open or lo is None else '['}{a}, {b}{')' if hi_open or hi is None else ']'}"
+    raise ValueError(f"{name}={v!r}: use a finite number in {interval}" + (f" ({why})" if why else ""))
+
+
+def _flags(cfg, *names: str, optional: tuple[str, ...] = ()) -> None:
+  """Bool fields (`optional`: bool or None); a string such as "false" would otherwise be truthy."""
+  for f in names + optional:
+    v = getattr(cfg, f)
+    if not (isinstance(v, bool) or (v is None and f in optional)):
+      raise ValueError(f"{f}={v!r} must be True or False" + (" (or None)" if f in optional else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +153,14 @@ class ModelConfig(_Part):
   n_kv_heads: int = 0  # k/v heads and gates (grouped-query attention); 0 -> n_heads; divides n_heads
   d_ff: int = 0  # SwiGLU hidden dim; 0 -> round_up(8/3 * d_model, 64)
   attention: str = "fpa"  # one of ATTENTIONS
-  attn_impl: str = "auto"  # one of ATTN_IMPLS; auto: pallas on TPU/GPU, chunked on CPU; quadratic for debugging
+  # one of ATTN_IMPLS; auto = chunked on every backend (pallas is opt-in until its compiled path has passed on an
+  # accelerator: README, "Verifying the Pallas kernels"); quadratic for debugging
+  attn_impl: str = "auto"
   block_size: int = 0  # chunked tile size; 0 -> ops default (shrinks for short sequences)
+  # None: exact. eps in (0, 1): the chunked kernel drops tiles whose every weight is <= eps / T
+  # (each row loses <= eps of its attention, `fpa_jax.ops.chunked`); attn_impl chunked (or auto) only.
+  skip_tolerance: float | None = None
+  precision: str = "default"  # one of PRECISIONS: fp32 matmul passes (TPU: default = bf16 passes)
   rope: bool | None = None  # None -> RoPE for softmax only (FoX/FPA gates give position info)
   rope_theta: float = 10000.0
   qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
@@ -184,6 +224,16 @@ class ModelConfig(_Part):
     """Static checks (no devices needed); raises ValueError naming the field and what to change."""
     _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads")
     _at_least(self, 0, "d_ff", "block_size", "n_kv_heads")
+    _flags(self, "qk_norm", "output_gate", "tie_embeddings", "gate_forget", "scan_layers", optional=("rope",))
+    _number(self, "rope_theta", 0, lo_open=True, why="RoPE's base wavelength, e.g. 10000")
+    _number(self, "norm_eps", 0, lo_open=True, why="RMSNorm's epsilon keeps an all-zero row finite, e.g. 1e-6")
+    _number(self, "init_std", 0, lo_open=True, why="std of the weights' init; 0 gives a model with no gradient")
+    for f in ("gate_init_std", "step_init_std", "absolute_init_std", "offset_init_std"):
+      _number(self, f, 0, why="std of a gate read-out's init; 0 = zero weights")
+    for f in ("step_scale", "absolute_scale", "offset_scale"):
+      _number(self, f, 0, lo_open=True, why="a gate term's scale; the module docstring explains the default 10")
+    for f in ("gate_bias_init", "step_bias_init", "offset_bias_init"):
+      _number(self, f, why="a gate read-out's initial bias")
     if self.n_heads % self.kv_heads:
       raise ValueError(
         f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each kv head serves "
@@ -216,6 +266,17 @@ class ModelConfig(_Part):
       )
     if self.block_size and self.attn_impl not in _ops_validate.BLOCKED:
       raise ValueError(f"block_size only applies to attn_impl in {_ops_validate.BLOCKED}; set block_size=0")
+    if self.skip_tolerance is not None:
+      eps = self.skip_tolerance
+      if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < eps < 1.0:
+        raise ValueError(f"skip_tolerance={eps!r}: use None (exact) or a float in (0, 1), e.g. 1e-3")
+      if self.attn_impl not in ("chunked", "auto"):
+        raise ValueError(
+          f"skip_tolerance only applies to the chunked kernel, got attn_impl={self.attn_impl!r}; "
+          "set attn_impl='chunked' or skip_tolerance=None"
+        )
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"unknown precision {self.precision!r}; use one of {PRECISIONS}")
     return self
 
 
@@ -227,6 +288,8 @@ FREE_ON_RESUME = frozenset(
   {
     "attn_impl",
     "block_size",
+    "skip_tolerance",
+    "precision",
     "dtype",
     "remat",
     "init_std",
@@ -256,6 +319,11 @@ class DataConfig(_Part):
   small_data: bool = False
   seq_len: int = 64
   batch_size: int = 8  # global batch (sequences per optimizer step)
+  # text only: "stdlib" (offline default), a local directory of UTF-8 files, or "tfds:NAME" (prepared)
+  text_source: str = "stdlib"
+  # text only: windows of the fixed held-out set (fpa_jax.data.make_heldout): one inside every
+  # validation document, the rest spread by length; the trainer's periodic eval scores all of them
+  heldout_windows: int = 256
 
   @property
   def data(self) -> DataConfig:
@@ -266,7 +334,10 @@ class DataConfig(_Part):
       raise ValueError(f"unknown task {self.task!r}; use one of {TASKS}")
     if not re.fullmatch(r"bytes|spm(:\d+)?", self.tokenizer):
       raise ValueError(f"unknown tokenizer {self.tokenizer!r}; use 'bytes', 'spm' or 'spm:N' (see fpa_jax.data)")
-    _at_least(self, 1, "seq_len", "batch_size")
+    _at_least(self, 1, "seq_len", "batch_size", "heldout_windows")
+    _flags(self, "small_data")
+    if not self.text_source:
+      raise ValueError("text_source is empty; use 'stdlib', a directory path, or 'tfds:NAME'")
     return self
 
 
@@ -286,6 +357,9 @@ class TrainConfig(_Part):
   b2: float = 0.95
   weight_decay: float = 0.1
   clip_norm: float = 1.0  # global-norm clipping; 0 disables
+  # multiplies the lr of the FPA gate's step / absolute / offset read-outs (not FoX's forget term):
+  # they are scale * (w.x + b) with scale 10, so Adam moves their output ~10x faster (issue 20)
+  gate_lr_scale: float = 1.0
   grad_accum: int = 1  # micro-batches per step (batch_size must divide)
   seed: int = 0  # parameter init and data order
   # ---- loop ----
@@ -294,7 +368,16 @@ class TrainConfig(_Part):
   ckpt_every: int = 100
   keep_checkpoints: int = 3
   eval_every: int = 0  # 0 disables periodic validation loss
-  eval_batches: int = 4
+  eval_batches: int = 4  # batches per eval for tasks other than text (text: the held-out windows, `heldout_windows`)
+  # ---- evictability objective (fpa_jax.losses; off at evict_weight 0: the exact LM loss) ----
+  evict_weight: float = 0.0  # weight of the hinge on the soft live fraction of old keys
+  evict_target: float = 0.25  # final kept fraction of the keys outside the window, in (0, 1)
+  evict_ramp_steps: int = 0  # DMS ramp of the compression ratio 1 -> 1/evict_target; 0 = no ramp
+  evict_window: int = 16  # recent window W: keys j > i - W are never counted (always kept)
+  evict_tau: float = 4.0  # penalty (nats) at which a key counts as half evicted
+  evict_temp: float = 1.0  # sigmoid width (nats) of the soft count
+  evict_soft: float = 0.5  # softplus temperature of the penalty in the objective (0 = exact relu)
+  evict_queries: int = 8  # sampled queries per sequence and step (stratified over the positions)
 
   @property
   def train(self) -> TrainConfig:
@@ -306,10 +389,42 @@ class TrainConfig(_Part):
 
   def validate(self) -> TrainConfig:
     _at_least(self, 1, "steps", "grad_accum", "log_every", "ckpt_every", "keep_checkpoints", "eval_batches")
-    _at_least(self, 0, "warmup_steps", "lr_decay_steps", "eval_every")
+    _at_least(self, 0, "warmup_steps", "lr_decay_steps", "eval_every", "cooldown_steps", "seed")
+    _number(self, "lr", 0, lo_open=True, why="the peak learning rate, e.g. 1e-3")
+    _number(self, "min_lr_ratio", 0, 1, why="the cosine ends at lr * min_lr_ratio; 1 = constant after warmup")
+    _number(self, "b1", 0, 1, hi_open=True, why="AdamW's first-moment decay, e.g. 0.9")
+    _number(self, "b2", 0, 1, hi_open=True, why="AdamW's second-moment decay, e.g. 0.95")
+    _number(self, "weight_decay", 0, why="AdamW's decoupled weight decay; 0 disables")
+    _number(self, "clip_norm", 0, why="global-norm gradient clipping; 0 disables")
+    _number(self, "gate_lr_scale", 0, lo_open=True, why="the gate read-outs' lr multiplier; 1 = the same lr")
+    if self.warmup_steps > self.decay_steps:
+      horizon = "lr_decay_steps" if self.lr_decay_steps else "steps"
+      raise ValueError(
+        f"warmup_steps={self.warmup_steps} is longer than the lr schedule ({horizon}={self.decay_steps}), "
+        f"so the warmup would be cut short: use warmup_steps <= {self.decay_steps} (e.g. --set "
+        f"warmup_steps={self.decay_steps // 10}), or a larger {horizon}"
+      )
     if not 0 <= self.cooldown_steps < self.steps:
       raise ValueError(f"cooldown_steps={self.cooldown_steps} must be in [0, steps={self.steps})")
+    self._validate_evict()
     return self
+
+  def _validate_evict(self) -> None:
+    """The evict_* block (checked whether the objective is on or not: a bad value is a typo)."""
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    for f in ("evict_weight", "evict_target", "evict_tau", "evict_temp", "evict_soft"):
+      if not num(getattr(self, f)):
+        raise ValueError(f"{f}={getattr(self, f)!r} must be a finite number")
+    if self.evict_weight < 0:
+      raise ValueError(f"evict_weight={self.evict_weight} must be >= 0 (0 turns the objective off)")
+    if not 0.0 < self.evict_target < 1.0:
+      raise ValueError(f"evict_target={self.evict_target} is the kept fraction of old keys: use a value in (0, 1)")
+    if not self.evict_temp > 0:
+      raise ValueError(f"evict_temp={self.evict_temp} must be > 0 (the soft count's width in nats)")
+    if self.evict_soft < 0:
+      raise ValueError(f"evict_soft={self.evict_soft} must be >= 0 (0 = exact relu penalty)")
+    _at_least(self, 0, "evict_window", "evict_ramp_steps")
+    _at_least(self, 1, "evict_queries")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +456,12 @@ class Config(TrainConfig, DataConfig, ModelConfig):
       part.validate()
     if self.batch_size % self.grad_accum:
       raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+    if self.evict_weight > 0 and self.attention not in GATED:
+      raise ValueError(f"evict_weight > 0 needs a gated attention {GATED}, got {self.attention!r}; set evict_weight=0")
+    if self.evict_weight > 0 and self.evict_window >= self.seq_len:
+      raise ValueError(
+        f"evict_window={self.evict_window} >= seq_len={self.seq_len} leaves no old key to evict; use a smaller window"
+      )
     return self
 
   def validate_mesh(self, mesh_sizes: dict[str, int]) -> None:

@@ -3,9 +3,12 @@
     python -m fpa_jax.generate --workdir runs/small_fpa --prompt "def main(" --max_new_tokens 64
     python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa_budget --budget 0.25
     python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa --tolerance 1e-3
+    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa_global --budget 0.25 --head_cap 0.5
+    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy snapkv --budget 0.25
 
 Prints the generated text, then one line of cache statistics (policy, capacity, peak fraction of
-the keys held). Policies: see `fpa_jax.inference.policies`.
+the keys held, bytes the cache allocates, kept fraction per layer and kv head). Policies: see
+`fpa_jax.inference.policies`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from fpa_jax.inference.policies import POLICIES
 
 
 def _budget(raw: str) -> float | int:
-  """'0.25' -> a fraction, '128' -> a key count."""
+  """'0.25' -> a fraction, '128' -> a key count (also --head_cap)."""
   try:
     return int(raw)
   except ValueError:
@@ -34,6 +37,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--budget", type=_budget, help="fraction of prompt + new tokens (0.25) or a key count (128)")
   ap.add_argument("--tolerance", type=float, help="policy fpa: attention mass evicted keys may carry")
   ap.add_argument("--threshold", type=float, help="policy fpa_threshold: penalty (nats) at which a key goes")
+  ap.add_argument("--bound", choices=("keys", "params"), help="policy fpa: the logit bound (default keys)")
+  ap.add_argument(
+    "--recent", type=int, help="fpa_budget, fpa_global, snapkv: last keys never evicted (default budget/8)"
+  )
+  ap.add_argument("--head_cap", type=_budget, help="fpa_global: slots per layer and head (default 2 x budget)")
   ap.add_argument("--temperature", type=float, default=0.0)
   ap.add_argument("--top_k", type=int)
   ap.add_argument("--seed", type=int, default=0)
@@ -59,6 +67,9 @@ def main(argv=None) -> int:
       budget=a.budget,
       tolerance=a.tolerance,
       threshold=a.threshold,
+      recent=a.recent,
+      head_cap=a.head_cap,
+      bound=a.bound,
       temperature=a.temperature,
       top_k=a.top_k,
       seed=a.seed,

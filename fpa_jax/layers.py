@@ -6,20 +6,42 @@ Parameters are fp32 (`param_dtype`) and cast to the compute `dtype` at use; norm
 the field are always computed in fp32. Every parameter carries logical axis names
 (`fpa_jax.sharding`) so the trainer can shard it without this module knowing the mesh; activations
 are pinned with `constrain(x, BTHK)` etc. (no-ops unless the caller set a mesh).
+
+Matmul precision (`ModelConfig.precision`): the attention layer and SwiGLU run their matmuls under
+`jax.default_matmul_precision(precision)` ("default": the backend's, which on TPU is bf16 passes
+for fp32 operands), the attention op's hand-written backward included (`with_precision`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from fpa_jax import ops
-from fpa_jax.configs import Config, ModelConfig
+from fpa_jax.configs import ATTENTIONS, DTYPES, Config, ModelConfig
 from fpa_jax.gates import Gate, field_level
 from fpa_jax.sharding import BT, BTD, BTF, BTH, BTHK, EMBED, HEAD_DIM, HEADS, MLP, constrain, shard_local
 
 F32 = jnp.float32
+# ModelConfig fields that set the gate's parameterisation and init (`from_args`' **gate_options).
+GATE_OPTIONS = (
+  "gate_init_std",
+  "gate_bias_init",
+  "gate_forget",
+  "gate_terms_override",
+  "step_scale",
+  "step_init_std",
+  "step_bias_init",
+  "absolute_scale",
+  "absolute_init_std",
+  "offset_scale",
+  "offset_init_std",
+  "offset_bias_init",
+)
 
 
 def _init(init, axes):
@@ -33,6 +55,54 @@ def normal(std):
 
 def _param(rngs, init, shape, axes, dtype):
   return nnx.Param(_init(init, axes)(rngs.params(), shape, dtype))
+
+
+def precision_scope(precision: str = "default"):
+  """A context in which jnp matmuls traced inside it run at `precision` (`configs.PRECISIONS`);
+  "default" adds nothing (the backend's default, the same program as without the scope)."""
+  return contextlib.nullcontext() if precision == "default" else jax.default_matmul_precision(precision)
+
+
+def _at_own_precision(method):
+  # Decorates a module method: it traces under the module's `self.precision`. Autodiff's transposes
+  # copy each matmul's precision, so this covers plain backward passes (not a custom_vjp's: with_precision).
+  @functools.wraps(method)
+  def wrapped(self, *args, **kwargs):
+    with precision_scope(self.precision):
+      return method(self, *args, **kwargs)
+
+  return wrapped
+
+
+def with_precision(op, precision: str = "default"):
+  """op(*arrays, segment_ids=None, **static) whose matmuls run at `precision` in the forward and
+  the backward pass. A custom_vjp's backward (the chunked / Pallas kernels') is traced when the
+  gradient is taken, outside any scope around the forward call, so the backward is pulled through
+  `jax.vjp` inside a scope of its own. "default" returns `op` itself."""
+  if precision == "default":
+    return op
+
+  def call(*arrays, segment_ids=None, **static):
+    n = len(arrays)
+    fn = lambda *a: op(*a[:n], segment_ids=a[n] if len(a) > n else None, **static)
+
+    @jax.custom_vjp
+    def run(*a):
+      with precision_scope(precision):
+        return fn(*a)
+
+    def fwd(*a):
+      with precision_scope(precision):
+        return jax.vjp(fn, *a)  # (out, pullback): the pullback is a pytree of residuals
+
+    def bwd(pull, ct):
+      with precision_scope(precision):
+        return pull(ct)
+
+    run.defvjp(fwd, bwd)
+    return run(*arrays, *(() if segment_ids is None else (segment_ids,)))
+
+  return call
 
 
 class RMSNorm(nnx.Module):
@@ -71,12 +141,25 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class SwiGLU(nnx.Module):
   """W_down (silu(x W_gate) * (x W_up)); [B, T, D] -> [B, T, D]."""
 
-  def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    d_model: int,
+    d_ff: int,
+    *,
+    init_std: float,
+    out_std: float,
+    dtype,
+    param_dtype,
+    precision: str = "default",
+    rngs: nnx.Rngs,
+  ):
     self.dtype = dtype
+    self.precision = precision  # matmul precision (`precision_scope`)
     self.w_gate = _param(rngs, normal(init_std), (d_model, d_ff), (EMBED, MLP), param_dtype)
     self.w_up = _param(rngs, normal(init_std), (d_model, d_ff), (EMBED, MLP), param_dtype)
     self.w_down = _param(rngs, normal(out_std), (d_ff, d_model), (MLP, EMBED), param_dtype)
 
+  @_at_own_precision
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.dtype
     g = constrain(x @ self.w_gate[...].astype(dt), BTF)  # [B, T, F]
@@ -101,17 +184,25 @@ class FirstPassageAttention(nnx.Module):
   Grouped-query (`n_kv_heads` < `n_heads`): k, v and the gate have KVH heads; query head h reads
   kv head h // (H / KVH) inside the ops, which never repeat k / v.
 
-  `cfg`: a ModelConfig (a run Config used on its own, as in `experiments.live_sets`, is reduced to
-  its `.model`: the layer keeps no training or data fields).
+  `cfg.skip_tolerance` (the chunked kernel's dead-tile skipping) and `cfg.precision` apply to the
+  parallel mode; the cached mode runs under the precision too, and its attention is `attend`'s.
+
+  Build it from a ModelConfig, or from plain arguments with `FirstPassageAttention.from_args(d_model,
+  n_heads, gate=...)` (no vocabulary or depth). `cfg`: a ModelConfig (a run Config used on its own,
+  as in `experiments.live_sets`, is reduced to its `.model`: the layer keeps no training or data
+  fields). `out_init_std`: std of W_o's init; None -> cfg.init_std / sqrt(2 * cfg.n_layers) (GPT-2's
+  depth scaling: each block adds two residual branches), which is what `DecoderLM` uses.
   """
 
-  def __init__(self, cfg: ModelConfig | Config, *, rngs: nnx.Rngs):
-    cfg = cfg.model
+  def __init__(self, cfg: ModelConfig | Config, *, out_init_std: float | None = None, rngs: nnx.Rngs):
+    cfg = cfg.model.validate()  # a layer built on its own (not via DecoderLM) is checked too
     d, h, kvh, k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
-    std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
+    self.precision = cfg.precision
+    std = cfg.init_std
+    out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if out_init_std is None else float(out_init_std)
     self.wq = _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt)
     self.wk = _param(rngs, normal(std), (d, kvh, k), (EMBED, HEADS, HEAD_DIM), pdt)
     self.wv = _param(rngs, normal(std), (d, kvh, k), (EMBED, HEADS, HEAD_DIM), pdt)
@@ -124,6 +215,105 @@ class FirstPassageAttention(nnx.Module):
       _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt) if cfg.output_gate else None
     )
     self.gate: Gate | None = Gate(cfg, rngs=rngs) if cfg.gate_terms else None
+
+  @classmethod
+  def from_args(
+    cls,
+    d_model: int,
+    n_heads: int,
+    *,
+    n_kv_heads: int | None = None,
+    gate: str = "fpa",
+    qk_norm: bool = False,
+    output_gate: bool = False,
+    rope: bool | None = None,
+    rope_theta: float = 10000.0,
+    attn_impl: str = "auto",
+    block_size: int | None = None,
+    skip_tolerance: float | None = None,
+    precision: str = "default",
+    init_std: float = 0.02,
+    out_init_std: float | None = None,
+    norm_eps: float = 1e-6,
+    dtype="float32",
+    param_dtype="float32",
+    rngs: nnx.Rngs,
+    **gate_options,
+  ) -> FirstPassageAttention:
+    """The layer from plain arguments, for a model of your own: x [B, T, d_model] -> [B, T, d_model].
+
+    d_model, n_heads: model width and query heads (n_heads divides d_model; head_dim = d_model /
+      n_heads). n_kv_heads: k / v / gate heads (grouped-query; divides n_heads), None = n_heads.
+    gate: "fpa" (first passage: field, levels), "stack" (levels = field), "fox" (FoX's forget
+      gate), "softmax" (no gate, RoPE) or "nope" (no gate, no RoPE).
+    qk_norm, output_gate: FoX "Pro"'s per-head RMSNorm on q, k and sigmoid output gate.
+    rope: None = RoPE for softmax only (the gates give position); rope_theta its base.
+    attn_impl, block_size: the ops impl ("auto", "chunked", "pallas", "quadratic", "recurrent")
+      and tile size (None = the ops default). skip_tolerance: None (exact) or eps in (0, 1),
+      chunked only: each row loses at most eps of its attention (`fpa_jax.ops.chunked`).
+    precision: matmul precision, "default" | "high" | "highest" (`configs.PRECISIONS`).
+    init_std: std of the q, k, v (and output-gate) projections' init; out_init_std that of W_o
+      (None = init_std; for a stack of L blocks init_std / sqrt(2 L) is GPT-2's depth scaling).
+    dtype, param_dtype: compute and parameter dtypes, float32 or bfloat16.
+    gate_options: the gate's parameterisation and init, as the ModelConfig fields of that name
+      (step_scale, step_init_std, offset_scale, gate_forget, ...; `fpa_jax.configs`).
+
+    Equals `FirstPassageAttention(ModelConfig(...same fields...), out_init_std=..., rngs=...)`:
+    the same parameters for the same `rngs`. Raises ValueError naming the argument to change.
+    """
+    where = "FirstPassageAttention.from_args"
+    if gate not in ATTENTIONS:
+      raise ValueError(f"{where}: unknown gate {gate!r}; use one of {ATTENTIONS}")
+    bad = sorted(set(gate_options) - set(GATE_OPTIONS))
+    if bad:
+      raise ValueError(f"{where}: unknown argument(s) {bad}; gate options are {GATE_OPTIONS}")
+    names = {}
+    for arg, dt in (("dtype", dtype), ("param_dtype", param_dtype)):
+      try:
+        names[arg] = jnp.dtype(dt).name
+      except TypeError:
+        names[arg] = str(dt)
+      if names[arg] not in DTYPES:
+        raise ValueError(f"{where}: {arg}={dt!r}; use one of {DTYPES}")
+    for arg, val in (
+      ("d_model", d_model),
+      ("n_heads", n_heads),
+      ("n_kv_heads", n_kv_heads),
+      ("block_size", block_size),
+    ):
+      if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+        raise ValueError(f"{where}: {arg} must be an int, got {val!r}")
+    if n_kv_heads is not None and n_kv_heads < 1:
+      raise ValueError(f"{where}: n_kv_heads must be >= 1 (or None for n_heads), got {n_kv_heads}")
+    if block_size is not None and block_size < 1:
+      raise ValueError(f"{where}: block_size must be >= 1 (or None for the ops default), got {block_size}")
+    if out_init_std is not None and not out_init_std >= 0:
+      raise ValueError(f"{where}: out_init_std must be >= 0 (or None for init_std), got {out_init_std!r}")
+    cfg = ModelConfig(
+      d_model=d_model,
+      n_layers=1,  # unused by the layer (its only use, W_o's init, is out_init_std here)
+      n_heads=n_heads,
+      n_kv_heads=n_kv_heads or 0,
+      attention=gate,
+      attn_impl=attn_impl,
+      block_size=block_size or 0,
+      skip_tolerance=skip_tolerance,
+      precision=precision,
+      rope=rope,
+      rope_theta=rope_theta,
+      qk_norm=qk_norm,
+      output_gate=output_gate,
+      norm_eps=norm_eps,
+      init_std=init_std,
+      dtype=names["dtype"],
+      param_dtype=names["param_dtype"],
+      **gate_options,
+    )
+    try:
+      cfg.validate()
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
+    return cls(cfg, out_init_std=init_std if out_init_std is None else out_init_std, rngs=rngs)
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D], positions [B, T] -> q [B, T, H, K], k, v [B, T, KVH, K] (QK-norm, RoPE applied)."""
@@ -165,6 +355,9 @@ class FirstPassageAttention(nnx.Module):
     cfg = self.cfg
     impl = ops.validate.resolve_impl(cfg.attn_impl, cfg.kv_heads != cfg.n_heads)
     kw = dict(impl=impl, block_size=(cfg.block_size or None) if cfg.attn_impl in ops.validate.BLOCKED else None)
+    if cfg.skip_tolerance is not None:  # the op raises a clear error where impl is not chunked
+      kw["skip_tolerance"] = float(cfg.skip_tolerance)
+    op = with_precision(op, cfg.precision)
     if impl != "pallas":
       return op(q, k, v, *gates, segment_ids=segment_ids, **kw)
     has_seg = segment_ids is not None
@@ -178,6 +371,7 @@ class FirstPassageAttention(nnx.Module):
 
     return shard_local(local, args, axes, BTHK)
 
+  @_at_own_precision
   def __call__(
     self,
     x: jax.Array,
@@ -186,7 +380,11 @@ class FirstPassageAttention(nnx.Module):
     *,
     cache=None,
     attend=None,
+    return_gates: bool = False,
   ):
+    """Parallel: x [B, T, D] -> y [B, T, D]; return_gates=True -> (y, (field, level)), the gate's
+    outputs that the attention used, each [B, T, KVH] fp32 (zeros without a gate), from the same
+    forward pass (`fpa_jax.losses`). Cached mode: see the class docstring."""
     cfg = self.cfg
     b, t, _ = x.shape
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
@@ -199,11 +397,16 @@ class FirstPassageAttention(nnx.Module):
       # softmax / nope: the same tiled kernel with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost).
       op, gates = ops.fox_attention, (jnp.zeros((b, t, cfg.kv_heads), F32),)
+      fl = (gates[0], gates[0])
     elif self.gate.is_fox:
       # field == level == cumsum(log forget): the FoX kernel tiles c_i - c_j directly (cheaper,
       # mathematically identical to fpa_attention(field, field)): the honest cost baseline.
-      op, gates = ops.fox_attention, (constrain(self.gate.parts(x).increment, BTH),)
+      parts = self.gate.parts(x)
+      op, gates = ops.fox_attention, (constrain(parts.increment, BTH),)
+      fl = field_level(parts)[:2] if return_gates else None  # the field the FoX kernel sums
     else:
       op, gates = ops.fpa_attention, tuple(constrain(a, BTH) for a in self.gate(x))
+      fl = gates
     o = self.parallel_attention(op, q, k, v, gates, segment_ids)
-    return self.output(o, x)  # [B, T, D]
+    y = self.output(o, x)  # [B, T, D]
+    return (y, tuple(constrain(a, BTH) for a in fl)) if return_gates else y

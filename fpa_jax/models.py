@@ -26,10 +26,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fpa_jax.configs import Config, ModelConfig
-from fpa_jax.layers import F32, FirstPassageAttention, RMSNorm, SwiGLU, _param, normal
+from fpa_jax.layers import F32, FirstPassageAttention, RMSNorm, SwiGLU, _param, normal, precision_scope
 from fpa_jax.sharding import BTD, BTV, EMBED, LAYERS, VOCAB, constrain
 
 # ModelConfig.remat -> what a block saves for the backward pass (everything else is recomputed).
@@ -39,6 +40,35 @@ REMAT_POLICIES = {
   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls only
 }
 _LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}  # the stacked axis's logical name in the params' metadata
+
+
+def check_tokens(tokens, vocab_size: int) -> jax.Array:
+  """Token ids int [B, T] -> int32 [B, T], checked before tracing (the model's and decoding's one check).
+
+  ValueError unless `tokens` is a rank-2 integer array with B, T >= 1 and, where its values are
+  known (a concrete, fully addressable array: not a tracer under jit), every id in [0, vocab_size).
+  Traced ids are not checked: `embed_tokens` gives an out-of-range id a zero embedding."""
+  if not isinstance(tokens, (jax.Array, jax.core.Tracer)):
+    tokens = np.asarray(tokens)  # lists, numpy: checked on the host, before any int64 -> int32 cast
+  if tokens.ndim != 2 or 0 in tokens.shape:
+    raise ValueError(f"tokens must be int [batch, seq] with batch, seq >= 1, got shape {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+  if not isinstance(tokens, jax.core.Tracer) and getattr(tokens, "is_fully_addressable", True):
+    ids = np.asarray(tokens)  # on the host: a concrete array closed over under jit must not become traced ops
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+      raise ValueError(f"token ids must be in [0, vocab_size={vocab_size}), got ids in [{lo}, {hi}]")
+  return jnp.asarray(tokens, jnp.int32)
+
+
+def embed_tokens(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+  """embed [V, D], tokens int [B, T] -> [B, T, D]. The defined result for ids outside [0, V) (only
+  reachable under jit, where `check_tokens` cannot see values): a zero vector, so the logits stay
+  finite (plain `jnp.take` gives NaN rows for ids >= V and wraps -1 to row V - 1); such an id's
+  embedding gets no gradient."""
+  v = embed.shape[0]
+  return jnp.take(embed, jnp.where(tokens < 0, v, tokens), axis=0, mode="fill", fill_value=0)
 
 
 class Block(nnx.Module):
@@ -56,6 +86,7 @@ class Block(nnx.Module):
       out_std=cfg.init_std / (2 * cfg.n_layers) ** 0.5,
       dtype=jnp.dtype(cfg.dtype),
       param_dtype=pdt,
+      precision=cfg.precision,
       rngs=rngs,
     )
 
@@ -67,14 +98,21 @@ class Block(nnx.Module):
     *,
     cache=None,
     attend=None,
+    return_gates: bool = False,
   ):
-    """x [B, T, D] -> [B, T, D]; with a cache (see `FirstPassageAttention`) -> (x, cache)."""
+    """x [B, T, D] -> [B, T, D]; with a cache (see `FirstPassageAttention`) -> (x, cache);
+    return_gates=True (parallel mode) -> (x, (field, level)), each [B, T, KVH] fp32."""
     x = constrain(x, BTD)  # block boundary: batch over `data` under the trainer's mesh
-    h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, attend=attend)
+    if return_gates:
+      h, gates = self.attn(self.attn_norm(x), segment_ids, positions, return_gates=True)
+    else:
+      h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, attend=attend)
     if cache is not None:
       h, cache = h
     x = constrain(x + h, BTD)  # [B, T, D]
     x = constrain(x + self.mlp(self.mlp_norm(x)), BTD)
+    if return_gates:
+      return x, gates
     return x if cache is None else (x, cache)
 
 
@@ -106,14 +144,27 @@ class DecoderLM(nnx.Module):
     *,
     caches=None,
     attend=None,
+    return_gates: bool = False,
   ):
     """tokens int [B, T] (+ segment_ids int [B, T]) -> logits fp32 [B, T, V].
+
+    Token ids outside [0, vocab_size) raise ValueError on a concrete array (`check_tokens`); under
+    jit, where values are unknown, such an id embeds as a zero vector (`embed_tokens`): finite,
+    defined logits, the same in every attn_impl.
+
+    return_gates=True -> (logits, (field, level)): every layer's gate outputs as the attention
+    used them, each stacked [L, B, T, KVH] fp32 in both layouts (scan_layers stacks them as the
+    scan's output; zeros for a layer without a gate), from the same forward pass (the evictability
+    objective, `fpa_jax.losses`). Parallel mode only.
 
     Cached mode (`fpa_jax.inference`): `caches` is a sequence of per-layer caches, `attend` the
     function that attends against one (see `FirstPassageAttention`), `positions` [B, T] the tokens'
     positions; returns (logits, new caches).
     """
-    x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype), BTD)  # [B, T, D]
+    if return_gates and caches is not None:
+      raise ValueError("return_gates is for the parallel (training) forward; cached mode does not return gates")
+    tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete
+    x = constrain(embed_tokens(self.embed[...], tokens).astype(self.dtype), BTD)  # [B, T, D]
     if caches is not None:
       # Per layer even when stacked: caches stay a tuple of per-layer caches (decoding's layout),
       # a scanned model's blocks are static slices of the stack (no gradient here, so no remat).
@@ -124,21 +175,33 @@ class DecoderLM(nnx.Module):
       return self.logits(x), tuple(new)
 
     def apply(block, x, segment_ids, positions):
-      return block(x, segment_ids, positions)
+      return block(x, segment_ids, positions, return_gates=return_gates)
 
     if self.cfg.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.cfg.remat])
     if not self.cfg.scan_layers:
+      per_layer = []
       for block in self.blocks:
         x = apply(block, x, segment_ids, positions)
+        if return_gates:
+          x, g = x
+          per_layer.append(g)
+      if return_gates:
+        return self.logits(x), tuple(jnp.stack(a) for a in zip(*per_layer))
       return self.logits(x)
 
     # The block is traced once and looped by XLA (compile time flat in depth); segment_ids and
-    # positions are the same for every layer (in_axes None).
-    @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS)
+    # positions are the same for every layer (in_axes None). With return_gates the per-layer
+    # (field, level) are the scan's stacked output [L, ...].
+    out_axes = (nnx.Carry, 0) if return_gates else nnx.Carry
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes, transform_metadata=_LAYER_AXIS)
     def scan(x, block, segment_ids, positions):
       return apply(block, x, segment_ids, positions)
 
+    if return_gates:
+      x, gates = scan(x, self.blocks, segment_ids, positions)
+      return self.logits(x), gates
     return self.logits(scan(x, self.blocks, segment_ids, positions))
 
   def layer_blocks(self) -> list[Block]:
@@ -155,7 +218,8 @@ class DecoderLM(nnx.Module):
     """Final norm and output head: [B, T, D] -> fp32 [B, T, V]."""
     x = self.final_norm(x)
     w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]  # [D, V]
-    return constrain((x @ w.astype(self.dtype)).astype(F32), BTV)  # [B, T, V]
+    with precision_scope(self.cfg.precision):  # the blocks' matmuls run under it in their layers
+      return constrain((x @ w.astype(self.dtype)).astype(F32), BTV)  # [B, T, V]
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:

@@ -1,18 +1,22 @@
 """Sharded, resumable training of the decoder LM.
 
     python -m fpa_jax.train --config tiny --attention fpa --task text --steps 50 --workdir /tmp/run
-    python -m fpa_jax.train --config small --attention fox --task passkey --steps 2000 \
-        --workdir runs/fox --mesh data=4,model=2 --set lr=3e-4 --set grad_accum=2 [--profile_steps 10:12]
+    python -m fpa_jax.train --config small --attention fox --task passkey --steps 2000 --set seq_len=1024 \
+        --set batch_size=8 --workdir runs/fox --mesh data=4,model=2 --set lr=3e-4 --set grad_accum=2 \
+        [--profile_steps 10:12]
 
 Rerunning a command with a larger --steps resumes from the latest checkpoint in --workdir (model,
 optimizer, step and data iterator). The cosine horizon is `lr_decay_steps` (default: --steps);
 fix it (`--set lr_decay_steps=N`) when you plan to extend a run, so the extension is exactly the
 run you would have had straight through. A resume keeps the model (`configs.resume_fields()`: sizes,
 attention and gate, RoPE, scales, param dtype, layer layout); any training or data field, and
-attn_impl, block_size, dtype, remat or the init fields, may change.
+attn_impl, block_size, dtype, remat or the init fields, may change. A damaged latest checkpoint is
+skipped (logged, moved to checkpoints.corrupt/) in favour of the newest one that restores
+(`Checkpointer.restore_newest`); if none does, the run stops with one error naming the fix.
 
 Outputs in the workdir: metrics.jsonl (one JSON object per logged step: step, loss, tokens_per_s,
-lr, grad_norm, ...), TensorBoard events under tb/, checkpoints/ (orbax), config.json.
+lr, grad_norm, ...; evict_* with the evictability objective on, `fpa_jax.losses`), TensorBoard events
+under tb/, checkpoints/ (orbax), config.json.
 
 Design (functional NNX): the model and optimizer are created *inside* a jit whose out_shardings
 come from the parameters' logical axis names (`fpa_jax.sharding.RULES`), so nothing is ever
@@ -41,6 +45,7 @@ from fpa_jax import configs as C
 from fpa_jax import data as D  # its modules (grain, TFDS) load on first use, in make_data
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
+from fpa_jax.losses import lm_loss, objective  # lm_loss re-exported here for compatibility
 from fpa_jax.models import DecoderLM, weight_decay_mask
 
 
@@ -68,6 +73,7 @@ def make_data(cfg: C.Config, split: str = "train"):
     seed=cfg.seed,
     tokenizer=cfg.tokenizer,
     small=cfg.small_data,
+    text_source=cfg.text_source,
     shuffle=(split == "train"),
     num_epochs=None if split == "train" else 1,
     process_index=pi,
@@ -98,7 +104,24 @@ def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
   adamw = optax.adamw(
     lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=weight_decay_mask(cfg.model)
   )
-  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+  parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+  parts.append(adamw)
+  if cfg.gate_lr_scale != 1.0:  # the whole AdamW update of those leaves (decay included) scaled: their lr
+    parts.append(optax.masked(optax.scale(cfg.gate_lr_scale), gate_readout_mask))
+  return optax.chain(*parts) if len(parts) > 1 else adamw
+
+
+GATE_READOUTS = ("step", "absolute", "offset")
+
+
+def gate_readout_mask(params):
+  """optax mask: True on the FPA gate's step / absolute / offset read-outs (`gate_lr_scale`)."""
+
+  def one(path, _):
+    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return "gate" in keys and any(r in keys for r in GATE_READOUTS)
+
+  return jax.tree_util.tree_map_with_path(one, params)
 
 
 def _init_fn(cfg: C.Config, tx) -> Callable[[], tuple]:
@@ -117,14 +140,6 @@ def create_state(cfg: C.Config, mesh: jax.sharding.Mesh, tx=None):
   shardings = S.state_shardings(abstract, mesh)
   state = jax.jit(lambda: nnx.state(init()), out_shardings=shardings)()
   return graphdef, state, shardings, abstract
-
-
-def lm_loss(model: DecoderLM, batch: dict) -> tuple[jax.Array, jax.Array]:
-  """-> (sum of masked token cross-entropies, number of target tokens)."""
-  logits = model(batch["inputs"], batch["segment_ids"])  # [B, T, V] fp32
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
-  mask = batch["loss_mask"].astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask)
 
 
 class _UnderMesh:
@@ -163,12 +178,18 @@ class TrainStep:
     model, opt = nnx.merge(self.graphdef, state)
     gdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_fn(p, mb):
-      return lm_loss(nnx.merge(gdef, p, rest), mb)
+    # The objective (`fpa_jax.losses`): the LM loss, plus the evictability hinge when evict_weight > 0
+    # (its query positions drawn from a key of (seed, step, micro-batch)).
+    step_key = jax.random.fold_in(jax.random.key(cfg.seed), opt.step[...]) if cfg.evict_weight else None
+
+    def loss_fn(p, mb, k=0):
+      key = None if step_key is None else jax.random.fold_in(step_key, k)
+      return objective(nnx.merge(gdef, p, rest), mb, cfg, opt.step[...], key)
 
     a = cfg.grad_accum
     if a == 1:
-      (loss_sum, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+      (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+      loss_sum, count = aux.pop("lm_sum"), aux.pop("count")
     else:
       # Micro-batch k takes rows k, k+a, ...: every device keeps an equal share of each micro-batch.
       spec = NamedSharding(self.mesh, P(None, S.RULES[S.BATCH]))
@@ -177,13 +198,18 @@ class TrainStep:
         for k, v in batch.items()
       }
 
-      def body(carry, mb):
+      def body(carry, xs):
         g_acc, l_acc, n_acc = carry
-        (l, n), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, n_acc + n), None
+        mb, k = xs
+        (_, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, k)
+        l, n = aux.pop("lm_sum"), aux.pop("count")
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, n_acc + n), aux
 
       zeros = jax.tree.map(jnp.zeros_like, params)
-      (grads, loss_sum, count), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+      (grads, loss_sum, count), aux = jax.lax.scan(
+        body, (zeros, jnp.float32(0), jnp.float32(0)), (micro, jnp.arange(a))
+      )
+      aux = jax.tree.map(lambda m: jnp.mean(m, axis=0), aux)  # evict_* metrics: mean over micro-batches
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)  # mean over all target tokens of the step
     lr = self.schedule(opt.step[...])
@@ -199,6 +225,7 @@ class TrainStep:
       "lr": lr,
       "tokens": count,
       "nonfinite": jnp.logical_not(ok).astype(jnp.int32),
+      **aux,  # evict_* (objective on): hinge, target, live fractions per layer
     }
     return new_state, metrics
 
@@ -292,21 +319,26 @@ def train(
     cfg = C.replace(cfg, vocab_size=vocab)
 
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints)
-  start = ckpt.latest_step() or 0
-  if start:  # before building the state: another model's checkpoint gets this error, not a shape mismatch
-    try:
-      _check_resume_config(ckpt.saved_config(start), cfg, ckpt.directory)
-    except ValueError:
-      ckpt.close()
-      raise
-  tx = make_optimizer(cfg)
-  graphdef, state, shardings, abstract = create_state(cfg, mesh, tx)
-  step_fn = TrainStep(cfg, graphdef, shardings, mesh, tx)
-  if start:
-    del state  # restore straight into sharded buffers
-    state, data_state, _ = ckpt.restore(start, abstract_with_shardings(abstract, shardings))
-    pipeline.set_state(own_process_state(data_state))  # raises if the process count changed
-    log(f"[train] resumed from step {start} in {ckpt.directory}")
+  check = lambda saved: _check_resume_config(saved, cfg, ckpt.directory)
+  start = 0
+  try:
+    newest = ckpt.newest_config()
+    if newest:  # before building the state: another model's checkpoint gets this error, not a shape mismatch
+      check(newest[1])
+    tx = make_optimizer(cfg)
+    graphdef, state, shardings, abstract = create_state(cfg, mesh, tx)
+    step_fn = TrainStep(cfg, graphdef, shardings, mesh, tx)
+    if ckpt.all_steps():
+      # The newest checkpoint that restores (a damaged newer one is logged, skipped and moved aside);
+      # none restoring is one CheckpointRestoreError (a ValueError: the CLI's "error: ...", exit 2).
+      del state  # freed first: restored straight into sharded buffers
+      restored = ckpt.restore_newest(abstract_with_shardings(abstract, shardings), check_config=check, log=log)
+      start, state, data_state, _ = restored
+      pipeline.set_state(own_process_state(data_state))  # raises if the process count changed
+      log(f"[train] resumed from step {start} in {ckpt.directory}")
+  except BaseException:
+    ckpt.close()
+    raise
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=1)
@@ -363,6 +395,7 @@ def train(
           "lr": last["lr"],
           "grad_norm": last["grad_norm"],
           "loss_tokens": last["tokens"],
+          **{k: v for k, v in last.items() if k.startswith("evict_")},
         }
         if cfg.eval_every and done % cfg.eval_every == 0:
           with jax.transfer_guard_device_to_host("allow"):
@@ -446,24 +479,46 @@ def _pad_rows(batch: dict, rows: int) -> dict:
   return {k: np.concatenate([v, np.zeros((rows - n,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
 
 
+def heldout_batches(cfg: C.Config) -> list[dict]:
+  """The fixed validation set the periodic eval scores, as this process's padded batches: for text
+  the held-out windows over every validation document (`fpa_jax.data.make_heldout`,
+  `heldout_windows` of them), else the first `eval_batches` batches of the unshuffled split."""
+  rows = cfg.batch_size // jax.process_count()
+  if cfg.task == "text":
+    h = D.make_heldout(
+      "validation",
+      data_dir=cfg.data_dir,
+      seq_len=cfg.seq_len,
+      batch_size=rows,
+      n_windows=cfg.heldout_windows,
+      tokenizer=cfg.tokenizer,
+      small=cfg.small_data,
+      text_source=cfg.text_source,
+    )
+    return [_pad_rows(b, rows) for b in h]
+  it = make_data(cfg, "validation")
+  out = []
+  for b in it:
+    out.append(_pad_rows(b, rows))
+    if len(out) == cfg.eval_batches:
+      break
+  return out
+
+
 def _evaluate(cfg, step_fn, state, mesh, eval_data, log):
-  """Mean validation loss over `eval_batches` batches; skipped if the task has no validation split."""
+  """Mean validation loss over the fixed held-out set (`heldout_batches`, read once, the same at
+  every eval); skipped if the task has no validation split."""
   if eval_data is None:
     try:
-      eval_data = make_data(cfg, "validation")
+      eval_data = heldout_batches(cfg)
     except Exception as e:  # noqa: BLE001 - a missing split just disables eval
       log(f"[train] no validation split for {cfg.task!r} ({e}); eval disabled")
       return False, None
   if eval_data is False:
     return False, None
   tot, n = 0.0, 0.0
-  for _ in range(cfg.eval_batches):
-    try:
-      batch = S.shard_batch(_pad_rows(next(eval_data), cfg.batch_size // jax.process_count()), mesh)
-    except StopIteration:
-      eval_data = None  # fresh epoch next time
-      break
-    s, c = jax.device_get(step_fn.eval_jitted(state, batch))
+  for b in eval_data:
+    s, c = jax.device_get(step_fn.eval_jitted(state, S.shard_batch(b, mesh)))
     tot, n = tot + float(s), n + float(c)
   return eval_data, (tot / n if n else None)
 

@@ -82,7 +82,7 @@ def test_seq_len_shorter_than_a_prompt_is_an_error(tmp_path):
   row = next(make_pipeline("passkey", seq_len=511, **kw))  # exactly enough: one whole prompt per row
   assert (row["loss_mask"].sum(1) > 0).all() and (row["segment_ids"].max(1) == 1).all()
   # The trainer's CLI turns it into "error: ..." (exit 2) for the documented small config command.
-  cfg = get_config("small", task="passkey", small_data=True, data_dir=str(tmp_path), steps=1)
+  cfg = get_config("small", task="passkey", small_data=True, data_dir=str(tmp_path), steps=1, warmup_steps=1)
   with pytest.raises(ValueError, match="seq_len"):
     train.make_data(cfg)
   # The packer itself refuses to cut a too-long document when cutting is off (defence in depth).

@@ -200,3 +200,85 @@ def test_multi_process_job_builds_on_process_0_only(tmp_path):
   with _as_process(0) as barriers, pytest.raises(ValueError, match="does not exist"):
     make_pipeline("text", process_index=0, text_source=str(tmp_path / "missing"), **kw)
   assert barriers == ["fpa_jax.data.prepare text"]
+
+
+def _window_docs(data_dir, seq_len):
+  """Map a text row (its inputs' bytes) -> the documents its scored pairs come from, over the
+  whole small train split, and the split's per-window document weights."""
+  from fpa_jax.data import windows
+
+  path = sources.token_file_path(data_dir, "train", small=True, text_source="stdlib", tokenizer="bytes")
+  tf = windows.TokenFile(path)
+  src = windows.WindowSource(tf, seq_len)
+  where = {src[i]["inputs"].tobytes(): int(tf.doc_of(i * seq_len)) for i in range(len(src))}
+  return tf, src, where
+
+
+def test_text_batches_mix_documents_and_resume_exactly(data_dir):
+  """Issue 18: packing files in order made each batch (and the next ~40) chunks of one file.
+  Windows shuffled globally: rows of a batch come from many documents, and consecutive batches
+  share documents no more often than independent draws would."""
+  L, B, n = 64, 8, 30
+  p = make_pipeline("text", data_dir=data_dir, seq_len=L, batch_size=B, seed=0, **KW)
+  tf, src, where = _window_docs(data_dir, L)
+  batches = [next(p) for _ in range(n)]
+  docs = [[where[r.tobytes()] for r in b["inputs"]] for b in batches]
+  distinct = [len(set(d)) for d in docs]
+  assert min(distinct) >= 5 and np.mean(distinct) >= 6, distinct
+  # Chance: P(a row of the next batch is from a document of this one), windows drawn uniformly.
+  w = np.bincount([int(tf.doc_of(i * L)) for i in range(len(src))], minlength=tf.n_docs) / len(src)
+  chance = np.mean([w[list(set(d))].sum() for d in docs[:-1]])
+  shared = np.mean([np.mean([x in set(a) for x in b]) for a, b in zip(docs[:-1], docs[1:])])
+  assert shared <= 2 * chance + 0.05, (shared, chance)
+  # Every window once per epoch, in another order each epoch.
+  q = make_pipeline("text", data_dir=data_dir, seq_len=L, batch_size=1, seed=0, **KW)
+  e0 = [where[next(q)["inputs"][0].tobytes()] for _ in range(len(src))]
+  e1 = [where[next(q)["inputs"][0].tobytes()] for _ in range(len(src))]
+  assert sorted(e0) == sorted(e1) and e0 != e1
+
+
+def test_text_windows_never_cross_documents(data_dir):
+  p = make_pipeline("text", data_dir=data_dir, seq_len=96, batch_size=4, seed=1, **KW)
+  bos, eos = get_tokenizer("bytes").bos_id, get_tokenizer("bytes").eos_id
+  for _ in range(10):
+    b = next(p)
+    for inp, tgt, seg, m in zip(b["inputs"], b["targets"], b["segment_ids"], b["loss_mask"]):
+      np.testing.assert_array_equal(inp[1:][seg[1:] > 0], np.where(seg[:-1] > 0, tgt[:-1], 0)[seg[1:] > 0])
+      crossing = np.flatnonzero(np.diff(seg) != 0)  # the pair (EOS -> next BOS) and padding carry no loss
+      assert all(inp[i] == eos and m[i] == 0 and (seg[i + 1] == 0 or tgt[i] == bos) for i in crossing)
+      assert (m[seg > 0][np.isin(np.flatnonzero(seg > 0), crossing, invert=True)] == 1).all()
+
+
+def test_text_processes_get_disjoint_windows(data_dir):
+  seen = []
+  for i in range(2):
+    p = make_pipeline(
+      "text", data_dir=data_dir, seq_len=64, batch_size=4, shuffle=False, num_epochs=1, small=True,
+      process_index=i, process_count=2,
+    )  # fmt: skip
+    seen.append({r.tobytes() for b in p for r in b["inputs"]})
+  _, src, _ = _window_docs(data_dir, 64)
+  assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == len({src[i]["inputs"].tobytes() for i in range(len(src))})
+
+
+def test_heldout_spans_every_document_and_is_fixed(data_dir):
+  from fpa_jax.data import make_heldout
+
+  kw = dict(data_dir=data_dir, seq_len=64, small=True)
+  h = make_heldout(batch_size=3, n_windows=10, process_index=0, process_count=1, **kw)
+  cov = h.info["coverage"]
+  assert cov["docs_covered"] == cov["docs_in_split"] and cov["windows"] == 10 and cov["pairs_scored"] > 0
+  rows = [b for b in h]
+  assert sum(len(b["inputs"]) for b in rows) == 12  # padded to whole batches with all-masked rows
+  assert rows[-1]["loss_mask"][-2:].sum() == 0 and rows[0]["loss_mask"].sum() > 0
+  again = make_heldout(batch_size=3, n_windows=10, process_index=0, process_count=1, **kw)
+  for a, b in zip(rows, again):
+    np.testing.assert_array_equal(a["inputs"], b["inputs"])
+  # Two processes: the same set, split, each with the same number of (padded) batches.
+  parts = [list(make_heldout(batch_size=2, n_windows=10, process_index=i, process_count=2, **kw)) for i in range(2)]
+  assert len(parts[0]) == len(parts[1]) == 3
+  mine = {r.tobytes() for b in rows for r, m in zip(b["inputs"], b["loss_mask"]) if m.sum()}
+  theirs = {r.tobytes() for part in parts for b in part for r, m in zip(b["inputs"], b["loss_mask"]) if m.sum()}
+  assert mine == theirs
+  few = make_heldout(batch_size=1, n_windows=1, process_index=0, process_count=1, **kw).info["coverage"]
+  assert few["docs_covered"] >= 1 and few["windows"] == 1

@@ -98,7 +98,7 @@ def test_bench_decode_tiny_run_writes_results(tmp_path):
 
   out = bench_decode.main(["--config", "tiny", "--quick", "--batch", "2", "--out", str(tmp_path / "bench_decode")])
   rows = out["rows"]
-  assert set(rows) == {f"{m}x/{p}" for m in (1, 2) for p in ("full", "fpa_budget", "window")}
+  assert set(rows) == {f"{m}x/{p}" for m in (1, 2) for p in bench_decode.QUICK}
   assert rows["2x/fpa_budget"]["capacity"] == 20 and rows["2x/full"]["capacity"] == 80  # 25% of 64 + 16
   assert 0.2 < rows["2x/fpa_budget"]["cache_bytes_over_full"] < 0.3
   assert all(r["decode_ms_per_token"] > 0 for r in rows.values())
@@ -111,7 +111,7 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
   from fpa_jax import configs as C
   from fpa_jax.train import train
 
-  cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=1, ckpt_every=1, vocab_size=259)
+  cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=1, warmup_steps=1, ckpt_every=1, vocab_size=259)
   train(cfg, workdir=str(tmp_path / "run"), progress=False, log=lambda s: None)
   (tmp_path / "passkey.json").write_text(json.dumps({"train_length": 40, "fpa": {"workdir": str(tmp_path / "run")}}))
   args = [

@@ -18,7 +18,7 @@ OUTSIDE_OK = ("fpa_jax.configs",)
 LAYERS = [
   ("tokenizers",),
   ("scopes", "dips", "passkey", "synthetic"),
-  ("text",),
+  ("text", "windows"),
   ("builders",),
   ("sources",),
   ("pipeline",),

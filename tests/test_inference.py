@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _tol import assert_bitwise, assert_close, rtol
 from fpa_jax import configs as C
 from fpa_jax.inference import cache as K
 from fpa_jax.inference import decode as D
@@ -37,12 +38,13 @@ def test_full_cache_equals_parallel(att):
   m = _model(att)
   tok = _tokens(2, 21, m.cfg.vocab_size)
   logits, stats = cached_logits(m, tok)
-  np.testing.assert_allclose(logits, m(tok), atol=1e-4)
+  n = m.cfg.d_model * m.cfg.n_layers  # logits: reductions over d_model in every layer
+  assert_close(logits, m(tok), n=n)
   assert stats["cache_fraction"] == 1.0 and stats["kept_fraction_mean"] == 1.0 and stats["lost_mass_max"] == 0.0
   # packed rows: the cache restarts at every segment change, like the parallel path's segment mask
   seg = jnp.array([[1] * 7 + [2] * 9 + [5] * 5, [3] * 21])
   logits, _ = cached_logits(m, tok, segment_ids=seg)
-  np.testing.assert_allclose(logits, m(tok, seg), atol=1e-4)
+  assert_close(logits, m(tok, seg), n=n)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,7 @@ def test_budget_at_least_sequence_equals_full(policy, kw):
   tok = _tokens(2, 16, m.cfg.vocab_size)
   full, _ = cached_logits(m, tok)
   got, stats = cached_logits(m, tok, policy=policy, budget=16)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(full))
+  assert_close(got, full, n=m.cfg.d_model * m.cfg.n_layers)  # another policy's program: same keys, same math
   assert stats["lost_mass_max"] == 0.0
 
 
@@ -187,7 +189,7 @@ def test_logit_bound_holds_on_random_inputs():
   uq = np.asarray(layer_logit_bounds(mq)[0])
   q, k, _ = mq.blocks[0].attn.project(mq.blocks[0].attn_norm(x), jnp.broadcast_to(jnp.arange(64), (4, 64)))
   s = jnp.einsum("bthk,bshk->bhts", q, k) * mq.cfg.head_dim**-0.5
-  assert np.all(np.max(np.abs(np.asarray(s)), axis=(0, 2, 3)) <= uq + 1e-5)
+  assert np.all(np.max(np.abs(np.asarray(s)), axis=(0, 2, 3)) <= uq * (1 + rtol(np.float32, mq.cfg.head_dim)))
 
 
 # ------------------------------------------------------------------------------------------------ generate
@@ -270,7 +272,7 @@ def test_parallel_prefill_keeps_the_same_keys_as_decode():
     # under parallel prefill); fpa_budget's greedy order may keep other keys than its final ranking.
     if policy != "fpa_budget":
       assert key_set(par[0]) == key_set(dec[0]), policy
-    np.testing.assert_allclose(par[0].carry, dec[0].carry, atol=1e-4)
+    assert_close(par[0].carry, dec[0].carry, n=16 * m.cfg.d_model)  # a sum over 16 steps of gate read-outs
     assert all(int(jnp.max(jnp.sum(c.alive, 1))) <= pol.capacity for c in par)
 
 
@@ -312,7 +314,11 @@ def test_load_model_round_trip(trained_run):
   assert cfg == out["config"]
   trained, _ = nnx.merge(out["graphdef"], out["state"])
   tok = _tokens(2, 12, cfg.vocab_size)
-  np.testing.assert_allclose(model(tok), trained(tok), atol=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(trained, nnx.Param))):
+    assert_bitwise(a, b)  # the restored weights are exactly the trained ones
+  # ... but the trained state lives on the trainer's 8-device mesh, so its forward is another
+  # (sharded) program than the restored single-device one: equal up to reduction order.
+  assert_close(model(tok), trained(tok), n=cfg.d_model * cfg.n_layers)
 
 
 def test_generate_cli(trained_run, tmp_path, capsys):

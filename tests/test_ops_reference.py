@@ -15,6 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from _tol import assert_bitwise, assert_close, eps
 from fpa_jax import ops
 from fpa_jax.ops import reference_np as ref
 
@@ -80,10 +81,6 @@ def round_to(x, dtype):
   return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
 
 
-def out_tol(v, rel):
-  return rel * max(1.0, float(np.abs(v).max()))
-
-
 cases = st.fixed_dictionaries(
   dict(
     b=st.integers(1, 2),
@@ -147,10 +144,10 @@ def test_penalty_matches_loop_reference(t, lead, gate_scale, mode, seed):
   want = want.reshape(lead + (t, t))
   upper = np.triu(np.ones((t, t), bool), 1)
   assert np.all(np.isposinf(got[..., upper])), "entries above the diagonal must be +inf"
-  np.testing.assert_array_equal(np.diagonal(got, axis1=-2, axis2=-1), 0.0)
-  # level_j - min(field) of fp32 inputs: one fp32 rounding at most.
+  assert_bitwise(np.diagonal(got, axis1=-2, axis2=-1), 0.0)
+  # level_j - min(field) of fp32 inputs: one fp32 rounding at most (<= eps / 2 of each entry; tiny: FTZ).
   lower = ~upper
-  np.testing.assert_allclose(got[..., lower], want[..., lower], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got[..., lower], want[..., lower], rtol=eps(np.float32), atol=np.finfo(np.float32).tiny)
 
 
 def test_penalty_hand_example():
@@ -165,11 +162,12 @@ def test_penalty_hand_example():
 # ----------------------------------------------------------------------------- fpa_attention fp32
 
 
-def _check_all_impls(jx, npx, scale, rel, blk):
+def _check_all_impls(jx, npx, scale, blk, **tol):
+  """Every impl against the float64 reference: `_tol.assert_close(**tol)` at the scale of v (outputs
+  are convex combinations of v)."""
   want = ref.fpa_attention_np(
     npx["q"], npx["k"], npx["v"], npx["field"], npx["level"], scale=scale, segment_ids=npx["segment_ids"]
   )
-  tol = out_tol(npx["v"], rel)
   for impl, bs in impl_blocks(blk):
     got = _fpa(
       jx["q"],
@@ -183,9 +181,7 @@ def _check_all_impls(jx, npx, scale, rel, blk):
       block_size=bs,
     )
     assert got.shape == want.shape and got.dtype == jx["q"].dtype, (impl, blk)
-    np.testing.assert_allclose(
-      np.asarray(got.astype(jnp.float32)), want, atol=tol, rtol=0, err_msg=f"impl={impl} block_size={bs}"
-    )
+    assert_close(got, want, scale=np.abs(npx["v"]).max(), err_msg=f"impl={impl} block_size={bs}", **tol)
 
 
 @settings(max_examples=3, derandomize=True)
@@ -196,7 +192,7 @@ def _check_all_impls(jx, npx, scale, rel, blk):
 @example(c=dict(b=2, t=40, h=1, d=2, dv=None, seg="none", gate_scale=1e3, mode="shared", scale=None, blk=16, seed=4))
 def test_fpa_attention_matches_reference_fp32(c):
   jx, npx = make_case(c)
-  _check_all_impls(jx, npx, c["scale"], rel=2e-5, blk=c["blk"])
+  _check_all_impls(jx, npx, c["scale"], blk=c["blk"], n=c["t"])  # sums over t keys
 
 
 def test_fpa_isolated_segments_return_own_value():
@@ -204,12 +200,12 @@ def test_fpa_isolated_segments_return_own_value():
   t = 13
   c = dict(b=2, t=t, h=2, d=3, dv=4, seg="isolated", gate_scale=1e3, mode="spikes", scale=None, seed=t)
   jx, npx = make_case(c)
-  np.testing.assert_allclose(
+  assert_close(
     ref.fpa_attention_np(npx["q"], npx["k"], npx["v"], npx["field"], npx["level"], segment_ids=npx["segment_ids"]),
     npx["v"],
-    atol=1e-12,
+    n=t,
   )
-  _check_all_impls(jx, npx, None, rel=1e-6, blk=4)
+  _check_all_impls(jx, npx, None, blk=4)  # one key per query: no sum
 
 
 # ----------------------------------------------------------------------------- bf16
@@ -220,7 +216,7 @@ def test_fpa_attention_bf16(gate_dtype, seg):
   c = dict(b=2, t=19, h=2, d=8, dv=4, seg=seg, gate_scale=1.0, mode="walk", scale=None, seed=11)
   jx, npx = make_case(c, dtype=jnp.bfloat16, gate_dtype=gate_dtype)
   # bf16 weights/outputs: 8 mantissa bits; allow a few roundings of the largest |v|.
-  _check_all_impls(jx, npx, None, rel=2e-2, blk=8)
+  _check_all_impls(jx, npx, None, blk=8, dtype=jnp.bfloat16, factor=2)
 
 
 # ----------------------------------------------------------------------------- FoX
@@ -258,22 +254,16 @@ def test_fox_attention_matches_cumsum_reference(c):
   seg = make_segments(rng, b, t, c["seg"])
   segj = None if seg is None else jnp.asarray(seg)
   want = ref.fox_attention_np(q, k, v, logf, segment_ids=seg)
-  tol = out_tol(v, 2e-5)
+  tol = dict(dtype=np.float32, n=t, scale=np.abs(v).max())  # sums over t keys, at the scale of v
   qj, kj, vj, lj = (jnp.asarray(x, jnp.float32) for x in (q, k, v, logf))
   cum = jnp.cumsum(lj, axis=1)
   fpa_fox = _fpa(qj, kj, vj, cum, cum, impl="quadratic", segment_ids=segj)
-  np.testing.assert_allclose(np.asarray(fpa_fox), want, atol=tol, rtol=0, err_msg="fpa(field=level=cumsum)")
+  assert_close(fpa_fox, want, err_msg="fpa(field=level=cumsum)", **tol)
   for impl, blk in impl_blocks(c["blk"]):
     got = _fox(qj, kj, vj, lj, impl=impl, segment_ids=segj, block_size=blk)
     assert got.dtype == jnp.float32 and got.shape == want.shape
-    np.testing.assert_allclose(np.asarray(got), want, atol=tol, rtol=0, err_msg=f"fox impl={impl} block={blk}")
-    np.testing.assert_allclose(
-      np.asarray(got),
-      np.asarray(fpa_fox),
-      atol=tol,
-      rtol=0,
-      err_msg=f"fox vs fpa special case, impl={impl} block={blk}",
-    )
+    assert_close(got, want, err_msg=f"fox impl={impl} block={blk}", **tol)
+    assert_close(got, fpa_fox, err_msg=f"fox vs fpa special case, impl={impl} block={blk}", **tol)
 
 
 def test_fox_reference_is_fpa_special_case_np():
@@ -283,7 +273,7 @@ def test_fox_reference_is_fpa_special_case_np():
   q, k, v = (rng.normal(size=(b, t, h, d)) for _ in range(3))
   logf = -np.abs(rng.normal(size=(b, t, h)))
   cum = np.cumsum(logf, axis=1)
-  np.testing.assert_allclose(ref.fox_attention_np(q, k, v, logf), ref.fpa_attention_np(q, k, v, cum, cum), atol=1e-12)
+  assert_close(ref.fox_attention_np(q, k, v, logf), ref.fpa_attention_np(q, k, v, cum, cum), n=t)  # float64
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -297,11 +287,12 @@ def test_softmax_attention_matches_reference(t, seg, dv):
   v = round_to(rng.normal(size=(b, t, h, dv)), jnp.float32)
   s = make_segments(rng, b, t, seg)
   got = _softmax(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), segment_ids=None if s is None else jnp.asarray(s))
-  np.testing.assert_allclose(np.asarray(got), ref.softmax_attention_np(q, k, v, segment_ids=s), atol=out_tol(v, 2e-5))
+  tol = dict(dtype=np.float32, n=t, scale=np.abs(v).max())  # sums over t keys, at the scale of v
+  assert_close(got, ref.softmax_attention_np(q, k, v, segment_ids=s), **tol)
   # FPA with a constant field (never dips below any level) is plain softmax attention.
   zero = jnp.zeros((b, t, h), jnp.float32)
-  np.testing.assert_allclose(
-    np.asarray(got),
+  assert_close(
+    got,
     np.asarray(
       _fpa(
         *(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
@@ -311,5 +302,5 @@ def test_softmax_attention_matches_reference(t, seg, dv):
         segment_ids=None if s is None else jnp.asarray(s),
       )
     ),
-    atol=out_tol(v, 1e-6),
+    **tol,
   )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from _tol import assert_bitwise, assert_close, assert_trees_close
 from fpa_jax import configs as C
 from fpa_jax import ops
 from fpa_jax import sharding as S
@@ -71,8 +71,10 @@ def test_layer_under_mesh_matches_plain_and_gathers_nothing(layer, mesh_spec, b)
     (_, y), g = _grad(layer, x, seg)
     hlo = _grad.lower(layer, x, seg).compile().as_text()
   assert y.sharding.spec[0] == "data"
-  np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), atol=1e-6)
-  chex.assert_trees_all_close(nnx.state(g), nnx.state(want_g), atol=1e-6, rtol=0)
+  # Another program (sharded): y through reductions over D and T, weight grads over the b * T tokens.
+  assert_close(y, want_y, n=max(D, T))
+  # The absolute bias shifts field and level alike: its gradient is rounding noise on both sides.
+  assert_trees_close(nnx.state(g), nnx.state(want_g), n=b * T, zero_leaves=("absolute/b",))
   assert not _gathers(hlo), f"all-gathers in the sharded layer's step: {_gathers(hlo)}"
 
 
@@ -98,8 +100,8 @@ def test_grouped_heads_under_mesh_match_chunked(mesh_spec, q_gathered):
   with jax.set_mesh(mesh):
     (_, y), g = _grad(pallas, x, seg)
     hlo = _grad.lower(pallas, x, seg).compile().as_text()
-  np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), atol=1e-5)
-  chex.assert_trees_all_close(nnx.state(g), nnx.state(want_g), atol=1e-5, rtol=0)
+  assert_close(y, want_y, n=max(D, T))
+  assert_trees_close(nnx.state(g), nnx.state(want_g), n=4 * T, zero_leaves=("absolute/b",))
   q_local = f"f32[{4 // mesh.shape['data']},{T},4,{pallas.cfg.head_dim}]"
   assert all(s.startswith(q_local) for s in _gathers(hlo)) and bool(_gathers(hlo)) == q_gathered, _gathers(hlo)
 
@@ -149,8 +151,9 @@ def test_train_step_pallas_matches_chunked_on_8_devices():
   batch = next(SyntheticPipeline(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size))
   want_loss, want = _step(cfg, mesh, batch)
   loss, got = _step(C.get_config("tiny", attn_impl="pallas", **base), mesh, batch)
-  assert np.isfinite(loss) and abs(loss - want_loss) <= 1e-5
-  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+  assert np.isfinite(loss)
+  assert_close(loss, want_loss, n=cfg.batch_size * T)
+  assert_trees_close(got, want, n=cfg.batch_size * T)
 
 
 def test_auto_on_cpu_takes_block_sizes():
@@ -163,6 +166,6 @@ def test_auto_on_cpu_takes_block_sizes():
   for op, gates in ((ops.fpa_attention, (c, -c)), (ops.fox_attention, (jax.nn.log_sigmoid(c),))):
     run = jax.jit(lambda *a, impl, blk, op=op: op(*a, impl=impl, block_size=blk), static_argnames=("impl", "blk"))
     got = run(q, k, v, *gates, impl="auto", blk=BlockSizes(4, 8))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(run(q, k, v, *gates, impl="chunked", blk=4)))
+    assert_bitwise(got, run(q, k, v, *gates, impl="chunked", blk=4))  # auto on CPU is this same program
     with pytest.raises(ValueError, match="int block_size"):
       op(q, k, v, *gates, impl="chunked", block_size=BlockSizes(4))

@@ -65,7 +65,8 @@ def test_passkey_mix_weights_and_exact_resume(data_dir):
 
 
 # batch 8: the suite simulates 8 CPU devices (conftest), and the trainer shards the batch over all.
-TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--block-size", "32", "--batch-size", "8"]
+# --warmup 1: a warmup longer than the 2-step schedule is a config error (configs.TrainConfig.validate)
+TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--block-size", "32", "--batch-size", "8", "--warmup", "1"]
 
 
 def test_passkey_script_tiny_run(tmp_path, data_dir):
@@ -132,8 +133,8 @@ def test_perplexity_script_tiny_run(tmp_path, data_dir):
     *TINY,
     "--steps",
     "2",
-    "--eval-tokens",
-    "256",
+    "--heldout-windows",
+    "6",
     "--eval-batch",
     "4",
     "--pos-docs",
@@ -152,6 +153,8 @@ def test_perplexity_script_tiny_run(tmp_path, data_dir):
   e = res["fox"]
   assert len(e["bpb"]) == 1 and 0 < e["bpb"][0] < 10 and len(e["by_position"]) == 8  # 8L / bucket
   assert res["summary"]["fox"]["vs_fox"] == 0.0 and res["meta"]["machine"]["cpu_count"]
+  cov = res["heldout"]  # the held-out set spans every validation document of the split
+  assert cov["windows"] == 6 and cov["docs_covered"] == cov["docs_in_split"] and cov["bytes_scored"] > 0
   assert "| fox | 1 |" in (tmp_path / "out" / "perplexity.md").read_text()
   assert (tmp_path / "out" / "perplexity.png").stat().st_size > 0
 
@@ -161,3 +164,21 @@ def test_base110m_recipes_only_print(capsys, tmp_path):
   assert perplexity.main(["--scale", "base110m", "--out-dir", str(tmp_path)]) is None
   out = capsys.readouterr().out
   assert "mesh" in out and "expected" in out and not list(tmp_path.iterdir())
+
+
+def test_lm_ablations_script_tiny_run(tmp_path, data_dir):
+  """Issue 20's ablation rows: one change each against fpa_fox0; paired vs fox and fpa_fox0; the
+  held-out curve from the trainer's periodic evals; a rerun resumes (no training, same numbers)."""
+  from experiments import lm_ablations
+
+  argv = ["--rows", "fox", "fpa_fox0", "fpa_fox0_glr0.1", "--train-len", "32", *TINY, "--steps", "2"]
+  argv += ["--eval-every", "1", "--heldout-windows", "4", "--eval-batch", "4", "--data-dir", data_dir]
+  argv += ["--small-data", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")]
+  res = lm_ablations.main(argv)
+  s = res["summary"]
+  assert s["fox"]["vs_fox"] == 0.0 and s["fpa_fox0"]["vs_fpa_fox0"] == 0.0 and s["fpa_fox0_glr0.1"]["vs_fox"] != 0
+  assert set(res["fox"]["curves"][0]) == {"1", "2"} and res["heldout"]["docs_covered"] >= 1
+  assert res["fpa_fox0_glr0.1"]["config"]["gate_lr_scale"] == 0.1
+  assert "| fpa_fox0_glr0.1 |" in (tmp_path / "out" / "lm_ablations.md").read_text()
+  again = lm_ablations.main(argv)
+  assert again["fox"]["bpb"] == res["fox"]["bpb"] and again["fox"]["train_wall_s"] == res["fox"]["train_wall_s"]

@@ -9,7 +9,7 @@ Build everything ahead of time with `python -m fpa_jax.data.prepare --data-dir D
 Modules in layers; each imports only from the layers before it (tests/test_imports.py checks):
   1. tokenizers                                   bytes and SentencePiece
   2. scopes, dips, passkey, synthetic             task generators (numpy)
-  3. text                                         text corpus listing and split
+  3. text, windows                                text corpus listing and split; token files as windows
   4. builders                                     TFDS builders (tensorflow_datasets from here on)
   5. sources                                      building once per job, opening splits, spm training
   6. pipeline                                     grain pipelines, `make_pipeline`
@@ -25,6 +25,7 @@ _EXPORTS = {
   "KEYS": "pipeline",
   "Pipeline": "pipeline",
   "make_pipeline": "pipeline",
+  "make_heldout": "pipeline",
   "get_tokenizer": "sources",
   "ByteTokenizer": "tokenizers",
   "SpmTokenizer": "tokenizers",

@@ -1,4 +1,9 @@
-"""grain pipelines: source -> shard by process -> shuffle -> repeat -> tokenize -> pack -> batch.
+"""grain pipelines: source -> shard by process -> shuffle -> repeat -> (tokenize -> pack) -> batch.
+
+Text is a map-style dataset of fixed-length windows over the tokenized split (`windows`): its rows
+are shuffled globally each epoch, so a batch holds rows of many documents; `make_heldout` is the
+fixed held-out sample of windows spread over every validation document. The other tasks pack whole
+documents (prompts, scope strings) into rows after a record-level shuffle.
 
 Every batch is a dict of numpy arrays ([batch, seq_len] each):
   inputs int32, targets int32 (next-token), segment_ids int32 (1, 2, 3, ... per packed document
@@ -17,7 +22,7 @@ import jax
 import numpy as np
 
 from fpa_jax.configs import TASKS, TEST_TASKS  # noqa: F401 - one definition; TASKS re-exported
-from fpa_jax.data import builders, dips, passkey, scopes, sources
+from fpa_jax.data import builders, dips, passkey, scopes, sources, windows
 from fpa_jax.data.synthetic import SyntheticPipeline, make_synthetic
 from fpa_jax.data.tokenizers import load_tokenizer, parse_tokenizer_name
 
@@ -115,7 +120,7 @@ def _to_str(x) -> str:
   return x.decode("utf-8") if isinstance(x, bytes) else str(x)
 
 
-def _doc_fn(task: str, tok, text_key: str | None):
+def _doc_fn(task: str, tok):
   """Record -> {"tokens": int32 [n], "mask": float32 [n-1]} for `task`."""
   if task in ("scopes", "dips"):
     mod = scopes if task == "scopes" else dips
@@ -128,12 +133,7 @@ def _doc_fn(task: str, tok, text_key: str | None):
       return {"tokens": toks, "mask": passkey.loss_mask(toks, 1 + len(prompt), len(answer))}
 
     return f
-
-  def f(r):  # text: every real next token inside the document counts
-    toks = np.asarray([tok.bos_id, *tok.encode(_to_str(r[text_key])), tok.eos_id], np.int32)
-    return {"tokens": toks, "mask": np.ones(len(toks) - 1, np.float32)}
-
-  return f
+  raise ValueError(f"no document function for task {task!r} (text rows are windows: fpa_jax.data.windows)")
 
 
 def check_passkey_seq_len(src, seq_len: int, split: str = "train") -> None:
@@ -232,33 +232,6 @@ def make_pipeline(
     task, data_dir, small=small, text_source=text_source, tokenizer=tokenizer if tokenized else None
   )
 
-  # Everything is built now: open it read-only.
-  text_key = "text"
-  if task == "text" and text_source.startswith("tfds:"):
-    src = sources.catalog_source(text_source[len("tfds:") :], split, data_dir, build=False)
-    text_key = sources.catalog_text_key(src[0])
-  else:
-    src = builders.data_source(task, split, data_dir, small=small, text_source=text_source, build=False)
-  if task == "passkey":
-    check_passkey_seq_len(src, seq_len, split)
-
-  if tokenized:
-    tok = load_tokenizer(tokenizer, data_dir, small=small)
-    vocab = tok.vocab_size
-  else:
-    mod = scopes if task == "scopes" else dips
-    vocab, tok = mod.vocab_size(builders.synthetic_task_config(task, small)), None
-
-  ds = grain.MapDataset.source(src)
-  if process_count > 1:
-    ds = ds[process_index::process_count]
-  if len(ds) == 0:
-    raise ValueError(f"{task}/{split} has no records for process {process_index}/{process_count}")
-  if shuffle:
-    ds = ds.shuffle(seed=seed)
-  ds = ds.repeat(num_epochs).map(_doc_fn(task, tok, text_key))
-  ds = PackIterDataset(ds.to_iter_dataset(), seq_len, split_docs=(task == "text"), cut_long_docs=(task != "passkey"))
-  ds = ds.batch(batch_size, drop_remainder=num_epochs is None)
   info = {
     "task": task,
     "split": split,
@@ -273,4 +246,97 @@ def make_pipeline(
     "process_count": process_count,
     "text_source": text_source,
   }
+  # Everything is built now: open it read-only.
+  if task == "text":
+    tf = _token_file(data_dir, split, small, text_source, tokenizer)
+    ds = grain.MapDataset.source(windows.WindowSource(tf, seq_len))
+    ds = _shard(ds, process_index, process_count, task, split)
+    if shuffle:
+      ds = ds.shuffle(seed=seed)  # a fresh permutation of the windows each epoch (repeat reseeds)
+    ds = ds.repeat(num_epochs).to_iter_dataset().batch(batch_size, drop_remainder=num_epochs is None)
+    return Pipeline(ds, load_tokenizer(tokenizer, data_dir, small=small).vocab_size, {**info, "rows": "windows"})
+  src = builders.data_source(task, split, data_dir, small=small, text_source=text_source, build=False)
+  if task == "passkey":
+    check_passkey_seq_len(src, seq_len, split)
+
+  if tokenized:
+    tok = load_tokenizer(tokenizer, data_dir, small=small)
+    vocab = tok.vocab_size
+  else:
+    mod = scopes if task == "scopes" else dips
+    vocab, tok = mod.vocab_size(builders.synthetic_task_config(task, small)), None
+
+  ds = _shard(grain.MapDataset.source(src), process_index, process_count, task, split)
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.repeat(num_epochs).map(_doc_fn(task, tok))
+  ds = PackIterDataset(ds.to_iter_dataset(), seq_len, split_docs=False, cut_long_docs=(task != "passkey"))
+  ds = ds.batch(batch_size, drop_remainder=num_epochs is None)
   return Pipeline(ds, vocab, info)
+
+
+def _shard(ds: grain.MapDataset, process_index: int, process_count: int, task: str, split: str) -> grain.MapDataset:
+  """This process's records (every process_count-th, from process_index): disjoint across processes."""
+  if process_count > 1:
+    ds = ds[process_index::process_count]
+  if len(ds) == 0:
+    raise ValueError(f"{task}/{split} has no records for process {process_index}/{process_count}")
+  return ds
+
+
+def _token_file(data_dir, split: str, small: bool, text_source: str, tokenizer: str) -> windows.TokenFile:
+  path = sources.token_file_path(data_dir, split, small=small, text_source=text_source, tokenizer=tokenizer)
+  if not windows.token_file_ready(path):
+    raise ValueError(
+      f"text split {split!r} has no token file at {path}.bin (valid splits are built together); build it with "
+      f"python -m fpa_jax.data.prepare --data-dir {data_dir} --only text"
+    )
+  return windows.TokenFile(path)
+
+
+def make_heldout(
+  split: str = "validation",
+  *,
+  data_dir,
+  seq_len: int,
+  batch_size: int,
+  n_windows: int = 256,
+  tokenizer: str = "bytes",
+  small: bool = False,
+  text_source: str = "stdlib",
+  process_index: int | None = None,
+  process_count: int | None = None,
+) -> Pipeline:
+  """The fixed held-out text set: `n_windows` windows of `seq_len` spread over every document of
+  `split` (`windows.heldout_starts`, seed 0: the same for every run), one pass, batches of
+  `batch_size` per process. The set is padded with all-masked rows to a whole number of batches
+  on every process (so a multi-process eval runs the same number of steps everywhere), and split
+  across processes. `pipeline.info["coverage"]`: documents and pairs it scores (`windows.coverage`).
+  """
+  if seq_len < 1 or batch_size < 1:
+    raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+  parse_tokenizer_name(tokenizer)
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
+  data_dir = builders.check_data_dir(data_dir)
+  sources.prepare_shared("text", data_dir, small=small, text_source=text_source, tokenizer=tokenizer)
+  tf = _token_file(data_dir, split, small, text_source, tokenizer)
+  starts = windows.heldout_starts(tf, seq_len, n_windows)
+  per = batch_size * process_count
+  padded = np.concatenate([starts, -np.ones(-len(starts) % per, np.int64)])
+  ds = grain.MapDataset.source(windows.WindowSource(tf, seq_len, padded))[process_index::process_count]
+  ds = ds.to_iter_dataset().batch(batch_size, drop_remainder=False)
+  info = {
+    "task": "text",
+    "split": split,
+    "heldout": True,
+    "seq_len": seq_len,
+    "batch_size": batch_size,
+    "tokenizer": tokenizer,
+    "small": small,
+    "process_index": process_index,
+    "process_count": process_count,
+    "text_source": text_source,
+    "coverage": windows.coverage(tf, starts, seq_len),
+  }
+  return Pipeline(ds, load_tokenizer(tokenizer, data_dir, small=small).vocab_size, info)

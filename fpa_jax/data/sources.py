@@ -15,7 +15,7 @@ import jax
 import tensorflow_datasets as tfds
 from jax.experimental import multihost_utils
 
-from fpa_jax.data import builders
+from fpa_jax.data import builders, windows
 from fpa_jax.data.tokenizers import load_tokenizer, parse_tokenizer_name, spm_model_path, train_spm
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,39 @@ def prepare(
   else:
     builder = builders.get_builder(task, data_dir, small=small, text_source=text_source)
   if tokenizer is not None:
-    get_tokenizer(tokenizer, data_dir, small=small)
+    tok = get_tokenizer(tokenizer, data_dir, small=small)
+    if task == "text":
+      for split in builder.info.splits:
+        _build_token_file(builder, split, tokenizer, tok, data_dir, text_source)
   return builder
+
+
+def token_file_path(data_dir: str, split: str, *, small: bool, text_source: str, tokenizer: str) -> str:
+  """Where the flat token file of a text split lives (`windows`), beside the built dataset."""
+  if text_source.startswith("tfds:"):
+    builder = catalog_builder(text_source[len("tfds:") :], data_dir, build=False)
+  else:
+    builder = builders.get_builder("text", data_dir, small=small, text_source=text_source, build=False)
+  return os.path.join(windows.token_dir(str(builder.data_dir), tokenizer), split)
+
+
+def _build_token_file(builder, split: str, tokenizer: str, tok, data_dir: str, text_source: str) -> None:
+  path = os.path.join(windows.token_dir(str(builder.data_dir), tokenizer), split)
+  if windows.token_file_ready(path):
+    return
+  if text_source.startswith("tfds:"):
+    src = tfds.data_source(builder.name, split=split, data_dir=data_dir, download=False)
+    key = catalog_text_key(src[0]) if len(src) else "text"
+  else:
+    src, key = builder.as_data_source(split), "text"
+  log.info("tokenizing %s/%s (%d documents) into %s", builder.name, split, len(src), path)
+
+  def texts():
+    for i in range(len(src)):
+      t = src[i][key]
+      yield t.decode("utf-8") if isinstance(t, bytes) else str(t)
+
+  windows.build_token_file(texts(), tok.encode, tok.bos_id, tok.eos_id, tok.vocab_size, path)
 
 
 def prepare_shared(task: str, data_dir: str, **kw) -> None:

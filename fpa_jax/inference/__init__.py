@@ -3,15 +3,33 @@
     from fpa_jax.inference import load_model, generate, cached_logits
     model, cfg = load_model("runs/small_fpa")
     tokens, stats = generate(model, prompts, 32, policy="fpa_budget", budget=0.25)
+    tokens, stats = generate(model, prompts, 32, policy="fpa_global", budget=0.25)  # one budget per row
     logits, stats = cached_logits(model, tokens, policy="fpa", tolerance=1e-3)   # studies
 
 Policies and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache`.
 """
 
-from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend
-from fpa_jax.inference.decode import cached_logits, generate, init_caches, layer_logit_bounds
+from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend, snapkv_scores
+from fpa_jax.inference.decode import (
+  cache_bytes,
+  cached_logits,
+  generate,
+  global_evict,
+  init_caches,
+  layer_logit_bounds,
+  layer_query_bounds,
+)
 from fpa_jax.inference.loading import load_model, read_metrics
-from fpa_jax.inference.policies import POLICIES, Policy, PolicyName, logit_bound, make_policy, tolerance_threshold
+from fpa_jax.inference.policies import (
+  POLICIES,
+  Policy,
+  PolicyName,
+  key_tolerance_threshold,
+  logit_bound,
+  make_policy,
+  query_norm_bound,
+  tolerance_threshold,
+)
 
 __all__ = [
   "load_model",
@@ -20,6 +38,10 @@ __all__ = [
   "cached_logits",
   "init_caches",
   "layer_logit_bounds",
+  "layer_query_bounds",
+  "cache_bytes",
+  "global_evict",
+  "snapkv_scores",
   "LayerCache",
   "init_cache",
   "decode_attend",
@@ -29,5 +51,7 @@ __all__ = [
   "PolicyName",
   "make_policy",
   "logit_bound",
+  "query_norm_bound",
   "tolerance_threshold",
+  "key_tolerance_threshold",
 ]

@@ -35,9 +35,14 @@ class LayerCache(NamedTuple):
   pos:       [B, S, H] int32 position of the key in its row (-1: the slot never held a key of the
              current sequence).
   alive:     [B, S, H] bool: the slot's key is attended to (False once evicted).
-  score:     [B, S, H] fp32 attention mass the key received so far (h2o).
+  score:     [B, S, H] fp32 h2o: attention mass the key received so far; snapkv: its prefill score
+             (`snapkv_scores`; +inf in the observation window, 0 for generated keys).
   carry:     [B, H] fp32 the gate's running sum of field increments.
-  threshold: [H] fp32 eviction threshold on the penalty (+inf: never by threshold).
+  threshold: [H] fp32 eviction threshold on the penalty (+inf: never by threshold); a key's own
+             threshold is threshold + min(key_cap, key_coef * ||k||) (the `fpa` policy's per-key
+             bound, `policies.key_tolerance_threshold`; key_coef = key_cap = 0 otherwise).
+  key_coef:  [H] fp32 scale * (bound on any query's norm) for the per-key threshold.
+  key_cap:   [H] fp32 cap on the per-key term (U: the parameter bound on the logit).
   lost:      [B, H] fp32 at the last step, the full-cache attention mass of the evicted keys
              (only when the cache never reuses slots: `measure=True` in `decode_attend`).
   overflow:  [B, H] bool a thresholded policy had to evict below its threshold (cache full).
@@ -52,6 +57,8 @@ class LayerCache(NamedTuple):
   score: jax.Array
   carry: jax.Array
   threshold: jax.Array
+  key_coef: jax.Array
+  key_cap: jax.Array
   lost: jax.Array
   overflow: jax.Array
 
@@ -60,10 +67,19 @@ class LayerCache(NamedTuple):
     """[B, S, H] current first-passage penalty of each slot's key (0 on empty slots)."""
     return jnp.where(self.pos >= 0, jax.nn.relu(self.level - self.run_min), 0.0)
 
+  def key_threshold(self, k: jax.Array | None = None) -> jax.Array:
+    """[B, S, H] the eviction threshold of each slot's key (of `k` [B, S, H, K] if given)."""
+    k = self.k if k is None else k
+    norm = jnp.sqrt(jnp.sum(jnp.square(k.astype(F32)), axis=-1))
+    return self.threshold + jnp.minimum(self.key_cap, self.key_coef * norm)
 
-def init_cache(batch: int, slots: int, heads: int, head_dim: int, *, dtype=F32, threshold=None) -> LayerCache:
+
+def init_cache(
+  batch: int, slots: int, heads: int, head_dim: int, *, dtype=F32, threshold=None, key_coef=None, key_cap=None
+) -> LayerCache:
   bsh = (batch, slots, heads)
   thr = jnp.full((heads,), jnp.inf, F32) if threshold is None else jnp.asarray(threshold, F32).reshape(heads)
+  per_head = lambda x: jnp.zeros((heads,), F32) if x is None else jnp.asarray(x, F32).reshape(heads)
   return LayerCache(
     k=jnp.zeros(bsh + (head_dim,), dtype),
     v=jnp.zeros(bsh + (head_dim,), dtype),
@@ -74,6 +90,8 @@ def init_cache(batch: int, slots: int, heads: int, head_dim: int, *, dtype=F32, 
     score=jnp.zeros(bsh, F32),
     carry=jnp.zeros((batch, heads), F32),
     threshold=thr,
+    key_coef=per_head(key_coef),
+    key_cap=per_head(key_cap),
     lost=jnp.zeros((batch, heads), F32),
     overflow=jnp.zeros((batch, heads), bool),
   )
@@ -105,8 +123,18 @@ def _argmax_lex(primary, secondary, mask, axis=1):
 
 
 def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, now: jax.Array) -> jax.Array:
-  """[B, H] slot of the key to evict from a full (row, head); `now` [B] is the current position."""
+  """[B, H] slot of the key to evict from a full (row, head); `now` [B] is the current position.
+
+  The protected window (`policy.recent` = W): the new key at `now` and the W - 1 before it stay, so
+  the candidates are the keys at positions <= now - W (all alive keys if none is; make_policy keeps
+  W below the capacity, so a full cache always has one).
+  """
   older = -cache.pos  # larger = older
+  if policy.recent:
+    cand = alive & (cache.pos <= now[:, None, None] - policy.recent)
+    alive = jnp.where(jnp.any(cand, 1, keepdims=True), cand, alive)
+  if policy.name == "snapkv":
+    return _argmax_lex(-cache.score, older, alive)
   if policy.name == "window" or policy.name == "full":
     return _argmax_lex(jnp.zeros_like(pen), older, alive)
   if policy.name == "sink_window":
@@ -117,7 +145,7 @@ def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, 
     mask = alive & (cache.pos <= (now[:, None, None] - recent))
     mask = jnp.where(jnp.any(mask, 1, keepdims=True), mask, alive)
     return _argmax_lex(-cache.score, older, mask)
-  return _argmax_lex(pen, older, alive)  # fpa_budget (and thresholded policies on overflow)
+  return _argmax_lex(pen, older, alive)  # fpa_budget, fpa_global's per-head cap (and thresholded on overflow)
 
 
 def _scatter(x, slot, val):
@@ -167,7 +195,7 @@ def decode_attend(
   pen = cache.penalty  # [B, S, H]
   alive = cache.alive
   if policy.thresholded:
-    alive = alive & (pen < cache.threshold)
+    alive = alive & (pen < cache.key_threshold())
   # Room for the new key: capacity eviction when this (row, head) already holds `capacity` keys.
   full = jnp.sum(alive, axis=1) >= policy.capacity  # [B, H]
   out_slot = victim(policy, cache, pen, alive, positions)  # [B, H]
@@ -202,7 +230,9 @@ def decode_attend(
     seen = (cache.pos >= 0).transpose(0, 2, 1)[:, :, None]
     p_full = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
     lost = jnp.sum(jnp.where(seen & ~live, p_full, 0.0), axis=-1).max(-1)
-  cache = cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1), lost=lost)
+  if policy.name == "h2o":  # the attention mass each key received (snapkv keeps its prefill score)
+    cache = cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1))
+  cache = cache._replace(lost=lost)
   return out.reshape(b, h, -1).astype(q.dtype)[:, None], cache
 
 
@@ -211,8 +241,11 @@ def decode_attend(
 # ------------------------------------------------------------------------------------------------
 
 
-def _keep_order(policy: Policy, pen, pos, valid, thr):
-  """[B, T, H] -> slot order (most wanted first) and whether each token is kept at all."""
+def _keep_order(policy: Policy, pen, pos, valid, thr, lengths, score=None):
+  """[B, T, H] -> slot order (most wanted first) and whether each token is kept at all.
+
+  The protected window: the prompt's last W = `policy.recent` keys (positions >= L - W) come first.
+  """
   keep = valid
   if policy.thresholded:
     keep = keep & (pen < thr)
@@ -220,12 +253,52 @@ def _keep_order(policy: Policy, pen, pos, valid, thr):
     primary = jnp.zeros_like(pen)
   elif policy.name == "sink_window":
     primary = (pos < policy.n_sink).astype(F32)
-  else:  # fpa_budget, thresholded: smallest penalty first
+  elif policy.name == "snapkv":
+    primary = score
+  else:  # fpa_budget, fpa_global, thresholded: smallest penalty first
     primary = -pen
+  if policy.recent:
+    primary = jnp.where(pos >= lengths[:, None, None] - policy.recent, jnp.inf, primary)
   # Sort by (kept, primary, newer) descending; lax.sort is ascending over its keys.
   t_idx = jnp.broadcast_to(jnp.arange(pen.shape[1])[None, :, None], pen.shape)
   _, _, _, order = jax.lax.sort((~keep, -primary, -pos, t_idx), dimension=1, num_keys=3)
   return order, keep
+
+
+def snapkv_scores(q, k, field, level, lengths, *, scale: float, window: int, kernel: int) -> jax.Array:
+  """[B, T, KVH] SnapKV's vote for each prompt key: the attention of the last `window` queries.
+
+  For each row of length L, the queries at L - window .. L - 1 (those >= 0) attend as the model
+  does (logits scale q.k - penalty, causal; penalty = relu(level_j - min field over (j, i])); each
+  query head's probabilities are summed over the window queries, max-pooled over `kernel`
+  neighbouring keys (stride 1, centred; SnapKV's clustering of the votes) and summed over the query
+  heads of a kv head. The window's own keys score +inf (always kept); padding 0.
+
+  Args: q [B, T, H, K], k [B, T, KVH, K], field, level [B, T, KVH], lengths [B].
+  """
+  b, t, h, dk = q.shape
+  kvh = k.shape[2]
+  w_idx = lengths[:, None] - window + jnp.arange(window)[None, :]  # [B, W] query positions
+  w_ok = w_idx >= 0
+  w_idx = jnp.maximum(w_idx, 0)
+  qw = jnp.take_along_axis(q, w_idx[:, :, None, None], axis=1)  # [B, W, H, K]
+  j = jnp.arange(t)[None, None, :]  # key index
+  causal = j <= w_idx[:, :, None]  # [B, W, T]
+  # penalty of key j at query i: relu(level_j - min(field over (j, i])); reverse cummin per query
+  f = jnp.where(causal[..., None], field.astype(F32)[:, None], jnp.inf)  # [B, W, T, KVH]
+  rmin = jax.lax.cummin(f, axis=2, reverse=True)
+  run_min = jnp.concatenate([rmin[:, :, 1:], jnp.full((b, window, 1, kvh), jnp.inf, F32)], axis=2)
+  pen = jax.nn.relu(level.astype(F32)[:, None] - run_min)  # [B, W, T, KVH]
+  qg = qw.reshape(b, window, kvh, h // kvh, dk)
+  s = jnp.einsum("bwhgk,bthk->bwhgt", qg, k, preferred_element_type=F32) * scale
+  logits = s - pen.transpose(0, 1, 3, 2)[:, :, :, None]
+  p = jax.nn.softmax(jnp.where(causal[:, :, None, None], logits, -jnp.inf), axis=-1)
+  votes = jnp.sum(jnp.where(w_ok[:, :, None, None, None], p, 0.0), axis=1)  # [B, KVH, G, T]
+  pooled = jax.lax.reduce_window(votes, -jnp.inf, jax.lax.max, (1, 1, 1, kernel), (1, 1, 1, 1), "SAME")
+  score = jnp.sum(pooled, axis=2).transpose(0, 2, 1)  # [B, T, KVH]
+  tt = jnp.arange(t)[None, :, None]
+  in_window = (tt >= lengths[:, None, None] - window) & (tt < lengths[:, None, None])
+  return jnp.where(in_window, jnp.inf, jnp.where(tt < lengths[:, None, None], score, 0.0))
 
 
 def prefill_attend(
@@ -247,7 +320,7 @@ def prefill_attend(
   A key's running min after a prompt of length L is min(field_{j+1..L-1}), a reverse cumulative
   min, so no decode steps are needed. Then the policy picks which keys to keep (the prompt's own
   attention above used every key: see `generate(prefill=...)`). h2o needs per-key attention mass
-  and is prefilled by decode steps instead.
+  and is prefilled by decode steps instead; snapkv ranks the keys by `snapkv_scores`.
 
   Args:
     q: [B, T, H, K]; k, v: [B, T, KVH, K]; field, level, cum: [B, T, KVH] (cum: the gate's running
@@ -263,18 +336,24 @@ def prefill_attend(
   pen = jax.nn.relu(level.astype(F32) - run_min)
   pos = jnp.broadcast_to(t_idx, (b, t, h)).astype(jnp.int32)
   valid = jnp.broadcast_to(valid, (b, t, h))
-  order, keep = _keep_order(policy, pen, pos, valid, cache.threshold)
+  score = None
+  if policy.name == "snapkv":
+    score = snapkv_scores(q, k, field, level, lengths, scale=scale, window=policy.obs_window, kernel=policy.kernel)
+  thr = cache.key_threshold(k) if policy.thresholded else None
+  order, keep = _keep_order(policy, pen, pos, valid, thr, lengths, score)
+  score = jnp.zeros_like(pen) if score is None else score
   s = cache.k.shape[1]
   if t < s:  # fewer tokens than slots: pad the candidates with never-kept entries
     pad = lambda x, c: jnp.concatenate([x, jnp.full((b, s - t) + x.shape[2:], c, x.dtype)], axis=1)
     order = jnp.concatenate([order, jnp.broadcast_to(jnp.arange(t, s)[None, :, None], (b, s - t, h))], 1)
-    k, v, level, run_min, pos, keep = (
+    k, v, level, run_min, pos, keep, score = (
       pad(k, 0),
       pad(v, 0),
       pad(level.astype(F32), 0),
       pad(run_min, jnp.inf),
       pad(pos, -1),
       pad(keep, False),
+      pad(score, 0),
     )
   idx = order[:, :s]  # [B, S, H]
   take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 3 else idx[..., None], axis=1)
@@ -287,7 +366,7 @@ def prefill_attend(
     run_min=take(run_min),
     pos=jnp.where(kept, take(pos), -1),
     alive=kept,
-    score=jnp.zeros_like(cache.score),
+    score=jnp.where(kept, take(score), 0.0),
     carry=last,
     overflow=cache.overflow | (policy.thresholded & (jnp.sum(keep, 1) > s)),
   )

@@ -5,6 +5,10 @@ Shape legend: B batch, T tokens, P prompt length, N new tokens, V vocab, L layer
 Both build one jitted program per (model structure, policy, shapes): the per-token step is traced
 once and run by `jax.lax.scan`, so a whole generation compiles once. Model weights are passed as
 NNX state, never baked into the program.
+
+The global budget (`fpa_global`) needs every layer's penalties at once, so it lives here, at the
+model level: each layer's cache is an ordinary per-head cache of `policy.capacity` slots (the head
+cap), and `global_evict` runs after each step (and after prefill) across all of them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ import numpy as np
 from flax import nnx
 
 from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend, reset_rows
-from fpa_jax.inference.policies import Policy, logit_bound, make_policy, tolerance_threshold
-from fpa_jax.models import DecoderLM
+from fpa_jax.inference.policies import (
+  Policy,
+  key_tolerance_threshold,
+  logit_bound,
+  make_policy,
+  query_norm_bound,
+  tolerance_threshold,
+)
+from fpa_jax.models import DecoderLM, check_tokens
 
 TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (tests: no retracing)
 
@@ -43,9 +54,24 @@ def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
         scale=cfg.head_dim**-0.5,
         q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
         k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...],
+        rope=cfg.use_rope,
       )
     )
   return out
+
+
+def layer_query_bounds(model: DecoderLM) -> list[jax.Array]:
+  """Per layer, Q [KVH]: a bound on any query's norm (max over each kv head's group; `policies.query_norm_bound`)."""
+  cfg = model.cfg
+  return [
+    query_norm_bound(
+      blk.attn_norm.scale[...],
+      blk.attn.wq[...],
+      cfg.kv_heads,
+      None if blk.attn.q_norm is None else blk.attn.q_norm.scale[...],
+    )
+    for blk in model.layer_blocks()
+  ]
 
 
 def init_caches(
@@ -57,7 +83,13 @@ def init_caches(
   slots: default `policy.capacity`; `cached_logits` measures with one slot per token.
   """
   cfg = model.cfg
-  if policy.name == "fpa":
+  coefs = caps = [None] * cfg.n_layers
+  if policy.name == "fpa" and policy.bound == "keys":
+    us = layer_logit_bounds(model)
+    thresholds = [key_tolerance_threshold(u, n_keys, policy.tolerance) for u in us]
+    coefs = [cfg.head_dim**-0.5 * q for q in layer_query_bounds(model)]
+    caps = us
+  elif policy.name == "fpa":
     thresholds = [tolerance_threshold(u, n_keys, policy.tolerance) for u in layer_logit_bounds(model)]
   elif policy.name == "fpa_threshold":
     thresholds = [jnp.full((cfg.kv_heads,), policy.threshold, jnp.float32)] * cfg.n_layers
@@ -65,15 +97,58 @@ def init_caches(
     thresholds = [None] * cfg.n_layers
   # Slots per kv head: a key, its level and penalty are shared by the query heads of its group.
   return tuple(
-    init_cache(batch, slots or policy.capacity, cfg.kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype), threshold=thr)
-    for thr in thresholds
+    init_cache(
+      batch,
+      slots or policy.capacity,
+      cfg.kv_heads,
+      cfg.head_dim,
+      dtype=jnp.dtype(cfg.dtype),
+      threshold=thr,
+      key_coef=coef,
+      key_cap=cap,
+    )
+    for thr, coef, cap in zip(thresholds, coefs, caps)
   )
 
 
+def cache_bytes(model: DecoderLM, batch: int, policy: Policy, n_keys: int | None = None) -> int:
+  """Bytes every array of the per-layer caches allocates (`generate`'s reused-slot cache; no allocation)."""
+  shapes = jax.eval_shape(lambda: init_caches(model, batch, policy, n_keys or policy.capacity))
+  return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
+
+
+def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -> tuple[LayerCache, ...]:
+  """fpa_global between steps: evict across all layers and heads of a row down to G - L*KVH keys.
+
+  G = policy.keys * L * KVH. The keys that may go are those outside every head's protected window
+  (positions <= now + 1 - W: the next step's new key and the W - 1 before it stay); they go largest
+  penalty first, ties oldest, then lower (layer, head). `now` [B]: the position of the last key
+  written. Per row, the excess over the limit is evicted in one sort of the L * S * KVH slots (after
+  a decode step it is at most L * KVH keys). Only `alive` changes (slots are reused by the next step).
+  """
+  n_l = len(caches)
+  b, s, h = caches[0].pos.shape
+  limit = (policy.keys - 1) * n_l * h
+  pen = jnp.stack([c.penalty for c in caches], 1)  # [B, L, S, H]
+  alive = jnp.stack([c.alive for c in caches], 1)
+  pos = jnp.stack([c.pos for c in caches], 1)
+  cand = alive & (pos <= now[:, None, None, None] + 1 - policy.recent)
+  excess = jnp.maximum(jnp.sum(alive, axis=(1, 2, 3)) - limit, 0)  # [B]
+  head = jnp.broadcast_to((jnp.arange(n_l)[:, None, None] * h + jnp.arange(h)[None, None, :])[None], pen.shape)
+  n = n_l * s * h
+  flat = lambda x: x.reshape(b, n)
+  idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], (b, n))
+  *_, order = jax.lax.sort((flat(~cand), flat(-pen), flat(pos), flat(head), idx), dimension=1, num_keys=4)
+  rank = jnp.zeros((b, n), jnp.int32).at[jnp.arange(b)[:, None], order].set(idx)
+  evict = ((rank < excess[:, None]) & flat(cand)).reshape(b, n_l, s, h)
+  return tuple(c._replace(alive=c.alive & ~evict[:, i]) for i, c in enumerate(caches))
+
+
 def _select_rows(rows: jax.Array, new: LayerCache, old: LayerCache) -> LayerCache:
-  """Per row b: new if rows[b] else old (the threshold [H] is shared)."""
+  """Per row b: new if rows[b] else old (the per-head threshold terms [H] are shared)."""
   pick = lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o)
-  return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f != "threshold"})
+  shared = ("threshold", "key_coef", "key_cap")
+  return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in shared})
 
 
 def _split_on_one_device(model: DecoderLM):
@@ -94,6 +169,8 @@ def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=N
     decode_attend, policy=policy, scale=model.cfg.head_dim**-0.5, positions=positions, step=step, measure=measure
   )
   logits, caches = model(tokens[:, None], positions=positions[:, None], caches=caches, attend=attend)
+  if policy.is_global:
+    caches = global_evict(caches, policy, positions)
   return logits[:, 0], caches
 
 
@@ -123,7 +200,7 @@ def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Poli
     pos = jnp.where(new_seq, 0, prev_pos + 1)
     logits, caches = _step(model, caches, tok, pos, policy, step=step, measure=True)
     peak, held = _occupancy(caches)
-    kept = jnp.mean(held / (pos + 1).astype(jnp.float32)[None, :, None])
+    kept = jnp.mean(held / (pos + 1).astype(jnp.float32)[None, :, None], axis=1)  # [L, KVH]
     lost = jnp.max(jnp.stack([c.lost for c in caches]))
     overflow = jnp.any(jnp.stack([c.overflow for c in caches]))
     return (caches, seg, pos), (logits, peak, kept, lost, overflow)
@@ -142,6 +219,9 @@ def cached_logits(
   budget: float | int | None = None,
   tolerance: float | None = None,
   threshold: float | None = None,
+  recent: int | None = None,
+  head_cap: float | int | None = None,
+  bound: str | None = None,
   segment_ids=None,
 ) -> tuple[jax.Array, dict[str, Any]]:
   """Decode every token of `tokens` [B, T] through the cache under a policy (no prefill), for studies.
@@ -151,15 +231,24 @@ def cached_logits(
   the policy's capacity gives (`generate`). Packed rows: `segment_ids` [B, T] restarts the cache
   (and positions) wherever the segment id changes.
 
+  Policies and their arguments (`recent`, `head_cap`, `bound`): `fpa_jax.inference.policies`.
+  snapkv ranks a prompt's keys at prefill, so it is for `generate` only.
+
   Returns:
     logits [B, T, V] fp32 and stats: `cache_fraction` (peak keys held by any layer, row and head /
     T), `kept_fraction_mean` (mean over steps, layers, rows, heads of kept / seen),
-    `lost_mass_max` (max over steps, layers, rows, heads of the full-cache attention mass on
-    evicted keys), `overflow` (a thresholded policy ran out of capacity), `policy`.
+    `kept_fraction_per_head` ([L][KVH] the same mean per layer and kv head), `lost_mass_max` (max
+    over steps, layers, rows, heads of the full-cache attention mass on evicted keys), `overflow`
+    (a thresholded policy ran out of capacity), `cache_bytes` (what `generate`'s reused-slot cache
+    of the policy allocates for these rows), `policy`, `capacity`.
   """
   tokens = _check_tokens(tokens, model)
   b, t = tokens.shape
-  pol = make_policy(policy, t, budget=budget, tolerance=tolerance, threshold=threshold)
+  pol = make_policy(
+    policy, t, budget=budget, tolerance=tolerance, threshold=threshold, recent=recent, head_cap=head_cap, bound=bound
+  )
+  if pol.name == "snapkv":
+    raise ValueError("snapkv ranks a prompt's keys by its last window's attention at prefill: use generate()")
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   if seg.shape != (b, t):
     raise ValueError(f"segment_ids must have the tokens' shape {(b, t)}, got {seg.shape}")
@@ -171,8 +260,10 @@ def cached_logits(
     "capacity": pol.capacity,
     "cache_fraction": float(np.max(s["peak"])) / t,
     "kept_fraction_mean": float(np.mean(s["kept"])),
+    "kept_fraction_per_head": np.mean(s["kept"], axis=0).tolist(),
     "lost_mass_max": float(np.max(s["lost"])),
     "overflow": bool(np.any(s["overflow"])),
+    "cache_bytes": cache_bytes(model, b, pol, t),
   }
   return logits, stats
 
@@ -224,6 +315,8 @@ def _generate_program(
     )
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, caches = model(prompt, positions=positions, caches=caches, attend=attend)
+    if policy.is_global:
+      caches = global_evict(caches, policy, lengths - 1)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     peak0, _ = _occupancy(caches)
   else:  # token by token under the policy; rows past their prompt keep their state
@@ -250,10 +343,12 @@ def _generate_program(
     nxt = _sample(logits, k, temperature, top_k)
     return (caches, nxt, pos + 1, jnp.maximum(peak, _occupancy(caches)[0])), nxt
 
-  (caches, _, _, peak), rest = jax.lax.scan(body, (caches, first, lengths, peak0), keys[1:])
+  (caches, _, pos, peak), rest = jax.lax.scan(body, (caches, first, lengths, peak0), keys[1:])
   tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, N]
   overflow = jnp.any(jnp.stack([c.overflow for c in caches]))
-  return tokens, {"peak": peak, "overflow": overflow}
+  _, held = _occupancy(caches)  # [L, B, KVH] at the end, over the pos keys each row has seen
+  kept = jnp.mean(held / pos.astype(jnp.float32)[None, :, None], axis=1)
+  return tokens, {"peak": peak, "overflow": overflow, "kept": kept}
 
 
 def generate(
@@ -266,6 +361,9 @@ def generate(
   budget: float | int | None = None,
   tolerance: float | None = None,
   threshold: float | None = None,
+  recent: int | None = None,
+  head_cap: float | int | None = None,
+  bound: str | None = None,
   temperature: float = 0.0,
   top_k: int | None = None,
   seed: int = 0,
@@ -276,15 +374,18 @@ def generate(
   Args:
     prompt_tokens: int [B, P] right-padded prompts (with `lengths` [B]), or a list of token lists
       of different lengths (padded here).
-    policy, budget, tolerance, threshold: see `fpa_jax.inference.policies`; a float budget is a
-      fraction of P + max_new_tokens, an int a key count.
+    policy, budget, tolerance, threshold, recent, head_cap, bound: see `fpa_jax.inference.policies`;
+      a float budget (or head_cap) is a fraction of P + max_new_tokens, an int a key count.
     temperature: 0 = greedy; top_k: sample among the k most likely.
     prefill: "parallel" (default; h2o: "decode") runs the prompt through the chunked kernel, every
       prompt token attending to every earlier one, then keeps what the policy keeps; "decode" feeds
-      the prompt token by token under the policy, so no query ever sees more than the budget.
+      the prompt token by token under the policy, so no query ever sees more than the budget
+      (snapkv needs "parallel": it ranks the prompt's keys by its last window's attention).
   Returns:
     (tokens int32 [B, N], stats: `cache_fraction` = peak keys held by any layer, row and head /
-    (P + N), `capacity`, `overflow`, `policy`, `prefill`).
+    (P + N), `capacity` (slots per head), `cache_bytes` (what the cache allocates),
+    `kept_fraction_per_head` ([L][KVH] keys held at the end / keys seen, mean over rows), `overflow`,
+    `policy`, `prefill`).
   """
   prompt, lengths = _pad_prompts(prompt_tokens, lengths, model)
   if max_new_tokens < 1:
@@ -295,12 +396,23 @@ def generate(
     raise ValueError(f"top_k must be in [1, vocab_size={model.cfg.vocab_size}], got {top_k}")
   b, p = prompt.shape
   n_keys = p + max_new_tokens
-  pol = make_policy(policy, n_keys, budget=budget, tolerance=tolerance, threshold=threshold)
+  pol = make_policy(
+    policy,
+    n_keys,
+    budget=budget,
+    tolerance=tolerance,
+    threshold=threshold,
+    recent=recent,
+    head_cap=head_cap,
+    bound=bound,
+  )
   prefill = prefill or ("decode" if pol.name == "h2o" else "parallel")
   if prefill not in ("parallel", "decode"):
     raise ValueError(f"prefill must be 'parallel' or 'decode', got {prefill!r}")
   if prefill == "parallel" and pol.name == "h2o":
     raise ValueError("h2o ranks keys by the attention they received: use prefill='decode'")
+  if prefill == "decode" and pol.name == "snapkv":
+    raise ValueError("snapkv ranks the prompt's keys by its last window's attention: use prefill='parallel'")
   graphdef, state = _split_on_one_device(model)
   tokens, s = _generate_program(
     graphdef,
@@ -321,6 +433,8 @@ def generate(
     "prefill": prefill,
     "capacity": pol.capacity,
     "cache_fraction": float(s["peak"]) / n_keys,
+    "cache_bytes": cache_bytes(model, b, pol, n_keys),
+    "kept_fraction_per_head": np.asarray(s["kept"]).tolist(),
     "overflow": bool(s["overflow"]),
   }
 
@@ -331,15 +445,7 @@ def generate(
 
 
 def _check_tokens(tokens, model: DecoderLM) -> jax.Array:
-  tokens = jnp.asarray(tokens)
-  if tokens.ndim != 2 or tokens.shape[1] < 1:
-    raise ValueError(f"tokens must be int [batch, seq] with seq >= 1, got shape {tokens.shape}")
-  if not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-  lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
-  if lo < 0 or hi >= model.cfg.vocab_size:
-    raise ValueError(f"token ids must be in [0, vocab_size={model.cfg.vocab_size}), got [{lo}, {hi}]")
-  return tokens.astype(jnp.int32)
+  return check_tokens(tokens, model.cfg.vocab_size)  # the model's own check (one definition)
 
 
 def _pad_prompts(prompt_tokens, lengths, model: DecoderLM) -> tuple[jax.Array, jax.Array]:

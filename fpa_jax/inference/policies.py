@@ -1,20 +1,47 @@
-"""KV-cache eviction policies and the bound behind the `fpa` tolerance policy.
+"""KV-cache eviction policies and the bounds behind the `fpa` tolerance policy.
 
 Policies (`Policy.name`):
   full          keep every key (the cache must hold the whole sequence).
-  fpa           evict a key once its first-passage penalty reaches tau = 2U + log N - log eps:
-                all evicted keys together then carry at most eps of any later query's attention
-                (see `tolerance_threshold`). U is a bound on |scale q.k| from the parameters.
+  fpa           evict a key once its first-passage penalty reaches a threshold that makes all evicted
+                keys together carry at most eps of any later query's attention (`tolerance_threshold`).
+                `bound="keys"` (default): per key, tau_e = U + scale Q ||k_e|| + log N - log eps from the
+                cached key's actual norm; `bound="params"`: tau = 2U + log N - log eps (U, Q from the
+                parameters: `logit_bound`, `query_norm_bound`).
   fpa_threshold evict a key once its penalty reaches a given tau (the plain knob).
-  fpa_budget    capacity C; when full, evict the key with the largest current penalty (ties: oldest).
+  fpa_budget    capacity C; when full, evict the key with the largest current penalty (ties: oldest),
+                never one of the last W = `recent` keys (the newest included). With penalties near
+                zero (a gate that has not judged the keys yet) "largest penalty, ties oldest" is a
+                window: the rule degrades to `window`, and the protected window means a learned rule
+                need not re-learn recency (DMS's delayed eviction).
+  fpa_global    one key budget for the whole cache of a row: `budget` keys per (layer, kv head) on
+                average, G = budget * n_layers * kv_heads in all; the largest penalties across every
+                layer and head go first (ties: oldest, then lower layer / head), so heads that forget
+                make room for heads that retrieve. Each head may hold up to `head_cap` keys: the slots
+                allocated per head (static shapes), so the cache allocates head_cap / budget times the
+                bytes of `fpa_budget` at the same budget (`decode.cache_bytes` reports it). The last W
+                keys of every head are protected. Between steps at most G - n_layers * kv_heads keys
+                are held, so each query attends to at most G counting its own step's new keys.
   window        capacity C; the last C keys.
   sink_window   capacity C; the first `n_sink` = 4 keys and the last C - 4 (StreamingLLM).
   h2o           capacity C; the C/2 most recent keys plus the heavy hitters by attention mass
                 received so far (Zhang et al. 2023); when full, evict the lightest non-recent key.
+  snapkv        capacity C (Li et al. 2024): at prefill, each prompt key's score is the attention the
+                prompt's last `obs_window` = 32 queries give it (the model's attention, penalties
+                included), summed over those queries, max-pooled over `kernel` = 7 neighbouring keys,
+                summed over the query heads of its kv head; the window's own keys score +inf; the C
+                best are kept. Decoding (SnapKV itself never evicts generated keys; here the capacity is
+                fixed): when full, evict the lowest-score key outside the last W = `recent` keys,
+                ties oldest; generated keys score 0, so the cache settles on the C - W best prompt
+                keys plus the last W keys. Needs the whole prompt: `generate(prefill="parallel")`.
 
-Eviction is per (row, head): heads forget on their own schedule. A key's penalty never decreases
-as decoding goes on (its running min of the field can only fall), so an evicted `fpa` key would
-never have come back. The same holds for FoX models (FoX's penalty is a sum of decays).
+Eviction is per (row, head) except for `fpa_global`: heads forget on their own schedule. A key's
+penalty never decreases as decoding goes on (its running min of the field can only fall), so an
+evicted `fpa` key would never have come back. The same holds for FoX models (FoX's penalty is a sum
+of decays).
+
+The protected window `recent` (W; fpa_budget, fpa_global, snapkv) defaults to budget // 8: an eighth
+of the budget (kvpress's DMS default of 128 keys at 1k-key budgets), small enough that most of the
+budget stays the policy's choice, and W = 0 below 8 keys (the new key is always kept anyway).
 """
 
 from __future__ import annotations
@@ -26,44 +53,68 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-PolicyName = Literal["full", "fpa", "fpa_threshold", "fpa_budget", "window", "sink_window", "h2o"]
+PolicyName = Literal[
+  "full", "fpa", "fpa_threshold", "fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
+]
 POLICIES: tuple[str, ...] = PolicyName.__args__
-BUDGETED = ("fpa_budget", "window", "sink_window", "h2o")  # need a budget (their capacity)
+BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv")  # need a budget
 THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
+WINDOWED = ("fpa_budget", "fpa_global", "snapkv")  # have a protected recent window
+BOUNDS = ("keys", "params")
 N_SINK = 4
+OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
+KERNEL = 7  # snapkv: max-pool width over keys
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """A resolved policy (static under jit). `capacity`: slots per (row, head) the policy may fill."""
+  """A resolved policy (static under jit). `capacity`: slots per (row, head) the policy may fill.
+
+  recent: W, the last keys (the newest included) that are never evicted (0: none).
+  keys: fpa_global's mean key budget per (layer, kv head); the row's total is keys * L * KVH.
+  """
 
   name: str
   capacity: int
   tolerance: float | None = None  # fpa
   threshold: float | None = None  # fpa_threshold
   n_sink: int = N_SINK
+  recent: int = 0
+  keys: int | None = None  # fpa_global
+  bound: str = "keys"  # fpa
+  obs_window: int = OBS_WINDOW  # snapkv
+  kernel: int = KERNEL  # snapkv
 
   @property
   def thresholded(self) -> bool:
     return self.name in THRESHOLDED
 
+  @property
+  def is_global(self) -> bool:
+    return self.name == "fpa_global"
 
-def resolve_budget(budget: float | int | None, seq_len: int) -> int | None:
+
+def resolve_budget(budget: float | int | None, seq_len: int, what: str = "budget") -> int | None:
   """A fraction in (0, 1] of `seq_len` (float) or an absolute count (int) -> a key count."""
   if budget is None:
     return None
   if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-    raise ValueError(f"budget must be a fraction in (0, 1] or a positive int count, got {budget!r}")
+    raise ValueError(f"{what} must be a fraction in (0, 1] or a positive int count, got {budget!r}")
   if budget <= 0:
-    raise ValueError(f"budget must be > 0, got {budget}")
+    raise ValueError(f"{what} must be > 0, got {budget}")
   if isinstance(budget, float):
     if budget > 1.0:
       raise ValueError(
-        f"a float budget is a fraction of the sequence length and must be <= 1, got {budget}; "
+        f"a float {what} is a fraction of the sequence length and must be <= 1, got {budget}; "
         "pass an int for an absolute number of keys"
       )
     return max(1, int(math.ceil(budget * seq_len)))
   return int(budget)
+
+
+def default_recent(budget_keys: int) -> int:
+  """W's default: an eighth of the budget (see the module docstring)."""
+  return budget_keys // 8
 
 
 def make_policy(
@@ -73,12 +124,17 @@ def make_policy(
   budget: float | int | None = None,
   tolerance: float | None = None,
   threshold: float | None = None,
+  recent: int | None = None,
+  head_cap: float | int | None = None,
+  bound: str | None = None,
 ) -> Policy:
   """Check the arguments of a policy for sequences of up to `seq_len` keys; raise what to change.
 
-  The capacity is the budget for budgeted policies; otherwise `seq_len`, or the budget if one is
-  given (a bounded buffer: if an `fpa`/`fpa_threshold` cache is full the largest penalty goes, and
-  the stats report it as an overflow, since the tolerance bound then no longer holds).
+  The capacity is the budget for budgeted policies (fpa_global: `head_cap`, default 2 x budget);
+  otherwise `seq_len`, or the budget if one is given (a bounded buffer: if an `fpa`/`fpa_threshold`
+  cache is full the largest penalty goes, and the stats report it as an overflow, since the
+  tolerance bound then no longer holds). `recent` (W): fpa_budget, fpa_global and snapkv only,
+  0 <= W < budget, default budget // 8. `bound`: fpa only, "keys" (default) or "params".
   """
   if name not in POLICIES:
     raise ValueError(f"unknown policy {name!r}; use one of {POLICIES}")
@@ -95,6 +151,14 @@ def make_policy(
     raise ValueError(f"tolerance only applies to policy 'fpa', not {name!r}")
   if name != "fpa_threshold" and threshold is not None:
     raise ValueError(f"threshold only applies to policy 'fpa_threshold', not {name!r}")
+  if name != "fpa" and bound is not None:
+    raise ValueError(f"bound only applies to policy 'fpa', not {name!r}")
+  if bound is not None and bound not in BOUNDS:
+    raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
+  if name not in WINDOWED and recent is not None:
+    raise ValueError(f"recent (a protected window) applies to policies {WINDOWED}, not {name!r}")
+  if name != "fpa_global" and head_cap is not None:
+    raise ValueError(f"head_cap only applies to policy 'fpa_global', not {name!r}")
   if name == "full" and cap is not None and cap < seq_len:
     raise ValueError(
       f"policy 'full' keeps all {seq_len} keys but the budget allows {cap}; raise the budget or pick an evicting policy"
@@ -103,7 +167,31 @@ def make_policy(
     raise ValueError(f"sink_window keeps {N_SINK} sink keys plus a window: budget must be > {N_SINK}, got {cap}")
   if name == "h2o" and cap is not None and cap < 2:
     raise ValueError(f"h2o splits its budget into recent and heavy halves: budget must be >= 2, got {cap}")
-  return Policy(name, min(cap, seq_len) if cap is not None else seq_len, tolerance, threshold)
+  kw = {}
+  if name in WINDOWED:
+    keys = min(cap, seq_len)
+    w = default_recent(keys) if recent is None else recent
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+      raise ValueError(f"recent must be an int >= 0 (keys never evicted), got {recent!r}")
+    if w >= keys and keys < seq_len:
+      raise ValueError(
+        f"recent={w} protects at least the whole budget of {keys} keys (nothing could be evicted): "
+        f"use recent < {keys}, or raise the budget"
+      )
+    kw["recent"] = min(w, max(keys - 1, 0))
+  if name == "fpa_global":
+    keys = min(cap, seq_len)
+    slots = resolve_budget(head_cap, seq_len, "head_cap") if head_cap is not None else 2 * keys
+    if slots < keys:
+      raise ValueError(
+        f"head_cap={slots} slots per head is below the mean budget of {keys} keys per head: "
+        "the total could never be filled; use head_cap >= budget"
+      )
+    kw["keys"] = keys
+    cap = slots
+  if name == "fpa":
+    kw["bound"] = bound or "keys"
+  return Policy(name, min(cap, seq_len) if cap is not None else seq_len, tolerance, threshold, **kw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -116,6 +204,37 @@ def _sigma_max(m: jax.Array) -> jax.Array:
   return jnp.linalg.svd(m.astype(jnp.float32), compute_uv=False)[..., 0]
 
 
+def _proj_norm_bounds(norm_scale, w, q_norm_scale=None) -> jax.Array:
+  """[heads] bound on ||x_h|| for x = proj(RMSNorm(input)) with projection w [D, heads, K].
+
+  RMSNorm's output y = x/rms(x) * g has ||x/rms(x)||_2 <= sqrt(D), so ||y W_h|| <= sqrt(D) *
+  sigma_max(diag(g) W_h). With QK-norm the head's output is u * s with ||u||_2 <= sqrt(K) (its own
+  RMSNorm), so ||x_h|| <= sqrt(K) max|s|; RoPE is a rotation (norm unchanged).
+  """
+  d, h, k = w.shape
+  if q_norm_scale is not None:
+    return jnp.full((h,), jnp.sqrt(k) * jnp.max(jnp.abs(q_norm_scale.astype(jnp.float32))), jnp.float32)
+  g = norm_scale.astype(jnp.float32)[:, None, None]
+  return jnp.sqrt(d) * _sigma_max(jnp.moveaxis(g * w.astype(jnp.float32), 1, 0))
+
+
+def _qk_norm_logit_bound(q_norm_scale, k_norm_scale, rope: bool) -> jax.Array:
+  """[] bound on |q.k| with QK-norm: K * max over RoPE pairs p of max_p|s_q| * max_p|s_k|.
+
+  q = R(u * s_q), k = R'(w * s_k) with ||u||, ||w|| <= sqrt(K) (RMSNorm outputs) and R, R' the RoPE
+  rotations, which act on the pairs (i, i + K/2) (half-split) so q.k = sum_p (u_p s_q,p)^T R_p (w_p
+  s_k,p) <= sum_p a_p b_p ||u_p|| ||w_p|| <= max_p (a_p b_p) ||u|| ||w|| with a_p = max_p |s_q|
+  (Cauchy-Schwarz twice). Without RoPE the pairs are single coordinates. Never looser than
+  K max|s_q| max|s_k|; attained when u, w sit on the best pair and the rotations align them.
+  """
+  a, b = jnp.abs(q_norm_scale.astype(jnp.float32)), jnp.abs(k_norm_scale.astype(jnp.float32))
+  k = a.shape[-1]
+  if rope:
+    a = jnp.maximum(a[: k // 2], a[k // 2 :])
+    b = jnp.maximum(b[: k // 2], b[k // 2 :])
+  return k * jnp.max(a * b)
+
+
 def logit_bound(
   norm_scale: jax.Array,
   wq: jax.Array,
@@ -124,25 +243,28 @@ def logit_bound(
   scale: float,
   q_norm_scale: jax.Array | None = None,
   k_norm_scale: jax.Array | None = None,
+  rope: bool = True,
 ) -> jax.Array:
   """U [KVH]: a bound on |scale * q.k| over every input, from one layer's parameters.
 
-  The block input goes through an RMSNorm with scale g [D] before the projections: y = x/rms(x) * g
-  with ||x/rms(x)||_2 <= sqrt(D), so ||q_h|| <= sqrt(D) * sigma_max(diag(g) Wq[:, h, :]) (same for k),
-  and RoPE is a rotation. With QK-norm (scales s_q, s_k [K]) the bound is sqrt(K) * max|s| per side.
-  Then U_h = scale * ||q_h|| * ||k_h||. Grouped-query (wk [D, KVH, K]): per kv head, the max over
-  the query heads of its group (the cache thresholds are per kv head). Computed in fp32; valid for
-  fp32 compute (bf16 rounding can exceed it by ~1%).
+  U_h = scale * ||q_h||max * ||k_h||max (`_proj_norm_bounds`: the RMSNorm scale g [D] times the
+  projections' spectral norms); with QK-norm (scales s_q, s_k [K]) the tighter pairwise form
+  `_qk_norm_logit_bound`. Grouped-query (wk [D, KVH, K]): per kv head, the max over the query heads
+  of its group (the cache thresholds are per kv head). Computed in fp32; valid for fp32 compute
+  (bf16 rounding can exceed it by ~1%).
   """
   d, h, k = wq.shape
   kvh = wk.shape[1]
   if q_norm_scale is not None:
-    nq = jnp.sqrt(k) * jnp.max(jnp.abs(q_norm_scale))
-    nk = jnp.sqrt(k) * jnp.max(jnp.abs(k_norm_scale))
-    return jnp.full((kvh,), scale * nq * nk, jnp.float32)
-  g = norm_scale.astype(jnp.float32)[:, None, None]
-  per_head = lambda w: _sigma_max(jnp.moveaxis(g * w.astype(jnp.float32), 1, 0))  # [heads]
-  return scale * d * per_head(wq).reshape(kvh, h // kvh).max(-1) * per_head(wk)
+    return jnp.full((kvh,), scale * _qk_norm_logit_bound(q_norm_scale, k_norm_scale, rope), jnp.float32)
+  nq = _proj_norm_bounds(norm_scale, wq).reshape(kvh, h // kvh).max(-1)
+  return scale * nq * _proj_norm_bounds(norm_scale, wk)
+
+
+def query_norm_bound(norm_scale: jax.Array, wq: jax.Array, kv_heads: int, q_norm_scale=None) -> jax.Array:
+  """Q [KVH]: a bound on ||q_h|| over every input, the max over the query heads of each kv head's group."""
+  h = wq.shape[1]
+  return _proj_norm_bounds(norm_scale, wq, q_norm_scale).reshape(kv_heads, h // kv_heads).max(-1)
 
 
 def tolerance_threshold(u: jax.Array, n_keys: int, tolerance: float) -> jax.Array:
@@ -155,3 +277,16 @@ def tolerance_threshold(u: jax.Array, n_keys: int, tolerance: float) -> jax.Arra
   2 eps max_j ||v_j||. Same form as FoX's Adaptive Computation Pruning threshold.
   """
   return 2.0 * u + math.log(n_keys) - math.log(tolerance)
+
+
+def key_tolerance_threshold(u: jax.Array, n_keys: int, tolerance: float) -> jax.Array:
+  """The base of the per-key threshold (`bound="keys"`): tau_e = U + log N - log eps + min(U, scale Q ||k_e||).
+
+  As in `tolerance_threshold`, Z >= exp(-U) from the query's own key, but the numerator uses the
+  cached key itself: s_ie = scale q_i.k_e <= scale ||q_i|| ||k_e|| <= scale Q ||k_e|| (Q:
+  `query_norm_bound`, any future query), and also <= U; so the weight is <= exp(U + min(U, scale Q
+  ||k_e||) - pen_ie) <= eps / N once pen_ie >= tau_e. Never looser than the parameter bound (the
+  min), tighter by U - scale Q ||k_e|| for the many keys far below the worst-case norm. This
+  returns U + log N - log eps; the cache adds the per-key term (`cache.LayerCache.key_coef`).
+  """
+  return u + math.log(n_keys) - math.log(tolerance)

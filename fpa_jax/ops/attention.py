@@ -13,6 +13,15 @@ evicts a slot for the whole group at once (a slot is k, v, level, run_min of one
 query-head gates would keep it alive while any of the G heads wants it), and the chunked / Pallas
 tile bias is computed once per kv head and shared by its G query heads. One convention only:
 gates have kv_heads entries, which is heads when not grouped, so ungrouped calls are unchanged.
+
+Edge cases, the same in every impl (tests/test_ops_edges.py):
+  * level_j = +inf: key j is dead (penalty +inf, weight exactly 0) for every query i after it
+    with a finite field value in (j, i]; on its own diagonal (empty range) its penalty is 0, so a
+    row whose other keys are all dead attends to itself alone. Values and gradients stay finite;
+    the gradient w.r.t. a dead key's level is 0. (The penalty is `common.dip`: level - min field
+    where level > min field, else 0, which is relu of the difference wherever that is defined.)
+  * batch 0 or seq 0: the empty [batch, seq, heads, v_dim] output (and empty gradients).
+  * log_fgate > 0 (FoX): ValueError on concrete arrays; under jit clamped to 0 (`fox_attention`).
 """
 
 from __future__ import annotations
@@ -60,20 +69,21 @@ def fpa_attention(
     impl: "quadratic" (materialised T x T reference), "chunked" (flash-style tiling, O(T * block)
       memory in forward and backward), "recurrent" (scan with a KV cache and first-passage
       state, the decode formulation), "pallas" (the chunked tiling as Pallas kernels, see
-      `fpa_jax.ops.pallas`; interpret mode off TPU / GPU), or "auto" ("pallas" on TPU / GPU,
-      "chunked" elsewhere, and for kv_heads < heads: the grouped Pallas path is interpret-tested
-      only). All exact and differentiable.
+      `fpa_jax.ops.pallas`; interpret mode off TPU / GPU), or "auto" ("chunked" on every backend:
+      the Pallas kernels are opt-in until their compiled path has passed on an accelerator;
+      `ops.validate.resolve_impl`). All exact and differentiable.
     scale: logit scale, default head_dim ** -0.5.
     segment_ids: optional [batch, seq] int; tokens attend only inside their own segment.
     block_size: chunked / pallas / auto only; query/key tile size (default `chunked.DEFAULT_BLOCK`,
       or `pallas.BlockSizes.default` of the backend; pallas and auto also take a `BlockSizes`,
-      of which auto on CPU uses `fwd`).
+      of which auto (chunked) uses `fwd`).
     skip_tolerance: None (exact, the default) or a float eps in (0, 1); "chunked" only (other
       impls, and "auto" where it picks "pallas", raise ValueError). Drops the tiles whose every
       weight is provably <= eps / seq (bound in `fpa_jax.ops.chunked`), forward and backward:
       each row loses total weight <= eps, each output component moves by <= 2 eps max|v|.
   Returns:
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
+    Infinite levels and empty inputs: see the module docstring.
   """
   _v.check_impl(impl, block_size)
   b, t, h, kvh, d = _v.check_qkv(q, k, v)
@@ -84,6 +94,8 @@ def fpa_attention(
   scale = _v.default_scale(scale, d)
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
+  if _v.is_empty(b, t):
+    return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   if impl == "pallas":
     return _pallas.pallas_attention(
       q, k, v, _chunked.FPAGate(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
@@ -126,7 +138,10 @@ def fox_attention(
   tiles FoX's own cumsum-difference bias c_i - c_j: the cost baseline FPA is benchmarked against.
 
   Args:
-    log_fgate: [batch, seq, kv_heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)).
+    log_fgate: [batch, seq, kv_heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)). A
+      concrete array with a positive entry raises ValueError; under jit (a tracer) positive
+      entries are clamped to 0 (forget gate 1, gradient 0 there) before any impl sees them, so
+      every impl computes the same, defined result.
     skip_tolerance: as in `fpa_attention` (chunked only); the tile floor is min_J c - max_I c.
     Others as in `fpa_attention`.
   """
@@ -135,9 +150,14 @@ def fox_attention(
   block_size = _v.resolve_block_size(impl, block_size, kvh != h)
   _v.check_gate("log_fgate", log_fgate, (b, t, kvh))
   _v.check_segment_ids(segment_ids, (b, t))
-  c = jnp.cumsum(log_fgate.astype(_v.STATS_DTYPE), axis=1)
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
+  _v.check_log_fgate(log_fgate)
+  if _v.is_empty(b, t):
+    return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
+  # The one place all impls share: chunked / pallas tile c_i - c_j, the others the FPA special
+  # case, which agree only for a monotone c.
+  c = jnp.cumsum(_v.clamp_log_fgate(log_fgate), axis=1)
   if impl == "pallas":
     return _pallas.pallas_attention(
       q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d), segment_ids=segment_ids, block_sizes=block_size
@@ -163,5 +183,7 @@ def softmax_attention(
   v: [B, T, KVH, Kv] -> [B, T, H, Kv]."""
   b, t, h, kvh, d = _v.check_qkv(q, k, v)
   _v.check_segment_ids(segment_ids, (b, t))
+  if _v.is_empty(b, t):
+    return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   bias = jnp.zeros((b, kvh, t, t), _v.STATS_DTYPE)
   return masked_softmax_attention(q, k, v, bias, scale=_v.default_scale(scale, d), segment_ids=segment_ids)

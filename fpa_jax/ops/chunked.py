@@ -23,6 +23,13 @@ min-scans to the field. The tile biases carry hand-written pullbacks (`_fpa_bias
 backward pass's bottleneck. Nothing T x T is ever stored: the forward keeps out and logsumexp,
 the backward recomputes tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local).
 
+Infinite levels. Every tile bias is -dip(level_j, min field) (`common.dip`: the difference where
+level > min, else 0), so level = +inf against an empty range or a +inf statistic (S_j, R, the
+above-diagonal parts of a diagonal tile) gives 0, not inf - inf, and against a finite one -inf: a
+dead key whose weight exp(-inf - m) is exactly 0 (m is finite: the diagonal entry is always live).
+The pullbacks route cotangents by compares only (no product with a statistic), so its ds = 0 and
+every gradient stays finite; its tiles are dead for the skip bound below (floor = +inf).
+
 Skipping dead tiles (`skip_tolerance` = eps; None = exact). On an off-diagonal tile every penalty
 is at least a floor that ignores the query side (C_i can only deepen the dip; FoX's c is used
 as given, monotone or not):
@@ -56,7 +63,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.validate import STATS_DTYPE
+from fpa_jax.ops.common import STATS_DTYPE, dip
 
 DEFAULT_BLOCK = 256
 # Finite mask value: exp(NEG - m) == 0 without any inf - inf.
@@ -81,11 +88,12 @@ def _fpa_bias(lvl, suffix, prefix, r):
   """-relu(level_j - min(S_j, R, C_i)) on an off-diagonal tile.
 
   lvl, suffix: [B, H, 1, bk] (keys); prefix: [B, H, bq, 1] (queries); r: [B, H, 1, 1] (the tile's
-  R[I, J]) -> [B, H, bq, bk]. With A_j = min(S_j, R) the bias is -max(relu(level_j - A_j),
-  level_j - C_i): two elementwise passes, fused into the logits.
+  R[I, J]) -> [B, H, bq, bk]. With A_j = min(S_j, R) (key-only) the bias is
+  -dip(level_j, min(A_j, C_i)): a few elementwise passes, fused into the logits. `dip`, not relu of
+  the difference, so that level = +inf meets A_j = +inf (no field value after j in J or between)
+  without an inf - inf: the bias is then -inf through C_i (a dead key, weight exactly 0).
   """
-  a = jnp.minimum(suffix, r)
-  return -jnp.maximum(jax.nn.relu(lvl - a), lvl - prefix)
+  return -dip(lvl, jnp.minimum(jnp.minimum(suffix, r), prefix))
 
 
 def _fpa_bias_fwd(lvl, suffix, prefix, r):
@@ -143,14 +151,14 @@ def _column_min(phi):
 @jax.custom_vjp
 def _diag_bias(lvl, phi):
   """Exact in-tile first-passage bias: [..., n] level, field -> [..., n, n] (query i, key j)."""
-  return -jax.nn.relu(lvl[..., None, :] - _column_min(phi))
+  return -dip(lvl[..., None, :], _column_min(phi))
 
 
 def _diag_bias_fwd(lvl, phi):
   m = _column_min(phi)
   # The pullback runs in the same tile iteration of the backward loop, so keeping the tile-sized
   # m costs no extra peak memory and saves re-running the scan.
-  return -jax.nn.relu(lvl[..., None, :] - m), (lvl, phi, m)
+  return -dip(lvl[..., None, :], m), (lvl, phi, m)
 
 
 def _nse_pse(phi):
@@ -271,12 +279,12 @@ def _sub_min(a, c, d):
 def _diag_bias_sub(lvl, a, c, d):
   """Exact first-passage bias of a diagonal tile from its sub-tile statistics: lvl [..., n] ->
   [..., n, n]. Sub-tiles above the diagonal hold finite values that the causal mask drops."""
-  return -jax.nn.relu(lvl[..., None, :] - _sub_min(a, c, d))
+  return -dip(lvl[..., None, :], _sub_min(a, c, d))
 
 
 def _diag_bias_sub_fwd(lvl, a, c, d):
   m = _sub_min(a, c, d)
-  return -jax.nn.relu(lvl[..., None, :] - m), (lvl, a, c, m)
+  return -dip(lvl[..., None, :], m), (lvl, a, c, m)
 
 
 def _diag_bias_sub_bwd(res, g):
@@ -328,7 +336,7 @@ class FPAGate:
     """Penalty lower bound per tile [B, H, nb (I), nb (J)]; meaningful for J < I."""
     (lvl, suffix), (r,) = kst, pst
     # One query block row at a time: O(T) intermediates instead of [B, H, nb, nb, blk].
-    row = lambda r_i: jax.nn.relu(lvl - jnp.minimum(suffix, r_i[..., None])).min(-1)
+    row = lambda r_i: dip(lvl, jnp.minimum(suffix, r_i[..., None])).min(-1)
     return jnp.moveaxis(jax.lax.map(row, jnp.moveaxis(r, 2, 0)), 0, 2)
 
 
@@ -564,6 +572,8 @@ def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None
   b, t, h, d = q.shape
   kvh = k.shape[2]
   blk = block_for(t, block_size)
+  if b == 0 or t == 0:  # no tiles (and a -1 reshape would divide by zero)
+    return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   nb = -(-t // blk)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, nb * blk - t), (0, 0), (0, 0)]) if nb * blk != t else x
   kst, qst, pst = gate.stats(nb, blk)

@@ -2,6 +2,11 @@
 
 penalty[i, j] = max(0, level_j - min(field_{j+1}, ..., field_i)),  j <= i
                 0 on the diagonal (empty range), +inf above it (j > i, not causal).
+
+max(0, level - min) is evaluated as `common.dip` (level - min where level > min, else 0), which
+also defines it for infinite values: a key with level_j = +inf has penalty 0 on its diagonal and
++inf (it is dead, weight exactly 0) as soon as a finite field value lies in (j, i]; the gradient
+w.r.t. its level is 0 everywhere. Every impl of `fpa_jax.ops` follows this definition.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.validate import STATS_DTYPE
+from fpa_jax.ops.common import STATS_DTYPE, dip
 
 
 def _min_level_monoid(a, b):
@@ -43,6 +48,7 @@ def first_passage_penalty(field: jax.Array, level: jax.Array) -> jax.Array:
   mins = jnp.where(i > j, field[..., :, None], inf)
   lvls = jnp.where(i == j, level[..., None, :], -inf)
   run_min, run_lvl = jax.lax.associative_scan(_min_level_monoid, (mins, lvls), axis=-2)
-  # On and above the diagonal relu(-inf or level - inf) is 0; the gradient there is 0, not NaN.
-  pen = jax.nn.relu(run_lvl - run_min)
+  # On and above the diagonal the range is empty (run_min = +inf): `dip` gives exactly 0 there,
+  # also for level = +inf (no inf - inf), with gradient 0, not NaN.
+  pen = dip(run_lvl, run_min)
   return jnp.where(i >= j, pen, inf)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.validate import STATS_DTYPE
+from fpa_jax.ops.common import STATS_DTYPE, dip
 
 
 class FPACache(NamedTuple):
@@ -55,8 +55,10 @@ def init_cache(
 
 
 def cache_penalty(cache: FPACache) -> jax.Array:
-  """[B, S, KVH] fp32 current penalty of every cached key (0 for the newest; junk in empty slots)."""
-  return jax.nn.relu(cache.level - cache.run_min)
+  """[B, S, KVH] fp32 current penalty of every cached key (0 for the newest, whatever its level:
+  run_min is +inf there; +inf for a level of +inf once a finite field value has been seen; junk in
+  empty slots)."""
+  return dip(cache.level, cache.run_min)
 
 
 def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
@@ -100,7 +102,9 @@ def recurrent_attention(q, k, v, field, level, *, scale, segment_ids=None):
 
   O(T) state per step, O(T^2) total work. Differentiable (scan autodiff, each step rematerialised).
   """
-  b, t, _, d = q.shape
+  b, t, h, d = q.shape
+  if b == 0 or t == 0:  # nothing to scan (and decode_step's -1 reshape would divide by zero)
+    return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   cache = init_cache(b, t, k.shape[2], d, v.shape[-1], dtype=k.dtype)
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
 

@@ -4,6 +4,9 @@ Nothing here is vectorised or clever: every function loops over the indices of t
 implements, so that it can be checked by eye and used as ground truth for the JAX ops.
 
     penalty[i, j] = max(0, level_j - min(field_{j+1}, ..., field_i))   j <= i  (0 on the diagonal)
+                    (as "level_j - min if level_j > min else 0": defined for infinite levels too,
+                    e.g. level_j = +inf gives 0 on the diagonal and +inf once a finite field
+                    value lies in (j, i], a dead key whose weight is exactly 0)
     out_i         = sum_j softmax_j(scale * q_i.k_j - penalty[i, j]) v_j,  j <= i,
                     and seg_j == seg_i when segment ids are given.
 """
@@ -35,7 +38,8 @@ def penalty_np(field, level):
         pen[i, j] = 0.0
       else:
         lowest = min(float(field[s]) for s in range(j + 1, i + 1))
-        pen[i, j] = max(0.0, float(level[j]) - lowest)
+        lv = float(level[j])
+        pen[i, j] = lv - lowest if lv > lowest else 0.0  # no inf - inf for lv = lowest = +-inf
   return pen
 
 

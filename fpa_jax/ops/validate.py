@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import jax
 import jax.numpy as jnp
 
-# The one definition of the implementation names (typed as `jax.nn.dot_product_attention` types
-# its `implementation`); IMPLS is derived from it for runtime checks and listings.
-Implementation = Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
-IMPLS: tuple[str, ...] = get_args(Implementation)
-# The tiled impls, which take a block_size ("auto" resolves to one of them).
-BLOCKED = ("chunked", "pallas", "auto")
+# Re-exported: the names are defined once in `common` (imported by chunked / pallas as well).
+from fpa_jax.ops.common import BLOCKED, IMPLS, STATS_DTYPE, BlockSizes, Implementation
 
-# Field, levels, penalties and softmax statistics are always fp32, whatever q/k/v are.
-STATS_DTYPE = jnp.float32
+__all__ = ["BLOCKED", "IMPLS", "STATS_DTYPE", "BlockSizes", "Implementation"]
 
 
 def _is_float(x) -> bool:
@@ -27,24 +20,25 @@ def check_impl(impl: Implementation, block_size: int | None = None) -> None:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if block_size is not None and impl not in BLOCKED:
     raise ValueError(f"block_size only applies to impl in {BLOCKED}, got impl={impl!r}")
+  # Checked here as well as by the impls: an empty input returns before reaching them.
+  if isinstance(block_size, int) and block_size < 1:
+    raise ValueError(f"block_size must be a positive int (block sizes are tile lengths in tokens), got {block_size}")
 
 
 def resolve_impl(impl: Implementation, grouped: bool = False) -> str:
-  """ "auto": the Pallas kernels on TPU / GPU, the XLA-tiled "chunked" elsewhere (on CPU Pallas
-  only runs in its slow interpreter) and for grouped-query k / v (kv_heads < heads), whose Pallas
-  path (a [G, T, .] block of query heads per dK / dV program) is interpret-tested only. Other
+  """ "auto": the XLA-tiled "chunked" on every backend. The Pallas kernels are opt-in
+  (impl="pallas") until their compiled Mosaic / Triton path has passed on an accelerator (only the
+  CPU interpreter has run them; README "Verifying the Pallas kernels on an accelerator"). `grouped`
+  (kv_heads < heads) is kept for callers; it will matter again when auto can pick Pallas. Other
   names pass through."""
-  if impl != "auto":
-    return impl
-  return "pallas" if jax.default_backend() in ("tpu", "gpu") and not grouped else "chunked"
+  del grouped
+  return "chunked" if impl == "auto" else impl
 
 
 def resolve_block_size(impl: Implementation, block_size, grouped: bool = False):
   """The block_size to hand the impl `impl` resolves to. A `pallas.BlockSizes` under "auto" where
-  that picks "chunked" (CPU) becomes its forward block (chunked tiles its backward like its
+  that picks "chunked" (today: every backend) becomes its forward block (chunked tiles its backward like its
   forward, so `bwd` has no counterpart); with impl="chunked" itself it is an error. Others pass."""
-  from fpa_jax.ops.pallas.kernels import BlockSizes  # lazy: the pallas package imports this module
-
   if not isinstance(block_size, BlockSizes) or resolve_impl(impl, grouped) != "chunked":
     return block_size
   if impl != "auto":
@@ -77,9 +71,32 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     raise ValueError(f"v must be [batch, seq, kv_heads, v_dim] matching k's {k.shape[:3]}, got {v.shape}")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  if t == 0:
-    raise ValueError("seq must be at least 1")
   return b, t, h, kvh, d
+
+
+def is_empty(b: int, t: int) -> bool:
+  """batch 0 or seq 0: every op returns its [batch, seq, heads, v_dim] output of zeros (empty)
+  without running an impl (their tilings divide by the shape)."""
+  return b == 0 or t == 0
+
+
+def check_log_fgate(log_fgate) -> None:
+  """FoX's log forget gate must be <= 0. Checked on concrete arrays only (a device sync of one
+  bool); under jit the ops clamp it instead (`clamp_log_fgate`)."""
+  if isinstance(log_fgate, jax.core.Tracer):
+    return
+  if bool(jnp.any(jnp.asarray(log_fgate) > 0)):
+    raise ValueError(
+      "log_fgate must be <= 0: pass jax.nn.log_sigmoid(f) (a log forget gate in (-inf, 0]), "
+      f"got a max of {float(jnp.max(jnp.asarray(log_fgate)))}"
+    )
+
+
+def clamp_log_fgate(log_fgate: jax.Array) -> jax.Array:
+  """fp32 log_fgate with positive entries (only reachable under jit) set to 0, a forget gate of
+  1: the one definition every FoX impl then shares, with gradient 0 there (1 at exactly 0)."""
+  lf = log_fgate.astype(STATS_DTYPE)
+  return jnp.where(lf > 0, 0.0, lf)
 
 
 def check_gate(name: str, x, bth: tuple[int, int, int]) -> None:
@@ -105,6 +122,8 @@ def check_segment_ids(segment_ids, bt: tuple[int, int]) -> None:
 
 
 def default_scale(scale, head_dim: int) -> float:
+  if scale is None and head_dim < 1:
+    raise ValueError(f"head_dim must be at least 1 for the default scale head_dim ** -0.5, got {head_dim}")
   return head_dim**-0.5 if scale is None else float(scale)
 
 

@@ -16,6 +16,8 @@ or reshapes a vector (neither Mosaic nor Triton does that cheaply).
     (j, i] exactly, so min(field over (j, i]) = min(N_k[j], M_k[i]): L = bit_length(blk - 1)
     elementwise passes over the tile instead of an in-kernel scan, and the pullback routes each
     element's cotangent to one N_k or M_k entry (JAX autodiff takes it from there to the field).
+  Penalties are `common.dip(level, min)`, as in `fpa_jax.ops.chunked`: level = +inf gives 0 on
+  an empty range (distance 0, +inf statistics) and -inf bias (a dead key) on a finite one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.validate import STATS_DTYPE
+from fpa_jax.ops.common import STATS_DTYPE, dip
 
 F32 = STATS_DTYPE
 INF = float("inf")
@@ -112,8 +114,8 @@ def tile_bias(kind, n_lv, kvec, qvec, r, dist):
   if dist is None:
     suf, pre = kvec(1), qvec(0)
     a = jnp.minimum(suf, r)
-    # -relu(level_j - min(A_j, C_i)) with A_j = min(S_j, R) as two elementwise passes.
-    bias = -jnp.maximum(jnp.maximum(lvl - a, 0.0), lvl - pre)
+    # -dip(level_j, min(A_j, C_i)) with A_j = min(S_j, R): no inf - inf for level = +inf.
+    bias = -dip(lvl, jnp.minimum(a, pre))
 
     def pull_off(g, side):
       g_c = jnp.where(pre < jnp.minimum(a, lvl), g, 0.0)  # penalty level_j - C_i
@@ -134,7 +136,7 @@ def tile_bias(kind, n_lv, kvec, qvec, r, dist):
   m = jnp.full(dist.shape, INF, F32)  # distance 0 (and masked j > i): empty range, no penalty
   for k in range(n_lv):  # ascending: the last level with 2^k <= i - j wins
     m = jnp.where(dist >= 2**k, jnp.minimum(ns[k], ms[k]), m)
-  bias = -jnp.maximum(lvl - m, 0.0)
+  bias = -dip(lvl, m)  # 0 at distance 0 (m = +inf) for every level, +inf included
 
   def pull_diag(g, side):
     g = jnp.where(lvl > m, g, 0.0)  # bias = m - level where the penalty is active

@@ -38,33 +38,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from fpa_jax.ops.chunked import FoXGate, FPAGate
+from fpa_jax.ops.common import BlockSizes  # defined below validate / chunked: no import cycle
 from fpa_jax.ops.pallas.gate import F32, INF, fox_stats, fpa_stats, n_levels, tile_bias
 
 NEG = -1e30  # finite mask value: exp(NEG - m) == 0 without any inf - inf
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Square tile sizes (query block = key block) of the forward and the two backward kernels.
-
-  TPU wants multiples of 128 (lanes) unless a block covers all of T; Triton wants powers of two
-  >= 16. Blocks shrink for short sequences; T is padded to a multiple of both sizes.
-  """
-
-  fwd: int
-  bwd: int | None = None  # None: same as fwd
-
-  @property
-  def backward(self) -> int:
-    return self.fwd if self.bwd is None else self.bwd
-
-  @classmethod
-  def default(cls, backend: str) -> "BlockSizes":
-    """backend: "tpu", "gpu", or anything else (interpret mode)."""
-    return _DEFAULT_BLOCKS.get(backend, _DEFAULT_BLOCKS["interpret"])
-
-
-_DEFAULT_BLOCKS = {"tpu": BlockSizes(128), "gpu": BlockSizes(64), "interpret": BlockSizes(32)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,6 +444,8 @@ def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None
   """
   b, t, h, d = q.shape
   dv = v.shape[-1]
+  if b == 0 or t == 0:  # an empty grid: nothing to run
+    return jnp.zeros((b, t, h, dv), q.dtype)
   backend = jax.default_backend()
   if interpret is None:
     interpret = backend not in ("tpu", "gpu")

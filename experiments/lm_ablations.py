@@ -1,0 +1,223 @@
+"""Issue 20 §1: why an FPA gate that contains FoX trains worse than FoX. One row per hypothesis.
+
+    python -m experiments.lm_ablations                                  # every row, seed 0, 600 steps
+    python -m experiments.lm_ablations --rows fox fpa_fox0 --seeds 0 1 2 --steps 3000
+
+The perplexity study's recipe (byte LMs on `fpa_text`, 2 layers, d_model 128, 4 heads, L=256, batch
+8, AdamW warmup + cosine; `experiments.perplexity.study_config`), trained on the fixed text pipeline
+and scored on its held-out set (every validation document). Each row changes one thing against
+`fpa_fox0` (FPA started at FoX's own init: FoX's log-sigmoid forget term plus step / absolute /
+offset read-outs of size ~1e-3), so a row that closes the gap to `fox` names the cause:
+
+  fpa_fox0_scale1   read-outs at scale 1 instead of 10 (Adam moves a scale-10 read-out 10x faster)
+  fpa_fox0_glr0.1   the same read-outs at scale 10 with a tenth of the learning rate (gate_lr_scale)
+  fox_step / fox_absolute / fox_offset   FoX's forget term plus one read-out alone: which one hurts
+  fpa_fox0_init0    read-outs initialised at exactly 0 (relu's kink: no gradient reaches them at first)
+
+The held-out loss is also logged every `--eval-every` steps (the trainer's periodic eval on the same
+held-out set), so "never worse than FoX at any logged step" can be read off the curves. Rerunning
+resumes each run from its checkpoints and rescoring is cheap; results merge across invocations.
+Writes results/lm_ablations.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments import _common as U
+from experiments import perplexity as P
+
+MODULE = "experiments.lm_ablations"
+FPA_FOX0 = {"attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0}
+ROWS: dict[str, tuple[dict, str]] = {
+  "fox": ({"attention": "fox"}, "the baseline (FoX paper init, bias 0)"),
+  "fpa_fox0": (FPA_FOX0, "FPA at FoX's init: FoX + step, absolute, offset read-outs (scale 10, std 1e-3)"),
+  "fpa_fox0_scale1": (
+    {**FPA_FOX0, "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0},
+    "effective lr: read-outs at scale 1",
+  ),
+  "fpa_fox0_glr0.1": ({**FPA_FOX0, "gate_lr_scale": 0.1}, "effective lr: read-outs at 0.1x the lr"),
+  "fox_step": ({**FPA_FOX0, "gate_terms_override": "forget,step"}, "which read-out: step alone on FoX"),
+  "fox_absolute": ({**FPA_FOX0, "gate_terms_override": "forget,absolute"}, "which read-out: absolute alone on FoX"),
+  "fox_offset": ({**FPA_FOX0, "gate_terms_override": "forget,offset"}, "which read-out: offset alone on FoX"),
+  "fpa_fox0_init0": (
+    {**FPA_FOX0, "step_init_std": 0.0, "absolute_init_std": 0.0, "offset_init_std": 0.0},
+    "relu's kink: read-outs start at exactly 0",
+  ),
+  "fpa": ({"attention": "fpa"}, "the default FPA gate (no forget term)"),
+}
+
+
+def run_tag(args) -> str:
+  return args.tag or f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}_lr{args.lr:g}_T{args.steps}"
+
+
+def curve(history: list[dict]) -> dict[str, float]:
+  """step -> held-out loss (nats per token) from the trainer's periodic evals."""
+  return {str(r["step"]): float(r["eval_loss"]) for r in history if r.get("eval_loss") is not None}
+
+
+def summarise(res: dict) -> dict:
+  rows = [r for r in ROWS if r in res]
+  out = {}
+  for r in rows:
+    bpb = res[r]["bpb"]
+    out[r] = {"bpb_mean": float(np.mean(bpb)), "bpb_std": float(np.std(bpb, ddof=1)) if len(bpb) > 1 else 0.0}
+    for ref in ("fox", "fpa_fox0"):
+      if ref in res:
+        base = dict(zip(res[ref]["seeds"], res[ref]["bpb"]))
+        paired = [b / base[s] - 1.0 for s, b in zip(res[r]["seeds"], bpb) if s in base]
+        out[r][f"vs_{ref}_paired"] = paired
+        out[r][f"vs_{ref}"] = float(np.mean(paired)) if paired else None
+  return out
+
+
+def markdown(res: dict) -> str:
+  s, r = res["summary"], res["recipe"]
+  cov = res["heldout"]
+  head = (
+    f"`python -m {MODULE}` (commands per row in lm_ablations.json): byte LMs ({r['layers']} layers, d_model "
+    f"{r['d_model']}, {r['heads']} heads), L={r['train_length']}, batch {r['batch_size']}, {r['steps']} steps, lr "
+    f"{r['lr']} (cosine); held-out bits per byte on {cov['bytes_scored']} bytes of {cov['windows']} windows over "
+    f"{cov['docs_covered']} of {cov['docs_in_split']} validation documents. \"vs\" columns: mean of the per-seed "
+    "(paired) relative differences.\n\n"
+  )
+  pct = lambda v: "—" if v is None else f"{100 * v:+.2f}%"
+  rows = []
+  for m in (m for m in ROWS if m in res):
+    e = res[m]
+    rows.append(
+      [
+        m,
+        ROWS[m][1],
+        len(e["bpb"]),
+        U.mean_std(e["bpb"]),
+        pct(s[m].get("vs_fox")),
+        pct(s[m].get("vs_fpa_fox0")),
+        f"{np.mean(e['train_wall_s']) / 60:.1f}",
+      ]
+    )
+  table = U.md_table(
+    ["row", "hypothesis", "seeds", "bpb (mean ± std)", "vs fox", "vs fpa_fox0", "train min / run"], rows
+  )
+  return head + table
+
+
+def plot(res: dict, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6.4, 3.8))
+  for m in (m for m in ROWS if m in res):
+    curves = [c for c in res[m]["curves"] if c]
+    if not curves:
+      continue
+    steps = sorted(set.intersection(*[set(map(int, c)) for c in curves]))
+    if not steps:
+      continue
+    ys = np.mean([[c[str(t)] for t in steps] for c in curves], axis=0) / np.log(2)
+    ax.plot(steps, ys, label=m, lw=1.6 if m in ("fox", "fpa_fox0") else 1.0)
+  ax.set_xlabel("step")
+  ax.set_ylabel("held-out bits per token")
+  ax.set_title("held-out loss over training (mean over seeds)", fontsize=9)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_outputs(res: dict, out_dir: Path) -> None:
+  res["summary"] = summarise(res)
+  U.write_json(out_dir / "lm_ablations.json", res)
+  (out_dir / "lm_ablations.md").write_text(markdown(res))
+  plot(res, out_dir / "lm_ablations.png")
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(
+    prog=f"python -m {MODULE}",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+  ap.add_argument("--train-len", type=int, default=256)
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--d-model", type=int, default=128)
+  ap.add_argument("--heads", type=int, default=4)
+  ap.add_argument("--block-size", type=int, default=64)
+  ap.add_argument("--batch-size", type=int, default=8)
+  ap.add_argument("--steps", type=int, default=600)
+  ap.add_argument("--lr", type=float, default=2e-3)
+  ap.add_argument("--warmup", type=int, default=30)
+  ap.add_argument("--ckpt-every", type=int, default=100)
+  ap.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (the curves)")
+  ap.add_argument("--heldout-windows", type=int, default=512)
+  ap.add_argument("--eval-batch", type=int, default=16)
+  ap.add_argument("--data-dir", default="data")
+  ap.add_argument("--small-data", action="store_true", help="small fpa_text build (smoke tests)")
+  ap.add_argument("--runs-dir", default="runs/lm_ablations")
+  ap.add_argument("--tag", default="")
+  ap.add_argument("--out-dir", default="results")
+  return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  from fpa_jax.inference import read_metrics
+
+  args = parse_args(argv)
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+  t0 = time.perf_counter()
+  out_dir, tag = Path(args.out_dir), run_tag(args)
+  held, coverage = P.heldout_batches(args)
+  recipe = {
+    "tag": tag,
+    "train_length": args.train_len,
+    "layers": args.layers,
+    "d_model": args.d_model,
+    "heads": args.heads,
+    "batch_size": args.batch_size,
+    "steps": args.steps,
+    "lr": args.lr,
+    "warmup": args.warmup,
+  }
+  for row in args.rows:
+    entry = {"bpb": [], "curves": [], "train_wall_s": [], "workdirs": [], "seeds": []}
+    for seed in args.seeds:
+      workdir = os.path.join(args.runs_dir, tag, f"{row}_s{seed}")
+      extra = {"eval_every": args.eval_every, "heldout_windows": args.heldout_windows}
+      cfg = P.study_config(row, args, seed, overrides={**ROWS[row][0], **extra})
+      tr = U.train_lm(cfg, workdir, None)
+      entry["bpb"].append(P.bits_per_byte(P.nll_fn(tr["model"]), held))
+      entry["curves"].append(curve(read_metrics(workdir)))  # every session's, not only this one's
+      entry["train_wall_s"].append(tr["train_wall_s"])
+      entry["workdirs"].append(workdir)
+      entry["seeds"].append(seed)
+      log(f"[lm_ablations] {row} seed {seed}: bpb {entry['bpb'][-1]:.4f}, train wall {tr['train_wall_s']:.0f} s")
+    entry.update(config=tr["init_config"], command=U.command(MODULE, argv), commit=U.git_commit())
+    res = U.read_json(out_dir / "lm_ablations.json", {})
+    if res.get("recipe", {}).get("tag") != tag:
+      res = {}
+    res.update(
+      {
+        row: entry,
+        "recipe": recipe,
+        "heldout": coverage,
+        "text_rows": "windows",
+        "meta": U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, rows_this_run=args.rows),
+      }
+    )
+    write_outputs(res, out_dir)
+  return U.read_json(out_dir / "lm_ablations.json")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,103 @@
+"""The training objective: the LM loss and its auxiliary terms, in one place (the trainer's step calls
+`objective`; evaluation calls `lm_loss`).
+
+    total = sum of masked token cross-entropies + n_tokens * evict_weight * evict_hinge
+
+so that after the step divides by the token count the gradient is that of mean CE + evict_weight *
+evict_hinge (with grad_accum: each micro-batch's hinge weighted by its share of the tokens).
+
+Evictability (`TrainConfig.evict_*`, off when evict_weight = 0: then `objective` is exactly
+`lm_loss`, the same program). On `evict_queries` stratified query positions per sequence (drawn
+from `key`, new each step), every layer's soft live fraction of the keys outside the recent window
+(`fpa_jax.ops.evictability.live_counts`) is hinged at the kept-fraction target of the step,
+
+    target_t = 1 / (1 + (1 / evict_target - 1) * min(t / evict_ramp_steps, 1))
+
+DMS's ramp: the compression ratio 1 / target grows linearly from 1 (target 1: no pressure, the
+hinge is 0) to 1 / evict_target; evict_ramp_steps = 0 starts at the final target. The hinge is per
+(sequence, query, layer, kv head), averaged over (query, old key) pairs (`hinge_live_fraction`):
+every head must fit the budget on its own, as the per-head `fpa_budget` cache does.
+Metrics (all scalars, logged with the train metrics): evict_loss (the hinge, before the weight),
+evict_target, evict_live (soft live fraction over all layers), evict_live_l{i} (per layer) and
+evict_live_hard (penalty < evict_tau with the exact penalty: what a threshold policy would keep).
+
+The model must have a gate (`ModelConfig.attention` in `configs.GATED`; `Config.validate` checks).
+Shapes: B batch, T sequence, V vocab, L layers, KVH kv heads, Q sampled queries.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fpa_jax.ops import evictability as E
+
+
+def lm_loss(model, batch: dict) -> tuple[jax.Array, jax.Array]:
+  """-> (sum of masked token cross-entropies, number of target tokens)."""
+  logits = model(batch["inputs"], batch["segment_ids"])  # [B, T, V] fp32
+  return _ce_sum(logits, batch)
+
+
+def _ce_sum(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
+  mask = batch["loss_mask"].astype(jnp.float32)
+  return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def evict_target(step, cfg) -> jax.Array:
+  """Kept-fraction target at optimizer step `step` (int scalar, may be traced): DMS's linear ramp of
+  the compression ratio from 1 to 1 / cfg.evict_target over cfg.evict_ramp_steps (0: no ramp)."""
+  final_cr = 1.0 / cfg.evict_target
+  if cfg.evict_ramp_steps <= 0:
+    return jnp.float32(cfg.evict_target)
+  progress = jnp.minimum(jnp.asarray(step, jnp.float32) / cfg.evict_ramp_steps, 1.0)
+  return 1.0 / (1.0 + (final_cr - 1.0) * progress)
+
+
+def evict_terms(gates: tuple[jax.Array, jax.Array], segment_ids, cfg, step, key) -> tuple[jax.Array, dict]:
+  """(hinge, metrics) from the model's per-layer gates: field, level [L, B, T, KVH] each."""
+  field, level = gates
+  n_layers, b, t, kvh = field.shape
+  fold = lambda a: jnp.moveaxis(a, 0, 2).reshape(b, t, n_layers * kvh)  # layers become heads
+  q = E.sample_queries(key, b, t, cfg.evict_queries, cfg.evict_window)
+  counts = E.live_counts(
+    fold(field),
+    fold(level),
+    q,
+    window=cfg.evict_window,
+    tau=cfg.evict_tau,
+    temp=cfg.evict_temp,
+    soft=cfg.evict_soft,
+    segment_ids=segment_ids,
+  )
+  target = evict_target(step, cfg)
+  hinge, _ = E.hinge_live_fraction(counts, target)
+  per_layer = jax.lax.stop_gradient(E.pooled_fraction(counts.soft, counts.eligible).reshape(n_layers, kvh).mean(-1))
+  hard = E.pooled_fraction(counts.hard, counts.eligible).mean()
+  metrics = {
+    "evict_loss": jax.lax.stop_gradient(hinge),
+    "evict_target": jnp.asarray(target, jnp.float32),
+    "evict_live": per_layer.mean(),
+    "evict_live_hard": hard,
+    **{f"evict_live_l{i}": per_layer[i] for i in range(n_layers)},
+  }
+  return hinge, metrics
+
+
+def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """-> (value to differentiate, aux): aux holds lm_sum (sum of CEs), count (target tokens) and, with
+  the objective on, its metrics (see the module docstring). `cfg`: anything with the TrainConfig
+  evict_* fields (a run Config); `step`: the optimizer step (the target's ramp); `key`: a PRNG key
+  for the query positions (needed when evict_weight > 0)."""
+  if not cfg.evict_weight:
+    s, n = lm_loss(model, batch)
+    return s, {"lm_sum": s, "count": n}
+  if key is None:
+    raise ValueError("objective with evict_weight > 0 needs a PRNG `key` for the sampled queries")
+  logits, gates = model(batch["inputs"], batch["segment_ids"], return_gates=True)
+  s, n = _ce_sum(logits, batch)
+  hinge, metrics = evict_terms(gates, batch["segment_ids"], cfg, step, key)
+  total = s + jax.lax.stop_gradient(n) * (cfg.evict_weight * hinge)
+  return total, {"lm_sum": s, "count": n, **metrics}

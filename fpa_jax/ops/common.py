@@ -1,0 +1,57 @@
+"""Names, dtypes and small math shared by every attention op: the bottom layer of `fpa_jax.ops`.
+
+It imports nothing from fpa_jax, so `validate`, `chunked`, `pallas` and the rest can all import it
+without a cycle. Public paths re-export from here (`fpa_jax.ops.pallas.BlockSizes`,
+`fpa_jax.ops.validate.IMPLS`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+# The one definition of the implementation names (typed as `jax.nn.dot_product_attention` types
+# its `implementation`); IMPLS is derived from it for runtime checks and listings.
+Implementation = Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
+IMPLS: tuple[str, ...] = get_args(Implementation)
+# The tiled impls, which take a block_size ("auto" resolves to one of them).
+BLOCKED = ("chunked", "pallas", "auto")
+
+# Field, levels, penalties and softmax statistics are always fp32, whatever q/k/v are.
+STATS_DTYPE = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Square tile sizes (query block = key block) of the forward and the two backward kernels.
+
+  TPU wants multiples of 128 (lanes) unless a block covers all of T; Triton wants powers of two
+  >= 16. Blocks shrink for short sequences; T is padded to a multiple of both sizes.
+  """
+
+  fwd: int
+  bwd: int | None = None  # None: same as fwd
+
+  @property
+  def backward(self) -> int:
+    return self.fwd if self.bwd is None else self.bwd
+
+  @classmethod
+  def default(cls, backend: str) -> "BlockSizes":
+    """backend: "tpu", "gpu", or anything else (interpret mode)."""
+    return _DEFAULT_BLOCKS.get(backend, _DEFAULT_BLOCKS["interpret"])
+
+
+_DEFAULT_BLOCKS = {"tpu": BlockSizes(128), "gpu": BlockSizes(64), "interpret": BlockSizes(32)}
+
+
+def dip(level: jax.Array, low: jax.Array) -> jax.Array:
+  """The penalty of a key at `level` below which the field reached `low`: level - low where
+  level > low, else exactly 0. Equal to relu(level - low) on finite values and defined on all
+  the others without an inf - inf: an empty range (low = +inf) gives 0 even for level = +inf,
+  a level of +inf against a finite low gives +inf (a dead key), a level of -inf gives 0.
+  Autodiff: d/dlevel = 1 and d/dlow = -1 where level > low, else 0 (no product with a value)."""
+  return jnp.where(level > low, level - low, 0.0)

@@ -1,0 +1,263 @@
+"""Edge cases of the attention ops, the same in every impl: level = +inf (a dead key), log_fgate > 0
+(FoX), empty inputs (batch 0 / seq 0), and the chunked backward pass under another XLA:CPU
+optimisation level (backends fuse differently; no inf - inf or 0 * inf may hide in a pullback).
+
+Small shapes throughout; values against the float64 numpy loop reference, gradients against the
+quadratic impl (itself checked against finite differences of the reference in test_ops_grad).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _tol import assert_close
+from fpa_jax import ops
+from fpa_jax.ops import chunked
+from fpa_jax.ops import reference_np as ref
+
+INF = np.inf
+B, T, H, D, DV, BLK = 1, 12, 2, 3, 2, 4
+# (impl, block_size, skip_tolerance): every path a level of +inf must survive. chunked at tile 4
+# runs the in-tile scan on its diagonal tiles; the sub-tiled diagonal path is checked below.
+IMPLS = [
+  ("quadratic", None, None),
+  ("recurrent", None, None),
+  ("chunked", BLK, None),
+  ("chunked", BLK, 1e-3),
+  ("pallas", 8, None),
+]
+NAMES = ("q", "k", "v", "field", "level")
+
+
+def _inputs(seed, b=B, t=T, h=H, dead_block=True):
+  """fp32-representable float64 q, k, v, field, level, ct; some levels +inf (all of the first key
+  block of batch 0, head 0, so the tile after next is dead for the skipping path), field finite
+  with +-1e3 excursions."""
+  rng = np.random.default_rng(seed)
+  f32 = lambda x: np.asarray(x, np.float32).astype(np.float64)
+  q, k = (f32(rng.normal(size=(b, t, h, D))) for _ in range(2))
+  v = f32(rng.normal(size=(b, t, h, DV)))
+  field = np.cumsum(rng.normal(size=(b, t, h)), 1)
+  field = np.where(rng.random((b, t, h)) < 0.2, rng.choice([-1e3, 1e3], size=(b, t, h)), field)
+  level = field + rng.normal(size=(b, t, h))
+  level = np.where(rng.random((b, t, h)) < 0.3, INF, level)
+  if dead_block:
+    level[0, :BLK, 0] = INF
+  ct = f32(rng.normal(size=(b, t, h, DV)))
+  return q, k, v, f32(field), f32(level), ct
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "blk", "tol"))
+def _value_and_grads(q, k, v, field, level, ct, *, impl, blk, tol):
+  def loss(q, k, v, field, level):
+    out = ops.fpa_attention(q, k, v, field, level, impl=impl, block_size=blk, skip_tolerance=tol)
+    return jnp.sum(out * ct), out
+
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, field, level)
+
+
+def _grads(args, ct, impl, blk, tol):
+  """(out, [d/dq, d/dk, d/dv, d/dfield, d/dlevel]) of sum(out * ct), numpy."""
+  j = lambda x: jnp.asarray(x, jnp.float32)
+  (_, out), g = _value_and_grads(*map(j, args), j(ct), impl=impl, blk=blk, tol=tol)
+  return np.asarray(out), [np.asarray(x) for x in g]
+
+
+# ----------------------------------------------------------------------------- level = +inf
+
+
+def test_inf_level_penalty_matches_reference():
+  _, _, _, field, level, _ = _inputs(0)
+  got = np.asarray(
+    ops.first_passage_penalty(
+      jnp.asarray(np.swapaxes(field, 1, 2), jnp.float32), jnp.asarray(np.swapaxes(level, 1, 2), jnp.float32)
+    )
+  )
+  for b in range(B):
+    for h in range(H):
+      want = ref.penalty_np(field[b, :, h], level[b, :, h])
+      assert np.all(np.diag(got[b, h]) == 0.0), "the diagonal (empty range) is never penalised"
+      np.testing.assert_array_equal(np.isinf(got[b, h]), np.isinf(want))
+      fin = np.isfinite(want)
+      assert_close(got[b, h][fin], want[fin], n=T)
+  # cache_penalty (the decode state) agrees: +inf keys are dead once a field value is seen.
+  cache = ops.init_cache(1, 3, 1, 2)
+  x = jnp.zeros((1, 1, 2))
+  for fld, lvl in ((0.5, INF), (0.2, 0.0), (0.7, INF)):
+    g = lambda v: jnp.full((1, 1), v, jnp.float32)
+    _, cache = ops.decode_step(cache, x, x, x, g(fld), g(lvl), scale=1.0)
+  assert np.asarray(ops.cache_penalty(cache))[0, :, 0].tolist() == [INF, 0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def inf_case():
+  args, ct = _inputs(1)[:5], _inputs(1)[5]
+  want = ref.fpa_attention_np(*args)
+  out_q, g_q = _grads(args, ct, "quadratic", None, None)
+  return args, ct, want, out_q, g_q
+
+
+@pytest.mark.parametrize("impl,blk,tol", IMPLS)
+def test_inf_level_every_impl_agrees_values_and_grads(inf_case, impl, blk, tol):
+  args, ct, want, _, g_q = inf_case
+  out, g = _grads(args, ct, impl, blk, tol)
+  assert np.all(np.isfinite(out)), impl
+  assert_close(out, want, n=T)
+  # A +inf key: dead off its diagonal, penalty exactly 0 on it: no level gradient anywhere.
+  dead = np.isinf(args[4])
+  for name, x, w in zip(NAMES, g, g_q):
+    assert np.all(np.isfinite(x)), (impl, name)
+    assert_close(x, w, n=T, err_msg=f"{impl} d/d{name} vs quadratic")
+  assert np.all(g[4][dead] == 0.0), "a dead key's level gets no gradient"
+  if tol is not None:  # the first key block of (batch 0, head 0) is dead for query block 2 on
+    dead_tiles = np.asarray(
+      chunked.dead_tiles(
+        *(jnp.asarray(a, jnp.float32) for a in args[:2]),
+        chunked.FPAGate(*(jnp.asarray(a, jnp.float32) for a in args[3:])),
+        skip_tolerance=tol,
+        block_size=blk,
+      )
+    )
+    assert dead_tiles[0, 0, 2, 0] and dead_tiles[0, 0, 2:, 0].all()
+
+
+@pytest.mark.parametrize("impl,blk,tol", IMPLS)
+def test_all_dead_rows_normalise_to_the_diagonal(impl, blk, tol):
+  # Every level +inf and a finite field: each query keeps only its own key, out_i = v_i.
+  q, k, v, field, _, ct = _inputs(2, b=1, dead_block=False)
+  level = np.full_like(field, INF)
+  out, g = _grads((q, k, v, field, level), ct, impl, blk, tol)
+  assert_close(out, v, n=T)
+  assert_close(g[2], ct, n=T)  # d/dv = ct: all weight on the diagonal
+  # The rest vanishes up to the rounding of ds = p (do.v_i - do.o_i) with o_i = v_i.
+  for name, x in zip(("q", "k", "field", "level"), (g[0], g[1], g[3], g[4])):
+    assert_close(x, np.zeros_like(x), n=T, scale=np.abs(ct).max() * np.abs(v).max(), err_msg=f"{impl} d/d{name}")
+
+
+def test_inf_level_sub_tiled_diagonal_matches_quadratic(monkeypatch):
+  # The sub-tiled diagonal path (tiles of >= 2 * DIAG_SUB tokens), at a small DIAG_SUB.
+  monkeypatch.setattr(chunked, "DIAG_SUB", 4)
+  args, ct = _inputs(3, b=1, t=12)[:5], _inputs(3, b=1, t=12)[5]
+  assert chunked._diag_sub(8) == 4
+  out_q, g_q = _grads(args, ct, "quadratic", None, None)
+  out, g = _grads(args, ct, "chunked", 8, None)  # traced only here (block 8): the patched DIAG_SUB
+  assert_close(out, ref.fpa_attention_np(*args), n=12)
+  for name, x, w in zip(NAMES, g, g_q):
+    assert np.all(np.isfinite(x)), name
+    assert_close(x, w, n=12, err_msg=f"sub-tiled d/d{name}")
+
+
+# ----------------------------------------------------------------------------- FoX log_fgate > 0
+
+
+def _fox_inputs(seed):
+  rng = np.random.default_rng(seed)
+  q, k, v, ct = (jnp.asarray(rng.normal(size=(1, 9, 2, 3)), jnp.float32) for _ in range(4))
+  lf = jnp.asarray(jax.nn.log_sigmoid(rng.normal(size=(1, 9, 2)) + 1.0), jnp.float32)
+  # Positive entries only where the tests put them. (An exact 0 elsewhere would put the FPA
+  # special case of quadratic / recurrent on a relu kink, c_j = c_i, where its subgradient is not
+  # FoX's; at a clamped entry both give 0 for that entry and equal ones for all others.)
+  return q, k, v, lf.at[0, 3].set(0.5).at[0, 6, 1].set(2.0), ct
+
+
+def test_positive_log_fgate_raises_on_concrete_arrays():
+  q, k, v, lf, _ = _fox_inputs(4)
+  for impl in ("quadratic", "chunked", "recurrent", "pallas", "auto"):
+    with pytest.raises(ValueError, match=r"log_fgate must be <= 0: pass jax.nn.log_sigmoid\(f\)"):
+      ops.fox_attention(q, k, v, lf, impl=impl)
+    with pytest.raises(ValueError, match="log_fgate must be <= 0"):
+      ops.fox_attention(q, k, v, np.asarray(lf), impl=impl)  # numpy arrays are concrete too
+
+
+def test_positive_log_fgate_under_jit_is_clamped_in_every_impl():
+  q, k, v, lf, ct = _fox_inputs(5)
+  clamped = np.minimum(np.asarray(lf, np.float64), 0.0)
+  want = ref.fox_attention_np(q, k, v, clamped)
+
+  @jax.jit
+  def run(q, k, v, lf):
+    outs, grads = [], []
+    for impl, blk in (("quadratic", None), ("chunked", 4), ("recurrent", None), ("pallas", 8)):
+      f = lambda lf: (lambda o: (jnp.sum(o * ct), o))(ops.fox_attention(q, k, v, lf, impl=impl, block_size=blk))
+      (_, out), g = jax.value_and_grad(f, has_aux=True)(lf)
+      outs.append(out)
+      grads.append(g)
+    return outs, grads
+
+  outs, grads = run(q, k, v, lf)
+  for out in outs:
+    assert_close(np.asarray(out), want, n=9)
+  pos = np.asarray(lf) > 0
+  for g in grads:
+    assert_close(np.asarray(g), np.asarray(grads[0]), n=9)
+    assert np.all(np.asarray(g)[pos] == 0.0), "a clamped gate gets no gradient"
+  assert np.abs(np.asarray(grads[0])[~pos]).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- empty inputs
+
+
+@pytest.mark.parametrize("b,t", [(0, 5), (2, 0)])
+@pytest.mark.parametrize("impl", ["quadratic", "chunked", "recurrent", "pallas", "auto"])
+def test_empty_inputs_give_empty_outputs_and_grads(b, t, impl):
+  q, k = jnp.zeros((b, t, 4, 3)), jnp.zeros((b, t, 2, 3))
+  v, g = jnp.zeros((b, t, 2, 5)), jnp.zeros((b, t, 2))
+  fns = {
+    "fpa": lambda q, k, v, g: ops.fpa_attention(q, k, v, g, g, impl=impl),
+    "fox": lambda q, k, v, g: ops.fox_attention(q, k, v, g, impl=impl),
+  }
+  if impl == "quadratic":
+    fns["softmax"] = lambda q, k, v, g: ops.softmax_attention(q, k, v)
+  for name, fn in fns.items():
+    out = fn(q, k, v, g)
+    assert out.shape == (b, t, 4, 5) and out.dtype == q.dtype, name
+    assert jax.jit(fn)(q, k, v, g).shape == (b, t, 4, 5)
+    grads = jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2, 3))(q, k, v, g)
+    assert [x.shape for x in grads] == [q.shape, k.shape, v.shape, g.shape], name
+  with pytest.raises(ValueError, match="block_size"):  # still validated when there is nothing to run
+    ops.fpa_attention(q, k, v, g, g, impl="chunked", block_size=0)
+
+
+# ----------------------------------------------------------------------------- XLA opt level 0
+
+_O0_SCRIPT = r"""
+import numpy as np, jax, jax.numpy as jnp
+from _tol import assert_close
+from fpa_jax import ops
+rng = np.random.default_rng(0)
+b, t, h, d = 1, 10, 1, 2
+q, k, v, ct = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for _ in range(4))
+field = np.cumsum(rng.normal(size=(b, t, h)), 1)
+field = np.where(rng.random((b, t, h)) < 0.3, rng.choice([-1e3, 1e3], size=(b, t, h)), field)
+level = np.where(rng.random((b, t, h)) < 0.3, np.inf, field + rng.normal(size=(b, t, h)))
+field, level = jnp.asarray(field, jnp.float32), jnp.asarray(level, jnp.float32)
+seg = jnp.asarray([[0, 0, 1, 0, 0, 0, 1, 1, 2, 0]], jnp.int32)  # query rows masked in whole tiles
+
+def grads(impl, blk):
+  f = lambda *a: jnp.sum(ops.fpa_attention(*a, impl=impl, block_size=blk, segment_ids=seg) * ct)
+  return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, k, v, field, level)
+
+want = grads("quadratic", None)
+for name, g, w in zip("q k v field level".split(), grads("chunked", 4), want):
+  assert np.all(np.isfinite(np.asarray(g))), name
+  assert_close(np.asarray(g), np.asarray(w), n=t, err_msg=name)
+print("OK")
+"""
+
+
+def test_chunked_grads_finite_at_xla_opt_level_0():
+  # A fresh interpreter: XLA_FLAGS is read when jax initialises its backend.
+  tests = pathlib.Path(__file__).resolve().parent
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
+  res = subprocess.run([sys.executable, "-c", _O0_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

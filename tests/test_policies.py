@@ -1,0 +1,362 @@
+"""Eviction policies of issue 19: the protected recent window, SnapKV, the global budget (fpa_global),
+the per-key tolerance bound, and their argument checks. Each policy against a numpy simulation."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tol import assert_close
+
+from fpa_jax import configs as C
+from fpa_jax.inference import cache as K
+from fpa_jax.inference import decode as D
+from fpa_jax.inference import cached_logits, generate, make_policy
+from fpa_jax.inference.policies import default_recent
+from fpa_jax.models import build_model
+
+BRACKETS = "x(a(bc)d(e)f)y(g(h)i)"
+
+
+def _depth(text, step=10.0):
+  return np.cumsum([1 if c == "(" else -1 if c == ")" else 0 for c in text]).astype(np.float32) * step
+
+
+def _alive(cache, b=0, h=0):
+  return {int(p) for p, a in zip(np.asarray(cache.pos[b, :, h]), np.asarray(cache.alive[b, :, h])) if a}
+
+
+def _pen_np(field, j, i):
+  """Penalty of key j after query i (level = field): relu(f_j - min f over (j, i])."""
+  return max(0.0, float(field[j]) - float(np.min(field[j + 1 : i + 1]))) if i > j else 0.0
+
+
+_prefill = jax.jit(K.prefill_attend, static_argnames=("policy", "scale", "block_size"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """One small fpa model with forgetful gates, shared by the model-level tests."""
+  cfg = C.get_config(
+    "tiny", attention="fpa", step_init_std=0.3, absolute_init_std=0.05, offset_init_std=0.05, gate_init_std=0.3
+  )
+  return build_model(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_qk():
+  """A QK-norm fpa model with large penalties and uneven QK-norm scales (the pairwise bound is then
+  tighter than K max|s_q| max|s_k|)."""
+  cfg = C.get_config(
+    "tiny", attention="fpa", qk_norm=True, step_init_std=0.6, absolute_init_std=0.3, offset_init_std=0.1
+  )
+  m = build_model(cfg, seed=0)
+  for blk in m.blocks:
+    blk.attn.q_norm.scale[...] = jnp.linspace(0.5, 2.0, cfg.head_dim)
+    blk.attn.k_norm.scale[...] = jnp.linspace(2.0, 0.5, cfg.head_dim)
+  return m
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+def test_arguments_checked_before_tracing(tiny):
+  t = 64
+  with pytest.raises(ValueError, match="unknown policy"):
+    make_policy("snap", t, budget=8)
+  with pytest.raises(ValueError, match="budget must be > 0"):
+    make_policy("fpa_global", t, budget=0)
+  with pytest.raises(ValueError, match="must be <= 1"):
+    make_policy("snapkv", t, budget=1.5)
+  with pytest.raises(ValueError, match="needs a budget"):
+    make_policy("fpa_global", t)
+  with pytest.raises(ValueError, match="recent < 8"):
+    make_policy("fpa_budget", t, budget=8, recent=8)
+  with pytest.raises(ValueError, match="recent < 8"):
+    make_policy("fpa_global", t, budget=8, recent=12)
+  with pytest.raises(ValueError, match="recent must be an int"):
+    make_policy("fpa_budget", t, budget=8, recent=-1)
+  with pytest.raises(ValueError, match="recent .* applies to"):
+    make_policy("window", t, budget=8, recent=2)
+  with pytest.raises(ValueError, match="head_cap >= budget"):
+    make_policy("fpa_global", t, budget=8, head_cap=4)
+  with pytest.raises(ValueError, match="head_cap only applies"):
+    make_policy("fpa_budget", t, budget=8, head_cap=16)
+  with pytest.raises(ValueError, match="bound must be one of"):
+    make_policy("fpa", t, tolerance=1e-3, bound="spectral")
+  assert make_policy("fpa_budget", t, budget=0.5).recent == default_recent(32) == 4
+  pol = make_policy("fpa_global", t, budget=0.25)
+  assert (pol.keys, pol.capacity, pol.recent) == (16, 32, 2)
+  # through the entry points, before anything is traced
+  tok = np.zeros((1, 8), np.int32)
+  before = dict(D.TRACES)
+  with pytest.raises(ValueError, match="use generate"):
+    cached_logits(tiny, tok, policy="snapkv", budget=4)
+  with pytest.raises(ValueError, match="prefill='parallel'"):
+    generate(tiny, tok, 2, policy="snapkv", budget=4, prefill="decode")
+  with pytest.raises(ValueError, match="recent < 4"):
+    generate(tiny, tok, 2, policy="fpa_global", budget=4, recent=4)
+  assert D.TRACES == before
+
+
+# ------------------------------------------------------------------------------------------------ recent window
+
+
+def _stream(policy, fields, q=None):
+  """Decode a 1-row stream with H heads (field = level = fields[:, h]); alive positions per step and head."""
+  t, h = fields.shape
+  cache = K.init_cache(1, policy.capacity, h, 1)
+  step = jax.jit(functools.partial(K.decode_attend, policy=policy, scale=1.0))
+  ones = jnp.ones((1, 1, h, 1))
+  sets = []
+  for i in range(t):
+    f = jnp.asarray(fields[i], jnp.float32).reshape(1, 1, h)
+    _, cache = step(cache, ones * 0.0, ones, ones * 0.0, f, f, f, positions=jnp.array([i]))
+    sets.append([_alive(cache, h=j) for j in range(h)])
+  return sets
+
+
+def _simulate_budget(field, capacity, recent):
+  """fpa_budget with a protected window: largest penalty among keys at <= i - W, ties oldest."""
+  alive, sets = [], []
+  for i in range(len(field)):
+    if len(alive) >= capacity:
+      cand = [j for j in alive if j <= i - recent] or alive
+      alive.remove(min(cand, key=lambda j: (-_pen_np(field, j, i), j)))
+    alive.append(i)
+    sets.append(set(alive))
+  return sets
+
+
+@pytest.mark.parametrize("capacity,recent", [(4, 2), (6, 3), (6, 5)])
+def test_fpa_budget_protects_the_last_w_keys(capacity, recent):
+  field = _depth(BRACKETS)
+  pol = make_policy("fpa_budget", len(field), budget=capacity, recent=recent)
+  zero = np.zeros_like(field)
+  got = _stream(pol, np.stack([field, zero], 1))
+  want = _simulate_budget(field, capacity, recent)
+  assert [g[0] for g in got] == want
+  for i, s in enumerate(want):
+    assert set(range(max(0, i - recent + 1), i + 1)) <= s  # the last W keys are always there
+  # zero penalties (head 1): "largest penalty, ties oldest" is exactly a window of the last C keys
+  assert [g[1] for g in got] == [set(range(max(0, i - capacity + 1), i + 1)) for i in range(len(field))]
+
+
+def test_prefill_keeps_the_window_then_the_smallest_penalties():
+  t, cap, w = 20, 8, 3
+  field = _depth("x(a(bc)d(e)f)y(g(h)i"[:t])
+  lengths = jnp.array([t, 13])
+  pol = make_policy("fpa_budget", t + 4, budget=cap, recent=w)
+  z = jnp.zeros((2, t, 1, 2))
+  f = jnp.broadcast_to(jnp.asarray(field)[None, :, None], (2, t, 1))
+  cache = K.init_cache(2, cap, 1, 2)
+  _, cache = _prefill(cache, z, z, z, f, f, f, policy=pol, scale=1.0, lengths=lengths)
+  for b, n in enumerate([t, 13]):
+    window = set(range(n - w, n))
+    rest = sorted(range(n - w), key=lambda j: (_pen_np(field, j, n - 1), -j))[: cap - w]
+    assert _alive(cache, b) == window | set(rest)
+
+
+# ------------------------------------------------------------------------------------------------ snapkv
+
+
+def _snapkv_np(q, k, field, level, n, scale, window=32, kernel=7):
+  """float64 SnapKV scores [T, KVH] of one row of length n (q [T, H, D], k [T, KVH, D])."""
+  t, h, _ = q.shape
+  kvh = k.shape[1]
+  g = h // kvh
+  votes = np.zeros((h, t))
+  for i in range(max(0, n - window), n):
+    for hh in range(h):
+      kv = hh // g
+      pen = np.array([max(0.0, level[j, kv] - field[j + 1 : i + 1, kv].min()) if j < i else 0.0 for j in range(i + 1)])
+      s = scale * k[: i + 1, kv] @ q[i, hh] - pen
+      p = np.exp(s - s.max())
+      votes[hh, : i + 1] += p / p.sum()
+  r = kernel // 2
+  pooled = np.stack([[votes[hh, max(0, j - r) : j + r + 1].max() for j in range(t)] for hh in range(h)])
+  score = pooled.reshape(kvh, g, t).sum(1).T
+  score[:n][np.arange(n) >= n - window] = np.inf
+  score[n:] = 0.0
+  return score
+
+
+def test_snapkv_keeps_what_the_last_window_attends_to():
+  """Query head 0 of the window looks at key 5, head 1 at key 20 (one kv head, a group of 2): the
+  window's 32 keys and the 7-key neighbourhoods of both (max-pooling) are kept, nothing else."""
+  t = 64
+  k = np.zeros((1, t, 1, 2), np.float32)
+  k[0, 5, 0] = [6.0, 0.0]
+  k[0, 20, 0] = [0.0, 6.0]
+  q = np.zeros((1, t, 2, 2), np.float32)
+  q[0, :, 0] = [1.0, 0.0]
+  q[0, :, 1] = [0.0, 1.0]
+  z = jnp.zeros((1, t, 1))
+  pol = make_policy("snapkv", t, budget=32 + 14)
+  cache = K.init_cache(1, pol.capacity, 1, 2)
+  _, cache = _prefill(
+    cache, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), z, z, z, policy=pol, scale=1.0, lengths=jnp.array([t])
+  )
+  assert _alive(cache) == set(range(32, 64)) | set(range(2, 9)) | set(range(17, 24))
+
+
+def test_snapkv_matches_numpy_then_decodes_within_capacity():
+  """Random q, k, penalties, grouped heads, per-row lengths (one shorter than the window)."""
+  rng = np.random.default_rng(0)
+  b, t, h, kvh, d = 2, 48, 4, 2, 4
+  q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+  k = rng.normal(size=(b, t, kvh, d)).astype(np.float32)
+  field = np.cumsum(rng.normal(size=(b, t, kvh)), 1).astype(np.float32)
+  level = (field + rng.normal(size=(b, t, kvh))).astype(np.float32)
+  lengths = [40, 23]
+  scale = d**-0.5
+  scores = jax.jit(functools.partial(K.snapkv_scores, scale=scale, window=32, kernel=7))
+  got = scores(jnp.asarray(q), jnp.asarray(k), field, level, jnp.array(lengths))
+  cap, w, n_new = 38, 3, 6
+  pol = make_policy("snapkv", t + n_new, budget=cap, recent=w)
+  cache = K.init_cache(b, cap, kvh, d)
+  _, cache = _prefill(
+    cache, *map(jnp.asarray, (q, k, k, field, level, field)), policy=pol, scale=scale, lengths=jnp.array(lengths)
+  )
+  step = jax.jit(functools.partial(K.decode_attend, policy=pol, scale=scale))
+  ref = [_snapkv_np(q[r], k[r], field[r], level[r], lengths[r], scale) for r in range(b)]
+  states = []
+  for r in range(b):
+    g, s = np.asarray(got[r]), ref[r]
+    np.testing.assert_array_equal(np.isinf(g), np.isinf(s))
+    assert_close(g[np.isfinite(g)], s[np.isfinite(s)], n=t)
+    # prefill: the best `cap` keys by score (ties: the newer), the window's included
+    order = sorted(range(lengths[r]), key=lambda j, s=s: (-s[j, 0], -j))
+    assert _alive(cache, r) == set(order[:cap])
+    states.append({j: s[j, 0] for j in order[:cap]})
+  for i in range(n_new):
+    pos = jnp.array(lengths) + i
+    x = jnp.asarray(rng.normal(size=(b, 1, kvh, d)), jnp.float32)
+    fz = jnp.zeros((b, 1, kvh))
+    _, cache = step(cache, jnp.zeros((b, 1, h, d)), x, x, fz, fz, fz, positions=pos)
+    for r in range(b):
+      now, held = lengths[r] + i, states[r]
+      if len(held) >= cap:  # the lowest score outside the last W keys, ties oldest; new keys score 0
+        cand = [j for j in held if j <= now - w] or list(held)
+        del held[min(cand, key=lambda j: (held[j], j))]
+      held[now] = 0.0
+      assert _alive(cache, r) == set(held), (r, i)
+
+
+# ------------------------------------------------------------------------------------------------ global budget
+
+
+def _simulate_global(fields, keys, cap, recent):
+  """fields [T, L, H] -> alive sets [T][L][H] of fpa_global (numpy/Python, the docstring's rule)."""
+  t, n_l, h = fields.shape
+  alive = {(l, j): [] for l in range(n_l) for j in range(h)}
+  out = []
+  for i in range(t):
+    for (l, j), a in alive.items():  # per head: the cap, as fpa_budget with capacity `cap`
+      f = fields[:, l, j]
+      if len(a) >= cap:
+        cand = [x for x in a if x <= i - recent] or a
+        a.remove(min(cand, key=lambda x, f=f: (-_pen_np(f, x, i), x)))
+      a.append(i)
+    excess = sum(map(len, alive.values())) - (keys - 1) * n_l * h
+    cand = [
+      (-_pen_np(fields[:, l, j], x, i), x, l * h + j, (l, j))
+      for (l, j), a in alive.items()
+      for x in a
+      if x <= i + 1 - recent
+    ]
+    for _, x, _, lj in sorted(cand)[: max(excess, 0)]:
+      alive[lj].remove(x)
+    out.append([[set(alive[(l, j)]) for j in range(h)] for l in range(n_l)])
+  return out
+
+
+@pytest.mark.parametrize("keys,cap,recent", [(3, 6, 1), (4, 8, 2), (3, 3, 0)])
+def test_global_budget_matches_numpy(keys, cap, recent):
+  """2 layers x 2 heads with integer fields (exact in fp32): a forgetful head, a head that never
+  forgets (zero penalties: ties across heads), two bracket walks."""
+  t = len(BRACKETS)
+  fields = np.stack(
+    [
+      np.stack([_depth(BRACKETS), np.zeros(t, np.float32)], 1),
+      np.stack([_depth(BRACKETS[::-1], 3.0), _depth("((a)(b(c)))(d)(e)f(g)"[:t], 7.0)], 1),
+    ],
+    1,
+  )  # [T, L, H]
+  pol = make_policy("fpa_global", t, budget=keys, head_cap=cap, recent=recent)
+  n_l, h = fields.shape[1:]
+  caches = tuple(K.init_cache(1, pol.capacity, h, 1) for _ in range(n_l))
+  ones = jnp.ones((1, 1, h, 1))
+
+  @jax.jit
+  def step(caches, f, i):
+    pos = jnp.reshape(i, (1,))
+    new = []
+    for c, fl in zip(caches, f):
+      fl = fl.reshape(1, 1, h)
+      new.append(K.decode_attend(c, ones * 0, ones, ones * 0, fl, fl, fl, policy=pol, scale=1.0, positions=pos)[1])
+    return D.global_evict(new, pol, pos)
+
+  want = _simulate_global(fields, keys, cap, recent)
+  for i in range(t):
+    caches = step(caches, jnp.asarray(fields[i]), i)
+    got = [[_alive(c, h=j) for j in range(h)] for c in caches]
+    assert got == want[i], i
+    assert sum(map(len, sum(got, []))) <= (keys - 1) * n_l * h
+
+
+def test_global_budget_generates_like_its_measured_cache(tiny):
+  """generate's reused slots (parallel prefill + global eviction) attend exactly like cached_logits'
+  measured cache when the prompt is fed token by token; one compiled program per generation."""
+  prompt = np.asarray(jax.random.randint(jax.random.key(4), (2, 12), 0, tiny.cfg.vocab_size))
+  kw = dict(policy="fpa_global", budget=5, head_cap=9)
+  before = D.TRACES["generate"]
+  out, stats = generate(tiny, prompt, 8, prefill="decode", **kw)
+  assert D.TRACES["generate"] == before + 1
+  seq = np.concatenate([prompt, out], axis=1)
+  logits, cstats = cached_logits(tiny, seq, **kw)
+  np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, 11:-1]), -1), out)
+  kept = np.asarray(stats["kept_fraction_per_head"])
+  assert kept.shape == (tiny.cfg.n_layers, tiny.cfg.kv_heads)
+  # (keys - 1) per head on average between steps; the heads share it unevenly
+  assert np.mean(kept) * 19 <= 4 + 1e-6 and np.max(kept) * 19 <= 9
+  assert cstats["cache_fraction"] <= 9 / 20
+  ref = make_policy("fpa_budget", 20, budget=9)
+  assert stats["cache_bytes"] == D.cache_bytes(tiny, 2, ref) == cstats["cache_bytes"]
+
+
+# ------------------------------------------------------------------------------------------------ tolerance bound
+
+
+def test_query_and_key_norm_bounds_hold_on_random_inputs(tiny, tiny_qk):
+  """||q|| <= Q (layer_query_bounds) and the pairwise QK-norm U hold, with and without QK-norm."""
+  x = jax.random.normal(jax.random.key(0), (2, 48, 32)) * jnp.exp(jax.random.normal(jax.random.key(1), (2, 48, 1)))
+  pos = jnp.broadcast_to(jnp.arange(48), (2, 48))
+  for qk_norm, m in ((False, tiny), (True, tiny_qk)):
+    blk = m.blocks[0]
+    q, k, _ = blk.attn.project(blk.attn_norm(x), pos)
+    qn = np.asarray(jnp.linalg.norm(q, axis=-1)).max((0, 1))  # [H]
+    qb = np.asarray(D.layer_query_bounds(m)[0])
+    assert np.all(qn.reshape(m.cfg.kv_heads, -1).max(-1) <= qb * (1 + 1e-5))
+    u = np.asarray(D.layer_logit_bounds(m)[0])
+    s = np.abs(np.asarray(jnp.einsum("bthk,bshk->bhts", q, k))).max((0, 2, 3)) * m.cfg.head_dim**-0.5
+    assert np.all(s <= u * (1 + 1e-5))
+    if qk_norm:
+      assert u[0] < m.cfg.head_dim**0.5 * 4.0  # K * scale * max|s_q| max|s_k| = sqrt(K) * 4
+
+
+def test_key_bound_evicts_more_and_loses_at_most_eps(tiny_qk):
+  """The per-key bound on a QK-norm model with forgetful gates: lost mass <= eps, measured, and it
+  keeps fewer keys than the parameter bound (both sound)."""
+  m = tiny_qk
+  tok = jax.random.randint(jax.random.key(3), (2, 48), 0, m.cfg.vocab_size)
+  eps = 1e-3
+  _, keys = cached_logits(m, tok, policy="fpa", tolerance=eps)
+  _, params = cached_logits(m, tok, policy="fpa", tolerance=eps, bound="params")
+  assert keys["lost_mass_max"] <= eps and params["lost_mass_max"] <= eps, (keys, params)
+  assert not keys["overflow"]
+  assert keys["kept_fraction_mean"] <= params["kept_fraction_mean"]
+  assert keys["kept_fraction_mean"] < 1.0, keys
