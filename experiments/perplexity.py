@@ -317,28 +317,33 @@ def parse_args(argv=None):
     default="cpu",
     help="base110m: print the accelerator recipe (mesh, batch, steps, time) and exit",
   )
+  add_recipe_args(ap, steps=300, runs_dir="runs/perplexity")
+  ap.add_argument("--pos-multiple", type=int, default=8, help="loss by position out to this multiple of L")
+  ap.add_argument("--pos-docs", type=int, default=32)
+  ap.add_argument("--pos-bucket", type=int, default=64)
+  ap.add_argument("--report-only", action="store_true", help="re-render the .md/.png from the JSON, train nothing")
+  return ap.parse_args(argv)
+
+
+def add_recipe_args(ap: argparse.ArgumentParser, *, steps: int, runs_dir: str) -> None:
+  """The study recipe's flags (`study_config`, `heldout_batches`), shared with `experiments.lm_ablations`."""
   ap.add_argument("--train-len", type=int, default=256)
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--d-model", type=int, default=128)
   ap.add_argument("--heads", type=int, default=4)
   ap.add_argument("--block-size", type=int, default=64)
   ap.add_argument("--batch-size", type=int, default=8)
-  ap.add_argument("--steps", type=int, default=300)
+  ap.add_argument("--steps", type=int, default=steps)
   ap.add_argument("--lr", type=float, default=2e-3)
   ap.add_argument("--warmup", type=int, default=30)
   ap.add_argument("--ckpt-every", type=int, default=100)
   ap.add_argument("--heldout-windows", type=int, default=512, help="held-out windows of L for bits per byte")
   ap.add_argument("--eval-batch", type=int, default=16)
-  ap.add_argument("--pos-multiple", type=int, default=8, help="loss by position out to this multiple of L")
-  ap.add_argument("--pos-docs", type=int, default=32)
-  ap.add_argument("--pos-bucket", type=int, default=64)
   ap.add_argument("--data-dir", default="data")
   ap.add_argument("--small-data", action="store_true", help="small fpa_text build (smoke tests)")
-  ap.add_argument("--runs-dir", default="runs/perplexity")
+  ap.add_argument("--runs-dir", default=runs_dir)
   ap.add_argument("--tag", default="")
   ap.add_argument("--out-dir", default="results")
-  ap.add_argument("--report-only", action="store_true", help="re-render the .md/.png from the JSON, train nothing")
-  return ap.parse_args(argv)
 
 
 def main(argv=None) -> dict | None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _tol import assert_close
+from _tol import assert_bitwise, assert_close
 from fpa_jax import ops
 from fpa_jax.ops import chunked
 from fpa_jax.ops import reference_np as ref
@@ -231,7 +231,7 @@ def test_empty_inputs_give_empty_outputs_and_grads(b, t, impl):
 
 _O0_SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp
-from _tol import assert_close
+from _tol import assert_bitwise, assert_close
 from fpa_jax import ops
 rng = np.random.default_rng(0)
 b, t, h, d = 1, 10, 1, 2
@@ -261,3 +261,24 @@ def test_chunked_grads_finite_at_xla_opt_level_0():
   env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
   res = subprocess.run([sys.executable, "-c", _O0_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
   assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_first_passage_state_is_one_definition_equal_to_the_reference():
+  """The decode state (`ops.recurrent`: advance_run_min per token, suffix_run_min for a prompt,
+  first_passage_penalty_of) equals the float64 loop penalty at every step, +inf levels included;
+  `fpa_jax.inference.cache` and `decode_step` both use these functions."""
+  from fpa_jax.ops import recurrent as R
+
+  rng = np.random.default_rng(3)
+  t, h = 9, 2
+  field = rng.normal(size=(1, t, h)).astype(np.float32)
+  level = (field + rng.normal(size=(1, t, h))).astype(np.float32)
+  level[0, 2, 0] = np.inf  # dead once any finite field value follows it, live on its diagonal
+  want = np.stack([ref.penalty_np(field[0, :, i], level[0, :, i]) for i in range(h)], -1)  # [T, T, H]
+  run_min = jnp.full((1, t, h), jnp.inf)
+  for i in range(t):  # decode: lower every earlier key's minimum, then write key i with +inf
+    run_min = R.advance_run_min(run_min, jnp.asarray(field[:, i])).at[:, i].set(jnp.inf)
+    got = np.asarray(R.first_passage_penalty_of(jnp.asarray(level), run_min))[0, : i + 1]
+    assert_bitwise(got, want[i, : i + 1].astype(np.float32))
+  prefill = R.first_passage_penalty_of(jnp.asarray(level), R.suffix_run_min(jnp.asarray(field), axis=1))
+  assert_bitwise(np.asarray(prefill)[0], want[-1].astype(np.float32))

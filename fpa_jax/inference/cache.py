@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from fpa_jax import ops
 from fpa_jax.inference.policies import Policy
+from fpa_jax.ops import recurrent as R  # the first-passage state: one definition, beside decode_step
 
 F32 = jnp.float32
 _BIG = jnp.iinfo(jnp.int32).max
@@ -65,7 +66,7 @@ class LayerCache(NamedTuple):
   @property
   def penalty(self) -> jax.Array:
     """[B, S, H] current first-passage penalty of each slot's key (0 on empty slots)."""
-    return jnp.where(self.pos >= 0, jax.nn.relu(self.level - self.run_min), 0.0)
+    return jnp.where(self.pos >= 0, R.first_passage_penalty_of(self.level, self.run_min), 0.0)
 
   def key_threshold(self, k: jax.Array | None = None) -> jax.Array:
     """[B, S, H] the eviction threshold of each slot's key (of `k` [B, S, H, K] if given)."""
@@ -190,7 +191,7 @@ def decode_attend(
   """
   f, l = field[:, 0].astype(F32), level[:, 0].astype(F32)  # [B, H]
   occupied = cache.pos >= 0
-  run_min = jnp.where(occupied, jnp.minimum(cache.run_min, f[:, None, :]), jnp.inf)
+  run_min = jnp.where(occupied, R.advance_run_min(cache.run_min, f), jnp.inf)
   cache = cache._replace(run_min=run_min)
   pen = cache.penalty  # [B, S, H]
   alive = cache.alive
@@ -286,9 +287,7 @@ def snapkv_scores(q, k, field, level, lengths, *, scale: float, window: int, ker
   causal = j <= w_idx[:, :, None]  # [B, W, T]
   # penalty of key j at query i: relu(level_j - min(field over (j, i])); reverse cummin per query
   f = jnp.where(causal[..., None], field.astype(F32)[:, None], jnp.inf)  # [B, W, T, KVH]
-  rmin = jax.lax.cummin(f, axis=2, reverse=True)
-  run_min = jnp.concatenate([rmin[:, :, 1:], jnp.full((b, window, 1, kvh), jnp.inf, F32)], axis=2)
-  pen = jax.nn.relu(level.astype(F32)[:, None] - run_min)  # [B, W, T, KVH]
+  pen = R.first_passage_penalty_of(level[:, None], R.suffix_run_min(f, axis=2))  # [B, W, T, KVH]
   qg = qw.reshape(b, window, kvh, h // kvh, dk)
   s = jnp.einsum("bwhgk,bthk->bwhgt", qg, k, preferred_element_type=F32) * scale
   logits = s - pen.transpose(0, 1, 3, 2)[:, :, :, None]
@@ -331,9 +330,8 @@ def prefill_attend(
   t_idx = jnp.arange(t)[None, :, None]
   valid = t_idx < lengths[:, None, None]  # [B, T, 1]
   f = jnp.where(valid, field.astype(F32), jnp.inf)
-  rmin = jax.lax.cummin(f, axis=1, reverse=True)  # min over [j, L)
-  run_min = jnp.concatenate([rmin[:, 1:], jnp.full((b, 1, h), jnp.inf, F32)], axis=1)  # over (j, L)
-  pen = jax.nn.relu(level.astype(F32) - run_min)
+  run_min = R.suffix_run_min(f, axis=1)  # min over (j, L)
+  pen = R.first_passage_penalty_of(level, run_min)
   pos = jnp.broadcast_to(t_idx, (b, t, h)).astype(jnp.int32)
   valid = jnp.broadcast_to(valid, (b, t, h))
   score = None
