@@ -6,9 +6,11 @@
     python -m experiments.bench_decode --policies full fpa_budget fpa_global   # a subset (labels below)
 
 Policies (`POLICIES`, label -> policy and arguments): full; fpa_budget, window, snapkv at 25%;
-fpa_global at 12.5% of the keys with a head cap of 25% (the same cache bytes as fpa_budget 25%:
-static shapes allocate the head cap for every head); fpa_global_keys at 25% with a head cap of 50%
-(the same keys held as fpa_budget 25%, twice its bytes). For the global budgets, the kept fraction
+fpa_global at 25% (one shared slot pool per row of 25% of every layer's and head's keys: the cache
+bytes of fpa_budget 25% plus an int32 owner tag per slot; each head attends over the whole pool,
+masked, so its decode compute is layers x kv heads times fpa_budget's); fpa_global_cap at 25% with
+a per-head limit of 50% (the same bytes). Budgets are thus compared at equal cache bytes (the
+`cache MiB` column: what each policy's cache allocates). For the global budgets, the kept fraction
 per layer and kv head at the end of the largest context is written as a heat map
 (`<out>_kept_<label>.png`). With --tolerance (default 1e-3; 0: skip) the `fpa` tolerance policy's
 kept fraction and measured lost mass at 1x (`cached_logits` on the same prompts) are reported for
@@ -17,7 +19,8 @@ both bounds, per-key (`bound="keys"`) and parameter (`bound="params"`).
 For each context P (a prompt of P tokens, prefilled by the parallel kernel under the policy) and
 each policy, N greedy decode steps run as one jitted scan (the loop `generate` runs), compiled and
 warmed up first, then timed (median of --repeats) and divided by N: prefill is excluded.
-Cache bytes: every array of the per-layer caches (`inference.decode.cache_bytes`, no allocation).
+Cache bytes: every array the cache allocates (`inference.decode.cache_bytes`, no allocation: the
+per-layer caches, or fpa_global's pool).
 Speed does not depend on the weights, so an untrained model is measured unless --workdir is given
 (kept fractions and the tolerance study do: random prompts on an untrained model say little).
 Writes results/bench_decode.{json,md}.
@@ -30,8 +33,6 @@ import statistics
 import sys
 import time
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,9 +41,8 @@ from tqdm import tqdm
 
 from experiments._common import ROOT, md_table, run_meta, write_json
 from fpa_jax import configs as C
-from fpa_jax.inference import cache_bytes, cached_logits, global_evict, init_caches, load_model, make_policy
-from fpa_jax.inference import prefill_attend
-from fpa_jax.inference.decode import _occupancy, _step
+from fpa_jax.inference import cache_bytes, cached_logits, load_model, make_policy
+from fpa_jax.inference.decode import _occupancy, _slots_per_row, _step, prefill_parallel
 from fpa_jax.models import build_model
 
 POLICIES: dict[str, tuple[str, dict]] = {
@@ -50,8 +50,8 @@ POLICIES: dict[str, tuple[str, dict]] = {
   "fpa_budget": ("fpa_budget", {"budget": 0.25}),
   "window": ("window", {"budget": 0.25}),
   "snapkv": ("snapkv", {"budget": 0.25}),
-  "fpa_global": ("fpa_global", {"budget": 0.125, "head_cap": 0.25}),  # fpa_budget 25%'s bytes
-  "fpa_global_keys": ("fpa_global", {"budget": 0.25, "head_cap": 0.5}),  # fpa_budget 25%'s keys
+  "fpa_global": ("fpa_global", {"budget": 0.25}),  # fpa_budget 25%'s bytes (a shared pool)
+  "fpa_global_cap": ("fpa_global", {"budget": 0.25, "head_cap": 0.5}),  # the same, a per-head limit
 }
 QUICK = ("full", "fpa_budget", "window", "fpa_global")
 
@@ -86,17 +86,7 @@ def decode_timer(model, prompt, n_new: int, policy):
   @jax.jit
   def prefill(state, prompt):
     m = nnx.merge(graphdef, state)
-    attend = functools.partial(
-      prefill_attend, policy=policy, scale=m.cfg.head_dim**-0.5, lengths=lengths, block_size=m.cfg.block_size or None
-    )
-    logits, caches = m(
-      prompt,
-      positions=jnp.broadcast_to(jnp.arange(p), (b, p)),
-      caches=init_caches(m, b, policy, p + n_new),
-      attend=attend,
-    )
-    if policy.is_global:
-      caches = global_evict(caches, policy, lengths - 1)
+    logits, caches = prefill_parallel(m, prompt, lengths, policy, p + n_new)  # fpa_global: into the pool
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
 
   @jax.jit
@@ -187,6 +177,7 @@ def main(argv=None) -> dict:
       "budget": kw.get("budget"),
       "head_cap": kw.get("head_cap"),
       "capacity": pol.capacity,
+      "slots_per_row": _slots_per_row(model, pol),
       "recent": pol.recent,
       "cache_bytes": cache_bytes(model, a.batch, pol, p + a.new_tokens),
       "decode_ms_per_token": per_token * 1e3,
@@ -201,7 +192,7 @@ def main(argv=None) -> dict:
     if POLICIES[label][0] == "fpa_global":
       path = f"{a.out}_kept_{label}.png"
       r = rows[f"{top}x/{label}"]
-      title = f"{cfg.name} {cfg.attention} {label} ({r['budget']} keys, cap {r['head_cap']}) at {top}x"
+      title = f"{cfg.name} {cfg.attention} {label} ({r['budget']} keys, head cap {r['head_cap'] or 'none'}) at {top}x"
       plot_kept_heatmap(r["kept_fraction_per_head"], path, title)
       heatmaps[label] = path
   tol = None
@@ -221,7 +212,8 @@ def main(argv=None) -> dict:
         [
           f"{mult}x ({r['context']})",
           label,
-          r["capacity"],
+          "-" if r["policy"] == "fpa_global" and r["head_cap"] is None else r["capacity"],
+          r["slots_per_row"],
           f"{r['cache_bytes'] / 2**20:.2f}",
           f"{r['cache_bytes_over_full']:.3f}",
           f"{r['decode_ms_per_token']:.2f}",
@@ -260,12 +252,13 @@ def main(argv=None) -> dict:
     f"{meta['machine']['cpu_count']} cores.\n\n"
   )
   legend = "; ".join(f"{k}: {v[0]} {v[1]}" for k, v in POLICIES.items() if k in labels)
-  head += f"Policies: {legend} (capacity: slots per layer and head; kept: keys held at the end / seen).\n\n"
+  head += f"Policies: {legend} (capacity: slots per layer and head, for fpa_global its per-head limit inside the pool, - = none; slots / row: all layers' and heads' slots of a row, for fpa_global its pool; kept: keys held at the end / seen).\n\n"
   md = head + md_table(
     [
       "context",
       "policy",
       "capacity",
+      "slots / row",
       "cache MiB",
       "cache / full",
       "decode ms/token",

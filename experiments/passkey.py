@@ -377,9 +377,12 @@ def markdown(res: dict) -> str:
         ("yes" if e["competent_1x"] else "**no**")
         + (f" (>= {e['competence']:g})" if e.get("competence", base_comp) != base_comp else ""),
         *[_f(e[str(k)]) for k in MULTIPLES],
+        "shuffled windows" if e.get("text_rows") == "windows" else "*one file at a time (before the fix)*",
       ]
     )
-  table = U.md_table(["method", "steps", "train min", "competent at 1x", *[f"{k}x ({k * L})" for k in MULTIPLES]], rows)
+  table = U.md_table(
+    ["method", "steps", "train min", "competent at 1x", *[f"{k}x ({k * L})" for k in MULTIPLES], "text rows"], rows
+  )
   fam = {}
   for m in methods:  # best of each family by the mean over lengths
     f = FAMILY[m]
@@ -409,7 +412,14 @@ def markdown(res: dict) -> str:
     ],
     "ll",
   )
-  note = (
+  if any(res[m].get("text_rows") != "windows" for m in methods):
+    note_rows = (
+      "\nRows whose text rows came one file at a time were trained before the text-pipeline fix (issue 18); "
+      "the whole pre-fix file is kept in `results/correlated_batches/passkey.md`.\n"
+    )
+  else:
+    note_rows = ""
+  note = note_rows + (
     "\nA method not competent at 1x has no retrieval to extrapolate: its longer-length numbers say nothing "
     "about extrapolation.\n"
     if not all(res[m]["competent_1x"] for m in methods)

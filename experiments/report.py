@@ -68,15 +68,18 @@ def _passkey(doc) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.passkey`)"
   ms = [m for m in _methods(doc) if doc[m].get("8") is not None]
+  mark = lambda m: "" if doc[m].get("text_rows") == "windows" else "*"  # noqa: E731
   ok = [
-    f"{m} {doc[m]['8']:.2f} (1x {doc[m]['1']:.2f}, {doc[m]['steps']} steps)" for m in ms if doc[m].get("competent_1x")
+    f"{m}{mark(m)} {doc[m]['8']:.2f} (1x {doc[m]['1']:.2f}, {doc[m]['steps']} steps)"
+    for m in ms
+    if doc[m].get("competent_1x")
   ]
-  no = [m for m in ms if not doc[m].get("competent_1x")]
+  no = [m + mark(m) for m in ms if not doc[m].get("competent_1x")]
   return (
     f"exact match at 8x L={doc['train_length']} of the models competent at 1x: "
     + ", ".join(ok)
     + (f"; not competent at 1x within their step budget (no retrieval to extrapolate): {', '.join(no)}" if no else "")
-    + _stale(doc)
+    + (f"; \\* {STALE_TEXT.strip(' *()')}" if any(mark(m) for m in ms) else "")
   )
 
 

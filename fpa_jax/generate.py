@@ -41,7 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument(
     "--recent", type=int, help="fpa_budget, fpa_global, snapkv: last keys never evicted (default budget/8)"
   )
-  ap.add_argument("--head_cap", type=_budget, help="fpa_global: slots per layer and head (default 2 x budget)")
+  ap.add_argument(
+    "--head_cap", type=_budget, help="fpa_global: max keys per layer and head in the pool (default: none)"
+  )
   ap.add_argument("--temperature", type=float, default=0.0)
   ap.add_argument("--top_k", type=int)
   ap.add_argument("--seed", type=int, default=0)

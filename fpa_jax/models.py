@@ -159,7 +159,9 @@ class DecoderLM(nnx.Module):
 
     Cached mode (`fpa_jax.inference`): `caches` is a sequence of per-layer caches, `attend` the
     function that attends against one (see `FirstPassageAttention`), `positions` [B, T] the tokens'
-    positions; returns (logits, new caches).
+    positions; returns (logits, new caches). A layer's cache with a `follow(prev)` method is
+    replaced by `cache.follow(previous layer's new cache)` before the layer runs (state shared
+    across layers, threaded through the loop: `fpa_jax.inference.pool.PoolView`).
     """
     if return_gates and caches is not None:
       raise ValueError("return_gates is for the parallel (training) forward; cached mode does not return gates")
@@ -168,8 +170,12 @@ class DecoderLM(nnx.Module):
     if caches is not None:
       # Per layer even when stacked: caches stay a tuple of per-layer caches (decoding's layout),
       # a scanned model's blocks are static slices of the stack (no gradient here, so no remat).
+      # A cache with `follow` shares state across layers (fpa_global's slot pool): each layer gets
+      # the state the previous layer's attend left.
       new = []
       for block, cache in zip(self.layer_blocks(), caches, strict=True):
+        if new and hasattr(cache, "follow"):
+          cache = cache.follow(new[-1])
         x, cache = block(x, segment_ids, positions, cache=cache, attend=attend)
         new.append(cache)
       return self.logits(x), tuple(new)

@@ -59,8 +59,8 @@ def test_report_claims_table_reads_results(tmp_path):
   pk = {
     "train_length": 64,
     "meta": {},
-    "fpa": {"1": 0.9, "8": 0.8, "steps": 30, "competent_1x": True},
-    "fox": {"1": 0.0, "8": 0.0, "steps": 30, "competent_1x": False},
+    "fpa": {"1": 0.9, "8": 0.8, "steps": 30, "competent_1x": True, "text_rows": "windows"},
+    "fox": {"1": 0.0, "8": 0.0, "steps": 30, "competent_1x": False},  # trained before the text fix
   }
   (tmp_path / "results" / "passkey.json").write_text(json.dumps(pk))
   cell = lambda a, f=0.25: {"accuracy": a, "cache_fraction": f}  # noqa: E731
@@ -78,6 +78,9 @@ def test_report_claims_table_reads_results(tmp_path):
   md = report.claims_table(tmp_path)
   assert "trained longer: held-out bits per byte after 1200 steps" in md and "fpa_fox5 / fox = 1.100" in md
   assert "fpa 0.80 (1x 0.90, 30 steps)" in md and "not competent at 1x" in md and "fox 0.00" not in md
+  assert (
+    "step budget (no retrieval to extrapolate): fox*;" in md and "\\* models trained before the text-pipeline" in md
+  )
   assert "fpa/fpa_budget 25%: 0.50" in md and "fpa/fpa ε=0.001: 0.90 at 0.60 of the cache" in md
   assert "(5 prompts per cell): exact match at 8x (prefill decode): fpa/h2o 25%: 0.80" in md
 

@@ -89,7 +89,7 @@ def test_default_gate_gets_gradient_at_init(att):
   field move so that every gate read-out (but the absolute bias, a global shift) learns."""
   model = build_model(C.get_config("tiny", attention=att), seed=0)
   tok = jax.random.randint(jax.random.key(0), (2, 24), 0, model.cfg.vocab_size)
-  grads = nnx.grad(lambda m: jnp.mean(m(tok) ** 2))(model)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.mean(m(tok) ** 2)))(model)  # jitted: eager is op by op
   flat = {"/".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(nnx.state(grads))}
   gate = {k: float(jnp.max(jnp.abs(v))) for k, v in flat.items() if "/gate/" in k and not k.endswith("absolute/b")}
   assert gate and all(g > 1e-7 for g in gate.values()), gate

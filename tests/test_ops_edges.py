@@ -178,6 +178,18 @@ def test_positive_log_fgate_raises_on_concrete_arrays():
       ops.fox_attention(q, k, v, np.asarray(lf), impl=impl)  # numpy arrays are concrete too
 
 
+def test_log_fgate_closed_over_by_a_jitted_function_is_checked_not_traced():
+  """A concrete log_fgate captured by a jitted function: checked like any concrete array (it used
+  to raise a TracerBoolConversionError there, the check itself being traced)."""
+  q, k, v, lf, _ = _fox_inputs(4)
+  ok = -jnp.abs(lf)  # concrete jax arrays, made outside the traced functions
+  bad = jnp.abs(lf) + 1.0
+  out = jax.jit(lambda q: ops.fox_attention(q, k, v, ok, block_size=8))(q)
+  assert_close(out, ref.fox_attention_np(q, k, v, np.asarray(ok, np.float64)), n=q.shape[1])
+  with pytest.raises(ValueError, match="log_fgate must be <= 0"):
+    jax.jit(lambda q: ops.fox_attention(q, k, v, bad, block_size=8))(q)
+
+
 def test_positive_log_fgate_under_jit_is_clamped_in_every_impl():
   q, k, v, lf, ct = _fox_inputs(5)
   clamped = np.minimum(np.asarray(lf, np.float64), 0.0)

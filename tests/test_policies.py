@@ -12,8 +12,11 @@ import pytest
 from _tol import assert_close
 
 from fpa_jax import configs as C
+from flax import nnx
+
 from fpa_jax.inference import cache as K
 from fpa_jax.inference import decode as D
+from fpa_jax.inference import pool as P
 from fpa_jax.inference import cached_logits, generate, make_policy
 from fpa_jax.inference.policies import default_recent
 from fpa_jax.models import build_model
@@ -83,13 +86,17 @@ def test_arguments_checked_before_tracing(tiny):
     make_policy("window", t, budget=8, recent=2)
   with pytest.raises(ValueError, match="head_cap >= budget"):
     make_policy("fpa_global", t, budget=8, head_cap=4)
+  with pytest.raises(ValueError, match="head_cap must be > 0"):
+    make_policy("fpa_global", t, budget=8, head_cap=0)
   with pytest.raises(ValueError, match="head_cap only applies"):
     make_policy("fpa_budget", t, budget=8, head_cap=16)
   with pytest.raises(ValueError, match="bound must be one of"):
     make_policy("fpa", t, tolerance=1e-3, bound="spectral")
   assert make_policy("fpa_budget", t, budget=0.5).recent == default_recent(32) == 4
-  pol = make_policy("fpa_global", t, budget=0.25)
-  assert (pol.keys, pol.capacity, pol.recent) == (16, 32, 2)
+  pol = make_policy("fpa_global", t, budget=0.25)  # no per-head limit: a head may fill the pool
+  assert (pol.keys, pol.capacity, pol.head_cap, pol.recent, pol.pool_slots(3, 2)) == (16, 64, None, 2, 96)
+  pol = make_policy("fpa_global", t, budget=0.25, head_cap=0.5)
+  assert (pol.keys, pol.capacity, pol.head_cap) == (16, 32, 32)
   # through the entry points, before anything is traced
   tok = np.zeros((1, 8), np.int32)
   before = dict(D.TRACES)
@@ -99,6 +106,10 @@ def test_arguments_checked_before_tracing(tiny):
     generate(tiny, tok, 2, policy="snapkv", budget=4, prefill="decode")
   with pytest.raises(ValueError, match="recent < 4"):
     generate(tiny, tok, 2, policy="fpa_global", budget=4, recent=4)
+  with pytest.raises(ValueError, match="head_cap >= budget"):
+    generate(tiny, tok, 2, policy="fpa_global", budget=4, head_cap=3)
+  with pytest.raises(ValueError, match="head_cap >= budget"):
+    cached_logits(tiny, tok, policy="fpa_global", budget=4, head_cap=3)
   assert D.TRACES == before
 
 
@@ -250,14 +261,15 @@ def test_snapkv_matches_numpy_then_decodes_within_capacity():
 
 
 def _simulate_global(fields, keys, cap, recent):
-  """fields [T, L, H] -> alive sets [T][L][H] of fpa_global (numpy/Python, the docstring's rule)."""
+  """fields [T, L, H] -> alive sets [T][L][H] of fpa_global (numpy/Python, the docstring's rule);
+  cap: the per-head limit (None: none)."""
   t, n_l, h = fields.shape
   alive = {(l, j): [] for l in range(n_l) for j in range(h)}
   out = []
   for i in range(t):
     for (l, j), a in alive.items():  # per head: the cap, as fpa_budget with capacity `cap`
       f = fields[:, l, j]
-      if len(a) >= cap:
+      if cap is not None and len(a) >= cap:
         cand = [x for x in a if x <= i - recent] or a
         a.remove(min(cand, key=lambda x, f=f: (-_pen_np(f, x, i), x)))
       a.append(i)
@@ -274,45 +286,151 @@ def _simulate_global(fields, keys, cap, recent):
   return out
 
 
-@pytest.mark.parametrize("keys,cap,recent", [(3, 6, 1), (4, 8, 2), (3, 3, 0)])
-def test_global_budget_matches_numpy(keys, cap, recent):
-  """2 layers x 2 heads with integer fields (exact in fp32): a forgetful head, a head that never
-  forgets (zero penalties: ties across heads), two bracket walks."""
-  t = len(BRACKETS)
-  fields = np.stack(
+def _global_fields(t):
+  """[T, L=2, H=2] integer fields (exact in fp32): a forgetful head, a head that never forgets
+  (zero penalties: ties across heads), two bracket walks."""
+  return np.stack(
     [
-      np.stack([_depth(BRACKETS), np.zeros(t, np.float32)], 1),
-      np.stack([_depth(BRACKETS[::-1], 3.0), _depth("((a)(b(c)))(d)(e)f(g)"[:t], 7.0)], 1),
+      np.stack([_depth(BRACKETS[:t]), np.zeros(t, np.float32)], 1),
+      np.stack([_depth(BRACKETS[::-1][:t], 3.0), _depth("((a)(b(c)))(d)(e)f(g)"[:t], 7.0)], 1),
     ],
     1,
-  )  # [T, L, H]
+  )
+
+
+def _pool_sets(cache, b=0):
+  """[L][KVH] positions each (layer, kv head) holds in row b of a `pool.GlobalCache`."""
+  pool, kvh = cache.pool, cache.kv_heads
+  pos, alive, owner = (np.asarray(x[b]) for x in (pool.pos, pool.alive, pool.owner))
+  assert np.all((owner >= 0) == alive)
+  return [[set(pos[alive & (owner == l * kvh + j)].tolist()) for j in range(kvh)] for l in range(cache.n_layers)]
+
+
+@pytest.mark.parametrize("keys,cap,recent", [(3, 6, 1), (4, 8, 2), (3, 3, 0), (3, None, 1), (4, None, 2)])
+def test_global_budget_matches_numpy(keys, cap, recent):
+  """2 layers x 2 heads, decoded token by token: the shared pool (exactly G slots per row) and the
+  per-head measuring layout (`global_evict`, what cached_logits uses) both hold numpy's sets."""
+  fields = _global_fields(len(BRACKETS))
+  t, n_l, h = fields.shape
   pol = make_policy("fpa_global", t, budget=keys, head_cap=cap, recent=recent)
-  n_l, h = fields.shape[1:]
-  caches = tuple(K.init_cache(1, pol.capacity, h, 1) for _ in range(n_l))
+  g = pol.pool_slots(n_l, h)
+  pool = P.init_global_cache(1, g, n_l, h, 1)
+  caches = tuple(K.init_cache(1, t, h, 1) for _ in range(n_l))  # measuring: one slot per token
   ones = jnp.ones((1, 1, h, 1))
 
   @jax.jit
-  def step(caches, f, i):
+  def step(pool, caches, f, i):
     pos = jnp.reshape(i, (1,))
-    new = []
-    for c, fl in zip(caches, f):
+    done, new = [], []
+    for view, c, fl in zip(P.views(pool), caches, f):
       fl = fl.reshape(1, 1, h)
-      new.append(K.decode_attend(c, ones * 0, ones, ones * 0, fl, fl, fl, policy=pol, scale=1.0, positions=pos)[1])
-    return D.global_evict(new, pol, pos)
+      view = view.follow(done[-1]) if done else view
+      kw = dict(policy=pol, scale=1.0, positions=pos)
+      done.append(P.pool_decode_attend(view, ones * 0, ones, ones * 0, fl, fl, fl, **kw)[1])
+      new.append(K.decode_attend(c, ones * 0, ones, ones * 0, fl, fl, fl, step=i, measure=True, **kw)[1])
+    return P.pool_evict(P.collect(done), pol, pos), D.global_evict(new, pol, pos)
 
   want = _simulate_global(fields, keys, cap, recent)
   for i in range(t):
-    caches = step(caches, jnp.asarray(fields[i]), i)
-    got = [[_alive(c, h=j) for j in range(h)] for c in caches]
-    assert got == want[i], i
-    assert sum(map(len, sum(got, []))) <= (keys - 1) * n_l * h
+    pool, caches = step(pool, caches, jnp.asarray(fields[i]), i)
+    assert pool.pool.pos.shape == (1, g)
+    assert _pool_sets(pool) == want[i], i
+    assert [[_alive(c, h=j) for j in range(h)] for c in caches] == want[i], i
+    assert sum(map(len, sum(want[i], []))) <= (keys - 1) * n_l * h
 
 
-def test_global_budget_generates_like_its_measured_cache(tiny):
-  """generate's reused slots (parallel prefill + global eviction) attend exactly like cached_logits'
-  measured cache when the prompt is fed token by token; one compiled program per generation."""
+@pytest.mark.parametrize("keys,cap,recent", [(3, None, 2), (4, 5, 1)])
+def test_global_parallel_prefill_matches_numpy(keys, cap, recent):
+  """Parallel prefill: every layer's prompt keys are candidates (per head at most the cap: its last
+  W, then the smallest penalties, then the newest), then the global rule down to G - L*KVH keys,
+  packed into the pool: the steps `decode.prefill_parallel` takes after the forward pass."""
+  t = 20
+  fields = _global_fields(t)
+  n_l, h = fields.shape[1:]
+  lengths = [t, 13]
+  pol = make_policy("fpa_global", t + 4, budget=keys, head_cap=cap, recent=recent)
+  g = pol.pool_slots(n_l, h)
+  z = jnp.zeros((2, t, h, 2))
+  caches = []
+  for l in range(n_l):
+    f = jnp.broadcast_to(jnp.asarray(fields[:, l])[None], (2, t, h))
+    c = K.init_cache(2, min(pol.capacity, t), h, 2)
+    caches.append(_prefill(c, z, z, z, f, f, f, policy=pol, scale=1.0, lengths=jnp.array(lengths))[1])
+  cache = jax.jit(lambda cs: P.pool_from_caches(D.global_evict(cs, pol, jnp.array(lengths) - 1), g))(caches)
+  assert cache.pool.pos.shape == (2, g)
+  for b, n in enumerate(lengths):
+    per_head = {}
+    for l in range(n_l):
+      for j in range(h):
+        f = fields[:, l, j]
+        order = sorted(range(n), key=lambda x, f=f: (x < n - recent, _pen_np(f, x, n - 1), -x))
+        per_head[(l, j)] = set(order[: cap or n])
+    excess = sum(map(len, per_head.values())) - (keys - 1) * n_l * h
+    cand = sorted(
+      (-_pen_np(fields[:, l, j], x, n - 1), x, l * h + j, (l, j))
+      for (l, j), a in per_head.items()
+      for x in a
+      if x <= n - recent
+    )
+    for _, x, _, lj in cand[: max(excess, 0)]:
+      per_head[lj].remove(x)
+    assert _pool_sets(cache, b) == [[per_head[(l, j)] for j in range(h)] for l in range(n_l)], b
+    assert sum(map(len, per_head.values())) <= (keys - 1) * n_l * h
+
+
+def _membership(caches, n):
+  """[B, L, KVH, n] bool: position p is held by (layer, kv head), in either layout."""
+  if isinstance(caches, P.GlobalCache):
+    pool, n_l, kvh = caches.pool, caches.n_layers, caches.kv_heads
+    tags = jnp.arange(n_l * kvh)
+    own = pool.alive[..., None] & (pool.owner[..., None] == tags)  # [B, G, L*KVH]
+    at = pool.pos[..., None] == jnp.arange(n)  # [B, G, n]
+    m = jnp.einsum("bgh,bgp->bhp", own.astype(jnp.int32), at.astype(jnp.int32)) > 0
+    return m.reshape(m.shape[0], n_l, kvh, n)
+  return jnp.stack([jnp.any(c.alive[..., None] & (c.pos[..., None] == jnp.arange(n)), axis=1) for c in caches], 1)
+
+
+def test_pool_attends_like_the_measuring_layout(tiny):
+  """The tiny model decoded token by token through both layouts of fpa_global in one program: at
+  every step each (layer, kv head) holds the same keys in the pool (G slots per row) as in
+  cached_logits' one-slot-per-token caches, and the logits agree."""
+  b, t = 2, 16
+  tok = jax.random.randint(jax.random.key(7), (b, t), 0, tiny.cfg.vocab_size)
+  pol = make_policy("fpa_global", t, budget=4)
+  graphdef, state = nnx.split(tiny)
+
+  @jax.jit
+  def run(state, tok):
+    m = nnx.merge(graphdef, state)
+
+    def body(carry, xs):
+      pool, per = carry
+      x, i = xs
+      pos = jnp.full((b,), i, jnp.int32)
+      lp, pool = D._step(m, pool, x, pos, pol)
+      lm, per = D._step(m, per, x, pos, pol, step=i, measure=True)
+      return (pool, per), (lp, lm, _membership(pool, t), _membership(per, t))
+
+    init = (D.init_caches(m, b, pol, t), D.init_caches(m, b, pol, t, slots=t))
+    return jax.lax.scan(body, init, (tok.T, jnp.arange(t)))[1]
+
+  lp, lm, mp, mm = run(state, tok)
+  np.testing.assert_array_equal(np.asarray(mp), np.asarray(mm))
+  held = np.asarray(mp).sum((2, 3, 4))  # [T, B] keys held per row after each step
+  assert held.max() <= (4 - 1) * tiny.cfg.n_layers * tiny.cfg.kv_heads
+  assert not np.all(np.asarray(mp).sum(-1) == np.asarray(mp).sum(-1)[..., :1, :1])  # heads share unevenly
+  assert_close(np.asarray(lp), np.asarray(lm), n=t * tiny.cfg.d_model * tiny.cfg.n_layers)
+
+
+@pytest.mark.parametrize("head_cap", [None, 9])
+def test_global_budget_generates_like_its_measured_cache(tiny, head_cap):
+  """generate's shared pool (slots reused) attends exactly like cached_logits' measured cache when
+  the prompt is fed token by token (same greedy tokens); one compiled program per generation; the
+  pool holds G = budget * L * KVH slots and allocates fpa_budget's bytes at the same budget (plus
+  the owner tags). The parallel prefill keeps at most G - L * KVH keys too."""
   prompt = np.asarray(jax.random.randint(jax.random.key(4), (2, 12), 0, tiny.cfg.vocab_size))
-  kw = dict(policy="fpa_global", budget=5, head_cap=9)
+  kw = dict(policy="fpa_global", budget=5, head_cap=head_cap)
+  n_l, kvh = tiny.cfg.n_layers, tiny.cfg.kv_heads
   before = D.TRACES["generate"]
   out, stats = generate(tiny, prompt, 8, prefill="decode", **kw)
   assert D.TRACES["generate"] == before + 1
@@ -320,12 +438,19 @@ def test_global_budget_generates_like_its_measured_cache(tiny):
   logits, cstats = cached_logits(tiny, seq, **kw)
   np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, 11:-1]), -1), out)
   kept = np.asarray(stats["kept_fraction_per_head"])
-  assert kept.shape == (tiny.cfg.n_layers, tiny.cfg.kv_heads)
+  assert kept.shape == (n_l, kvh)
   # (keys - 1) per head on average between steps; the heads share it unevenly
-  assert np.mean(kept) * 19 <= 4 + 1e-6 and np.max(kept) * 19 <= 9
-  assert cstats["cache_fraction"] <= 9 / 20
-  ref = make_policy("fpa_budget", 20, budget=9)
-  assert stats["cache_bytes"] == D.cache_bytes(tiny, 2, ref) == cstats["cache_bytes"]
+  assert np.mean(kept) * 19 <= 4 + 1e-6 and np.max(kept) * 19 <= (head_cap or 20)
+  assert stats["slots_per_row"] == 5 * n_l * kvh
+  pol = make_policy("fpa_global", 20, budget=5, head_cap=head_cap)
+  shapes = jax.eval_shape(lambda: D.init_caches(tiny, 2, pol, 20))
+  assert isinstance(shapes, P.GlobalCache) and shapes.pool.k.shape == (2, 5 * n_l * kvh, tiny.cfg.head_dim)
+  ref = D.cache_bytes(tiny, 2, make_policy("fpa_budget", 20, budget=5))
+  assert ref <= stats["cache_bytes"] == cstats["cache_bytes"] <= 1.15 * ref
+  if head_cap is None:
+    _, pstats = generate(tiny, prompt, 8, prefill="parallel", **kw)
+    assert pstats["cache_bytes"] == stats["cache_bytes"] and not pstats["overflow"]
+    assert pstats["cache_fraction"] <= 5 * n_l * kvh / 20
 
 
 # ------------------------------------------------------------------------------------------------ tolerance bound

@@ -6,7 +6,8 @@
     tokens, stats = generate(model, prompts, 32, policy="fpa_global", budget=0.25)  # one budget per row
     logits, stats = cached_logits(model, tokens, policy="fpa", tolerance=1e-3)   # studies
 
-Policies and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache`.
+Policies and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache` (fpa_global's
+shared slot pool: `.pool`).
 """
 
 from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend, snapkv_scores
@@ -18,6 +19,7 @@ from fpa_jax.inference.decode import (
   init_caches,
   layer_logit_bounds,
   layer_query_bounds,
+  prefill_parallel,
 )
 from fpa_jax.inference.loading import load_model, read_metrics
 from fpa_jax.inference.policies import (
@@ -30,6 +32,7 @@ from fpa_jax.inference.policies import (
   query_norm_bound,
   tolerance_threshold,
 )
+from fpa_jax.inference.pool import GlobalCache, PoolView, SlotPool, pool_decode_attend, pool_evict
 
 __all__ = [
   "load_model",
@@ -41,6 +44,12 @@ __all__ = [
   "layer_query_bounds",
   "cache_bytes",
   "global_evict",
+  "prefill_parallel",
+  "GlobalCache",
+  "SlotPool",
+  "PoolView",
+  "pool_decode_attend",
+  "pool_evict",
   "snapkv_scores",
   "LayerCache",
   "init_cache",

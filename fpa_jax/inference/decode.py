@@ -7,8 +7,13 @@ once and run by `jax.lax.scan`, so a whole generation compiles once. Model weigh
 NNX state, never baked into the program.
 
 The global budget (`fpa_global`) needs every layer's penalties at once, so it lives here, at the
-model level: each layer's cache is an ordinary per-head cache of `policy.capacity` slots (the head
-cap), and `global_evict` runs after each step (and after prefill) across all of them.
+model level. `generate` keeps one slot pool per row for all layers and kv heads (`pool.GlobalCache`,
+G = keys * L * KVH slots): the model's cached loop threads it through the layers' attend calls
+(`pool.PoolView`) and `pool.pool_evict` frees slots after each step. `cached_logits` measures it
+on ordinary per-head caches of one slot per token with `global_evict` after each step: the same
+rule, so every query attends to the same keys as in the pool. A parallel prefill builds per-head
+candidate caches from the whole prompt, `global_evict` cuts them to the global limit and
+`pool.pool_from_caches` packs what is left into the pool.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend, reset_rows
+from fpa_jax.inference import pool as P
 from fpa_jax.inference.policies import (
   Policy,
   key_tolerance_threshold,
@@ -76,13 +82,19 @@ def layer_query_bounds(model: DecoderLM) -> list[jax.Array]:
 
 def init_caches(
   model: DecoderLM, batch: int, policy: Policy, n_keys: int, slots: int | None = None
-) -> tuple[LayerCache, ...]:
-  """One empty `LayerCache` per layer with the policy's thresholds.
+) -> tuple[LayerCache, ...] | P.GlobalCache:
+  """One empty `LayerCache` per layer with the policy's thresholds (fpa_global: the shared pool).
 
   n_keys: the most keys a sequence can have (the N in the `fpa` tolerance threshold).
-  slots: default `policy.capacity`; `cached_logits` measures with one slot per token.
+  slots: default `policy.capacity`; `cached_logits` measures with one slot per token. fpa_global
+  without `slots`: a `pool.GlobalCache` of G = keys * L * KVH slots per row (what `generate`
+  decodes with); with `slots`: per-head caches of that many slots (the measuring layout, and a
+  parallel prefill's candidates).
   """
   cfg = model.cfg
+  if policy.is_global and slots is None:
+    g = policy.pool_slots(cfg.n_layers, cfg.kv_heads)
+    return P.init_global_cache(batch, g, cfg.n_layers, cfg.kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype))
   coefs = caps = [None] * cfg.n_layers
   if policy.name == "fpa" and policy.bound == "keys":
     us = layer_logit_bounds(model)
@@ -112,13 +124,23 @@ def init_caches(
 
 
 def cache_bytes(model: DecoderLM, batch: int, policy: Policy, n_keys: int | None = None) -> int:
-  """Bytes every array of the per-layer caches allocates (`generate`'s reused-slot cache; no allocation)."""
+  """Bytes every array of `generate`'s reused-slot cache allocates (fpa_global: its pool; no allocation)."""
   shapes = jax.eval_shape(lambda: init_caches(model, batch, policy, n_keys or policy.capacity))
   return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
 
+def _slots_per_row(model: DecoderLM, policy: Policy) -> int:
+  """Key slots one row's cache allocates over all layers and kv heads (fpa_global: the pool, G)."""
+  cfg = model.cfg
+  if policy.is_global:
+    return policy.pool_slots(cfg.n_layers, cfg.kv_heads)
+  return policy.capacity * cfg.n_layers * cfg.kv_heads
+
+
 def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -> tuple[LayerCache, ...]:
-  """fpa_global between steps: evict across all layers and heads of a row down to G - L*KVH keys.
+  """fpa_global on per-layer caches (`cached_logits`' measuring layout and a parallel prefill's
+  candidates; `pool.pool_evict` is the same rule on the pool): evict across all layers and heads
+  of a row down to G - L*KVH keys.
 
   G = policy.keys * L * KVH. The keys that may go are those outside every head's protected window
   (positions <= now + 1 - W: the next step's new key and the W - 1 before it stay); they go largest
@@ -144,9 +166,12 @@ def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -
   return tuple(c._replace(alive=c.alive & ~evict[:, i]) for i, c in enumerate(caches))
 
 
-def _select_rows(rows: jax.Array, new: LayerCache, old: LayerCache) -> LayerCache:
-  """Per row b: new if rows[b] else old (the per-head threshold terms [H] are shared)."""
+def _select_rows(rows: jax.Array, new, old):
+  """Per row b: new if rows[b] else old (the per-head threshold terms [H] are shared); a LayerCache
+  or a whole `pool.GlobalCache` (every leaf has the batch first)."""
   pick = lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o)
+  if isinstance(new, P.GlobalCache):
+    return jax.tree.map(pick, new, old)
   shared = ("threshold", "key_coef", "key_cap")
   return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in shared})
 
@@ -164,7 +189,12 @@ def _split_on_one_device(model: DecoderLM):
 
 
 def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
-  """One token per row: tokens, positions [B] -> (logits [B, V], caches)."""
+  """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
+  `pool.GlobalCache`)."""
+  if isinstance(caches, P.GlobalCache):
+    attend = functools.partial(P.pool_decode_attend, policy=policy, scale=model.cfg.head_dim**-0.5, positions=positions)
+    logits, done = model(tokens[:, None], positions=positions[:, None], caches=P.views(caches), attend=attend)
+    return logits[:, 0], P.pool_evict(P.collect(done), policy, positions)
   attend = functools.partial(
     decode_attend, policy=policy, scale=model.cfg.head_dim**-0.5, positions=positions, step=step, measure=measure
   )
@@ -175,9 +205,48 @@ def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=N
 
 
 def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
-  """(max keys held by any (layer, row, head), mean keys held) [], fp32."""
-  held = jnp.stack([jnp.sum(c.alive, axis=1) for c in caches]).astype(jnp.float32)  # [L, B, H]
+  """(max keys held by any (layer, row, head) [], keys held [L, B, KVH]), fp32."""
+  if isinstance(caches, P.GlobalCache):
+    held = P.held(caches).astype(jnp.float32)
+  else:
+    held = jnp.stack([jnp.sum(c.alive, axis=1) for c in caches]).astype(jnp.float32)  # [L, B, H]
   return jnp.max(held), held
+
+
+def _overflow(caches) -> jax.Array:
+  """[] bool: a thresholded policy ran out of capacity (never for the pool: fpa_global has no threshold)."""
+  if isinstance(caches, P.GlobalCache):
+    return jnp.zeros((), bool)
+  return jnp.any(jnp.stack([c.overflow for c in caches]))
+
+
+def prefill_parallel(model: DecoderLM, prompt, lengths, policy: Policy, n_keys: int):
+  """The prompt [B, P] (right-padded, `lengths` [B]) through the chunked kernel, then the cache
+  the policy keeps -> (logits [B, P, V], caches). fpa_global: every layer's prompt keys are
+  candidates (per head, at most the per-head limit, by `cache.prefill_attend`'s order), then the
+  global rule of `global_evict` (each head's last W - 1 prompt keys protected, the largest
+  penalties across layers and heads out first, ties oldest, then lower layer / head) cuts them to
+  G - L * KVH keys, packed into the pool (`pool.pool_from_caches`)."""
+  b, p = prompt.shape
+  if policy.is_global:
+    caches = init_caches(model, b, policy, n_keys, slots=min(policy.capacity, p))
+  else:
+    caches = init_caches(model, b, policy, n_keys)
+  attend = functools.partial(
+    prefill_attend,
+    policy=policy,
+    scale=model.cfg.head_dim**-0.5,
+    lengths=lengths,
+    block_size=model.cfg.block_size or None,
+  )
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  logits, caches = model(prompt, positions=positions, caches=caches, attend=attend)
+  if policy.is_global:
+    cfg = model.cfg
+    caches = P.pool_from_caches(
+      global_evict(caches, policy, lengths - 1), policy.pool_slots(cfg.n_layers, cfg.kv_heads)
+    )
+  return logits, caches
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,7 +271,7 @@ def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Poli
     peak, held = _occupancy(caches)
     kept = jnp.mean(held / (pos + 1).astype(jnp.float32)[None, :, None], axis=1)  # [L, KVH]
     lost = jnp.max(jnp.stack([c.lost for c in caches]))
-    overflow = jnp.any(jnp.stack([c.overflow for c in caches]))
+    overflow = _overflow(caches)
     return (caches, seg, pos), (logits, peak, kept, lost, overflow)
 
   init = (caches, jnp.full((b,), -1, jnp.int32), jnp.full((b,), -1, jnp.int32))
@@ -228,7 +297,8 @@ def cached_logits(
 
   Evicted keys stay in memory (slots are not reused) only so that the attention mass they would
   have received can be measured; what each query attends to is exactly what a reused-slot cache of
-  the policy's capacity gives (`generate`). Packed rows: `segment_ids` [B, T] restarts the cache
+  the policy's capacity gives (`generate`; fpa_global: its shared pool, measured here on per-head
+  caches under the same eviction rule). Packed rows: `segment_ids` [B, T] restarts the cache
   (and positions) wherever the segment id changes.
 
   Policies and their arguments (`recent`, `head_cap`, `bound`): `fpa_jax.inference.policies`.
@@ -304,19 +374,8 @@ def _generate_program(
   TRACES["generate"] += 1
   model = nnx.merge(graphdef, state)
   b, p = prompt.shape
-  caches = init_caches(model, b, policy, n_keys)
   if prefill == "parallel":
-    attend = functools.partial(
-      prefill_attend,
-      policy=policy,
-      scale=model.cfg.head_dim**-0.5,
-      lengths=lengths,
-      block_size=model.cfg.block_size or None,
-    )
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, caches = model(prompt, positions=positions, caches=caches, attend=attend)
-    if policy.is_global:
-      caches = global_evict(caches, policy, lengths - 1)
+    logits, caches = prefill_parallel(model, prompt, lengths, policy, n_keys)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     peak0, _ = _occupancy(caches)
   else:  # token by token under the policy; rows past their prompt keep their state
@@ -326,10 +385,14 @@ def _generate_program(
       tok, t = xs
       active = t < lengths
       logits, new = _step(model, caches, tok, jnp.full((b,), t, jnp.int32), policy)
-      caches = tuple(_select_rows(active, n, o) for n, o in zip(new, caches))
+      if isinstance(new, P.GlobalCache):
+        caches = _select_rows(active, new, caches)
+      else:
+        caches = tuple(_select_rows(active, n, o) for n, o in zip(new, caches))
       last = jnp.where(active[:, None], logits, last)
       return (caches, last, jnp.maximum(peak, _occupancy(caches)[0])), None
 
+    caches = init_caches(model, b, policy, n_keys)
     init = (caches, jnp.zeros((b, model.cfg.vocab_size), jnp.float32), jnp.float32(0))
     (caches, last, peak0), _ = jax.lax.scan(feed, init, (prompt.T, jnp.arange(p, dtype=jnp.int32)))
 
@@ -345,7 +408,7 @@ def _generate_program(
 
   (caches, _, pos, peak), rest = jax.lax.scan(body, (caches, first, lengths, peak0), keys[1:])
   tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, N]
-  overflow = jnp.any(jnp.stack([c.overflow for c in caches]))
+  overflow = _overflow(caches)
   _, held = _occupancy(caches)  # [L, B, KVH] at the end, over the pos keys each row has seen
   kept = jnp.mean(held / pos.astype(jnp.float32)[None, :, None], axis=1)
   return tokens, {"peak": peak, "overflow": overflow, "kept": kept}
@@ -383,7 +446,8 @@ def generate(
       (snapkv needs "parallel": it ranks the prompt's keys by its last window's attention).
   Returns:
     (tokens int32 [B, N], stats: `cache_fraction` = peak keys held by any layer, row and head /
-    (P + N), `capacity` (slots per head), `cache_bytes` (what the cache allocates),
+    (P + N), `capacity` (slots per head; fpa_global: its per-head limit), `slots_per_row` (every
+    layer's and head's slots together; fpa_global: its pool, G), `cache_bytes` (what the cache allocates),
     `kept_fraction_per_head` ([L][KVH] keys held at the end / keys seen, mean over rows), `overflow`,
     `policy`, `prefill`).
   """
@@ -432,6 +496,7 @@ def generate(
     "policy": pol.name,
     "prefill": prefill,
     "capacity": pol.capacity,
+    "slots_per_row": _slots_per_row(model, pol),
     "cache_fraction": float(s["peak"]) / n_keys,
     "cache_bytes": cache_bytes(model, b, pol, n_keys),
     "kept_fraction_per_head": np.asarray(s["kept"]).tolist(),

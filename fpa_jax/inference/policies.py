@@ -16,11 +16,17 @@ Policies (`Policy.name`):
   fpa_global    one key budget for the whole cache of a row: `budget` keys per (layer, kv head) on
                 average, G = budget * n_layers * kv_heads in all; the largest penalties across every
                 layer and head go first (ties: oldest, then lower layer / head), so heads that forget
-                make room for heads that retrieve. Each head may hold up to `head_cap` keys: the slots
-                allocated per head (static shapes), so the cache allocates head_cap / budget times the
-                bytes of `fpa_budget` at the same budget (`decode.cache_bytes` reports it). The last W
-                keys of every head are protected. Between steps at most G - n_layers * kv_heads keys
-                are held, so each query attends to at most G counting its own step's new keys.
+                make room for heads that retrieve. The cache is one slot pool per row (as paged
+                attention; `fpa_jax.inference.pool`): exactly G slots for all layers and kv heads
+                together, each tagged with its owner (layer, kv head), so it allocates what
+                `fpa_budget` allocates at the same budget plus an int32 tag per slot
+                (`decode.cache_bytes`). Static shapes: each query head attends over the whole pool
+                masked to its own slots, O(G) compute per head and step (n_layers * kv_heads times
+                `fpa_budget`'s at the same budget). `head_cap` (optional): at most that many keys per
+                (layer, kv head), its largest penalty going first as in `fpa_budget` (default: no
+                limit, a head may fill the pool). The last W keys of every head are protected. Between
+                steps at most G - n_layers * kv_heads keys are held, so each step's new keys always find
+                free slots and each query attends to at most G keys counting its own step's.
   window        capacity C; the last C keys.
   sink_window   capacity C; the first `n_sink` = 4 keys and the last C - 4 (StreamingLLM).
   h2o           capacity C; the C/2 most recent keys plus the heavy hitters by attention mass
@@ -68,10 +74,12 @@ KERNEL = 7  # snapkv: max-pool width over keys
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """A resolved policy (static under jit). `capacity`: slots per (row, head) the policy may fill.
+  """A resolved policy (static under jit). `capacity`: keys per (row, head) the policy may fill
+  (fpa_global: the per-head limit inside the pool, the sequence length when there is none).
 
   recent: W, the last keys (the newest included) that are never evicted (0: none).
-  keys: fpa_global's mean key budget per (layer, kv head); the row's total is keys * L * KVH.
+  keys: fpa_global's mean key budget per (layer, kv head); the row's total (its pool) is keys * L * KVH.
+  head_cap: fpa_global's per-head limit (None: none; then capacity = the sequence length).
   """
 
   name: str
@@ -81,6 +89,7 @@ class Policy:
   n_sink: int = N_SINK
   recent: int = 0
   keys: int | None = None  # fpa_global
+  head_cap: int | None = None  # fpa_global
   bound: str = "keys"  # fpa
   obs_window: int = OBS_WINDOW  # snapkv
   kernel: int = KERNEL  # snapkv
@@ -92,6 +101,10 @@ class Policy:
   @property
   def is_global(self) -> bool:
     return self.name == "fpa_global"
+
+  def pool_slots(self, n_layers: int, kv_heads: int) -> int:
+    """fpa_global: G = keys * n_layers * kv_heads, the slots of a row's pool."""
+    return self.keys * n_layers * kv_heads
 
 
 def resolve_budget(budget: float | int | None, seq_len: int, what: str = "budget") -> int | None:
@@ -130,7 +143,8 @@ def make_policy(
 ) -> Policy:
   """Check the arguments of a policy for sequences of up to `seq_len` keys; raise what to change.
 
-  The capacity is the budget for budgeted policies (fpa_global: `head_cap`, default 2 x budget);
+  The capacity is the budget for budgeted policies (fpa_global: the per-head limit `head_cap`,
+  default none: `seq_len`; its pool holds budget * n_layers * kv_heads keys);
   otherwise `seq_len`, or the budget if one is given (a bounded buffer: if an `fpa`/`fpa_threshold`
   cache is full the largest penalty goes, and the stats report it as an overflow, since the
   tolerance bound then no longer holds). `recent` (W): fpa_budget, fpa_global and snapkv only,
@@ -181,14 +195,15 @@ def make_policy(
     kw["recent"] = min(w, max(keys - 1, 0))
   if name == "fpa_global":
     keys = min(cap, seq_len)
-    slots = resolve_budget(head_cap, seq_len, "head_cap") if head_cap is not None else 2 * keys
-    if slots < keys:
+    limit = resolve_budget(head_cap, seq_len, "head_cap")
+    if limit is not None and limit < keys:
       raise ValueError(
-        f"head_cap={slots} slots per head is below the mean budget of {keys} keys per head: "
-        "the total could never be filled; use head_cap >= budget"
+        f"head_cap={limit} keys per (layer, kv head) is below the mean budget of {keys} keys per head: "
+        "the pool could never be filled; use head_cap >= budget, or leave it unset (no per-head limit)"
       )
     kw["keys"] = keys
-    cap = slots
+    kw["head_cap"] = None if limit is None or limit >= seq_len else limit
+    cap = seq_len if kw["head_cap"] is None else limit
   if name == "fpa":
     kw["bound"] = bound or "keys"
   return Policy(name, min(cap, seq_len) if cap is not None else seq_len, tolerance, threshold, **kw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Re-exported: the names are defined once in `common` (imported by chunked / pallas as well).
 from fpa_jax.ops.common import BLOCKED, IMPLS, STATS_DTYPE, BlockSizes, Implementation
@@ -85,10 +86,13 @@ def check_log_fgate(log_fgate) -> None:
   bool); under jit the ops clamp it instead (`clamp_log_fgate`)."""
   if isinstance(log_fgate, jax.core.Tracer):
     return
-  if bool(jnp.any(jnp.asarray(log_fgate) > 0)):
+  # numpy, not jnp: inside a trace (a concrete array closed over by a jitted function) a jnp
+  # comparison would itself be traced and could not be turned into a bool.
+  x = np.asarray(log_fgate)
+  if x.size and bool(np.any(x > 0)):
     raise ValueError(
       "log_fgate must be <= 0: pass jax.nn.log_sigmoid(f) (a log forget gate in (-inf, 0]), "
-      f"got a max of {float(jnp.max(jnp.asarray(log_fgate)))}"
+      f"got a max of {float(np.max(x))}"
     )
 
 

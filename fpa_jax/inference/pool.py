@@ -1,0 +1,251 @@
+"""fpa_global's cache: one slot pool per row shared by every layer and kv head (as paged attention).
+
+Shape legend: B batch, G pool slots per row, L layers, KVH kv heads, H query heads, K head dim.
+
+The global budget is G = policy.keys * L * KVH keys per row for the whole cache, so the pool has
+exactly G slots per row and allocates what `fpa_budget`'s per-head caches allocate at the same
+budget, plus an int32 owner tag per slot (`decode.cache_bytes`). A slot holds one key of one
+(layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key). Static shapes:
+a query head attends over the whole pool masked to its own (layer, kv head) slots, so attention
+costs O(G) per head and step, L * KVH times a per-head cache of the same budget: the price of
+sharing the slots without dynamic shapes (a paged kernel would gather the head's own pages).
+
+A decode step, per layer l (`pool_decode_attend`, the `attend` the layer calls on its `PoolView`):
+advance the running min of the slots layer l owns with their head's field (gathered by owner),
+evict a head's victim if it is at its optional per-head limit (`policy.head_cap`), write the KVH
+new keys into free slots, attend. After the whole step `pool_evict` frees slots across all layers
+and heads (largest penalty first, ties oldest, then lower owner; never the last W keys of a head)
+down to G - L * KVH keys, so the next step's L * KVH new keys always find free slots.
+
+Per-layer state that is not per key (the gate's running sum `carry` [B, KVH]) stays per layer in
+`GlobalCache.carry`. The model's cached loop threads the pool from one layer's attend to the next
+(`PoolView.follow`), so the L views of one step share one pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fpa_jax.inference.cache import LayerCache, _argmax_lex
+from fpa_jax.inference.policies import Policy
+from fpa_jax.ops import recurrent as R
+
+F32 = jnp.float32
+
+
+class SlotPool(NamedTuple):
+  """G slots per row for all layers and kv heads together.
+
+  k, v:    [B, G, K] keys / values (compute dtype).
+  level:   [B, G] fp32 key levels.
+  run_min: [B, G] fp32 min of the owner's field over (key, now]; +inf right after a key is written.
+  pos:     [B, G] int32 position of the key in its row (-1: never written).
+  alive:   [B, G] bool the slot holds a key (owner >= 0 exactly then).
+  score:   [B, G] fp32 unused by fpa_global (kept so the per-slot bytes match `LayerCache`'s).
+  owner:   [B, G] int32 layer * KVH + kv head of the slot's key; -1 when it holds none.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  level: jax.Array
+  run_min: jax.Array
+  pos: jax.Array
+  alive: jax.Array
+  score: jax.Array
+  owner: jax.Array
+
+  @property
+  def penalty(self) -> jax.Array:
+    """[B, G] current first-passage penalty of each slot's key (0 on free slots)."""
+    return jnp.where(self.alive, R.first_passage_penalty_of(self.level, self.run_min), 0.0)
+
+
+class GlobalCache(NamedTuple):
+  """fpa_global's decode state between steps: the pool and each layer's gate carry [B, KVH]."""
+
+  pool: SlotPool
+  carry: tuple[jax.Array, ...]
+
+  @property
+  def n_layers(self) -> int:
+    return len(self.carry)
+
+  @property
+  def kv_heads(self) -> int:
+    return self.carry[0].shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PoolView:
+  """The cache one layer sees during a step: the shared pool, its own carry and (static) index."""
+
+  pool: SlotPool
+  carry: jax.Array  # [B, KVH] the gate's running sum of field increments
+  layer: int = dataclasses.field(metadata=dict(static=True))
+
+  def follow(self, prev: "PoolView") -> "PoolView":
+    """This layer's view of the pool the previous layer's attend left (`DecoderLM` cached mode)."""
+    return dataclasses.replace(self, pool=prev.pool)
+
+
+def init_pool(batch: int, slots: int, head_dim: int, *, dtype=F32) -> SlotPool:
+  bg = (batch, slots)
+  return SlotPool(
+    k=jnp.zeros(bg + (head_dim,), dtype),
+    v=jnp.zeros(bg + (head_dim,), dtype),
+    level=jnp.zeros(bg, F32),
+    run_min=jnp.full(bg, jnp.inf, F32),
+    pos=jnp.full(bg, -1, jnp.int32),
+    alive=jnp.zeros(bg, bool),
+    score=jnp.zeros(bg, F32),
+    owner=jnp.full(bg, -1, jnp.int32),
+  )
+
+
+def init_global_cache(batch: int, slots: int, n_layers: int, kv_heads: int, head_dim: int, *, dtype=F32):
+  """An empty `GlobalCache`: a pool of `slots` (= G) slots per row and L zero carries."""
+  carry = tuple(jnp.zeros((batch, kv_heads), F32) for _ in range(n_layers))
+  return GlobalCache(init_pool(batch, slots, head_dim, dtype=dtype), carry)
+
+
+def views(cache: GlobalCache) -> tuple[PoolView, ...]:
+  """One `PoolView` per layer (all on the same pool: the model's loop threads it layer to layer)."""
+  return tuple(PoolView(cache.pool, c, i) for i, c in enumerate(cache.carry))
+
+
+def collect(done: Sequence[PoolView]) -> GlobalCache:
+  """The L views a step returned -> the `GlobalCache` (the last layer's pool, every layer's carry)."""
+  return GlobalCache(done[-1].pool, tuple(v.carry for v in done))
+
+
+def held(cache: GlobalCache) -> jax.Array:
+  """[L, B, KVH] int32 keys each (layer, row, kv head) holds."""
+  n = cache.n_layers * cache.kv_heads
+  b = cache.pool.pos.shape[0]
+  tag = jnp.where(cache.pool.alive, cache.pool.owner, n)  # free slots -> out of range, dropped
+  count = jnp.zeros((b, n), jnp.int32).at[jnp.arange(b)[:, None], tag].add(1, mode="drop")
+  return count.reshape(b, cache.n_layers, cache.kv_heads).transpose(1, 0, 2)
+
+
+def _head_mask(pool: SlotPool, layer: int, kv_heads: int) -> jax.Array:
+  """[B, KVH, G] slot g holds a key of (layer, kv head j)."""
+  tags = layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)
+  return pool.alive[:, None, :] & (pool.owner[:, None, :] == tags[None, :, None])
+
+
+def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Policy, scale: float, positions):
+  """One token per row for layer `view.layer` against the shared pool: advance, cap, insert, attend.
+
+  Args as `cache.decode_attend`: q [B, 1, H, K]; k, v [B, 1, KVH, K]; field, level, cum [B, 1, KVH];
+  positions [B]. The KVH new keys go to the first KVH free slots of the row: `pool_evict` after
+  the previous step (or `pool_from_caches` after a prefill) left at most G - L * KVH keys, so
+  there are always enough (were there not, keys would be overwritten: the caller's invariant).
+  Returns (out [B, 1, H, K], the view with the new pool and this layer's carry).
+  """
+  pool, layer = view.pool, view.layer
+  b, g = pool.pos.shape
+  kvh = k.shape[2]
+  f, lv = field[:, 0].astype(F32), level[:, 0].astype(F32)  # [B, KVH]
+  head = pool.owner - layer * kvh  # the slot's kv head if this layer owns it
+  mine = pool.alive & (head >= 0) & (head < kvh)  # [B, G]
+  f_slot = jnp.take_along_axis(f, jnp.clip(head, 0, kvh - 1), axis=1)  # [B, G] its head's field
+  run_min = jnp.where(mine, R.advance_run_min(pool.run_min[:, None, :], f_slot)[:, 0], pool.run_min)
+  pool = pool._replace(run_min=run_min)
+  if policy.head_cap is not None:  # a head at its limit drops its victim (fpa_budget's rule, per head)
+    own = _head_mask(pool, layer, kvh)  # [B, KVH, G]
+    full = jnp.sum(own, axis=-1) >= policy.capacity  # [B, KVH]
+    cand = own
+    if policy.recent:
+      cand = own & (pool.pos[:, None, :] <= positions[:, None, None] - policy.recent)
+      cand = jnp.where(jnp.any(cand, -1, keepdims=True), cand, own)
+    pen = jnp.broadcast_to(pool.penalty[:, None, :], own.shape)
+    out_slot = _argmax_lex(pen, jnp.broadcast_to(-pool.pos[:, None, :], own.shape), cand, axis=2)  # [B, KVH]
+    gone = jnp.any(full[:, :, None] & (jnp.arange(g)[None, None, :] == out_slot[:, :, None]), axis=1)  # [B, G]
+    pool = pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner))
+  free = ~pool.alive
+  rank = jnp.cumsum(free, axis=1) - 1  # [B, G] index of each free slot among the free ones
+  pick = free[:, None, :] & (rank[:, None, :] == jnp.arange(kvh)[None, :, None])  # [B, KVH, G]
+  slot = jnp.argmax(pick, axis=2)  # [B, KVH] the j-th free slot for kv head j
+  bi = jnp.arange(b)[:, None]
+  put = lambda x, val: x.at[bi, slot].set(val.astype(x.dtype))
+  tags = jnp.broadcast_to(layer * kvh + jnp.arange(kvh, dtype=jnp.int32)[None], (b, kvh))
+  pool = SlotPool(
+    k=put(pool.k, k[:, 0]),
+    v=put(pool.v, v[:, 0]),
+    level=put(pool.level, lv),
+    run_min=put(pool.run_min, jnp.full_like(lv, jnp.inf)),
+    pos=put(pool.pos, jnp.broadcast_to(positions[:, None], (b, kvh))),
+    alive=put(pool.alive, jnp.ones((b, kvh), bool)),
+    score=put(pool.score, jnp.zeros_like(lv)),
+    owner=put(pool.owner, tags),
+  )
+  _, _, h, dk = q.shape
+  qg = q[:, 0].reshape(b, kvh, h // kvh, dk)  # query head h -> kv head h // (H / KVH)
+  s = jnp.einsum("bhgk,bsk->bhgs", qg, pool.k, preferred_element_type=F32) * scale  # [B, KVH, G/H, G]
+  logits = s - pool.penalty[:, None, None, :]
+  live = _head_mask(pool, layer, kvh)[:, :, None, :]  # each group over its own (layer, kv head) slots
+  p = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
+  out = jnp.einsum("bhgs,bsk->bhgk", p.astype(pool.v.dtype), pool.v, preferred_element_type=F32)
+  new = dataclasses.replace(view, pool=pool, carry=cum[:, 0].astype(F32))
+  return out.reshape(b, h, dk).astype(q.dtype)[:, None], new
+
+
+def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
+  """Between steps: evict across all layers and heads of a row down to G - L * KVH keys.
+
+  The rule of `decode.global_evict` on the pool: the keys that may go are those outside every
+  head's protected window (positions <= now + 1 - W), largest penalty first, ties oldest, then
+  lower owner (layer, head); `now` [B] is the position of the last key written. Evicted slots are
+  freed (alive False, owner -1) for the next step's new keys.
+  """
+  pool = cache.pool
+  b, g = pool.pos.shape
+  limit = (policy.keys - 1) * cache.n_layers * cache.kv_heads
+  cand = pool.alive & (pool.pos <= now[:, None] + 1 - policy.recent)
+  excess = jnp.maximum(jnp.sum(pool.alive, axis=1) - limit, 0)  # [B]
+  idx = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None], (b, g))
+  *_, order = jax.lax.sort((~cand, -pool.penalty, pool.pos, pool.owner, idx), dimension=1, num_keys=4)
+  rank = jnp.zeros((b, g), jnp.int32).at[jnp.arange(b)[:, None], order].set(idx)
+  gone = (rank < excess[:, None]) & cand
+  return cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
+
+
+def pool_from_caches(caches: Sequence[LayerCache], slots: int) -> GlobalCache:
+  """Per-layer, per-head caches (a parallel prefill's candidates, already cut to the global limit
+  by `decode.global_evict`) -> a `GlobalCache` of `slots` slots per row holding their alive keys.
+
+  The caches hold at most slots - L * KVH alive keys per row (the global limit), so all fit.
+  """
+  n_l = len(caches)
+  b, s, kvh = caches[0].pos.shape
+  n = n_l * s * kvh
+  stack = lambda f: jnp.stack([getattr(c, f) for c in caches], 1)  # [B, L, S, KVH, ...]
+  flat = lambda x: x.reshape((b, n) + x.shape[4:])
+  alive = flat(stack("alive"))
+  tag = jnp.broadcast_to(
+    (jnp.arange(n_l)[:, None, None] * kvh + jnp.arange(kvh)[None, None, :])[None], (b, n_l, s, kvh)
+  )
+  fields = dict(
+    k=flat(stack("k")),
+    v=flat(stack("v")),
+    level=flat(stack("level")),
+    run_min=flat(stack("run_min")),
+    pos=flat(stack("pos")),
+    alive=alive,
+    score=jnp.zeros((b, n), F32),
+    owner=jnp.where(alive, flat(tag).astype(jnp.int32), -1),
+  )
+  if n < slots:  # fewer candidates than slots: pad with free ones
+    pad = init_pool(b, slots - n, fields["k"].shape[-1], dtype=fields["k"].dtype)
+    fields = {f: jnp.concatenate([x, getattr(pad, f)], axis=1) for f, x in fields.items()}
+    alive = fields["alive"]
+  order = jnp.argsort(~alive, axis=1, stable=True)[:, :slots]  # the alive candidates first
+  take = lambda x: jnp.take_along_axis(x, order if x.ndim == 2 else order[..., None], axis=1)
+  pool = SlotPool(**{f: take(x) for f, x in fields.items()})
+  pool = pool._replace(pos=jnp.where(pool.alive, pool.pos, -1), run_min=jnp.where(pool.alive, pool.run_min, jnp.inf))
+  return GlobalCache(pool, tuple(c.carry for c in caches))
