@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _tol import assert_bitwise, assert_close, rtol
+from _tol import assert_close, rtol
 from fpa_jax import ops
 from fpa_jax.ops import chunked
 from fpa_jax.ops import reference_np as ref
