@@ -27,9 +27,12 @@ import numpy as np
 from experiments import _common as U
 
 MODULE = "experiments.kv_compression"
-BUDGETED = ("fpa_budget", "window", "sink_window", "h2o")
+# fpa_global: one slot pool per row for all layers and kv heads, the same bytes as fpa_budget's
+# per-head caches at the same budget (`fpa_jax.inference.policies`)
+BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv")
 BUDGETS = (0.5, 0.25, 0.125)
 DECODE_ONLY = ("h2o",)  # ranks keys by accumulated attention: needs every prompt token decoded
+PARALLEL_ONLY = ("snapkv",)  # ranks a prompt's keys by its last window's attention: needs the whole prompt
 
 
 def cells(tolerance: float, policies=("full", "fpa") + BUDGETED, budgets=BUDGETS) -> list[tuple[str, str, dict]]:
@@ -66,9 +69,11 @@ def markdown(res: dict) -> str:
       "the attention each received while decoding) needs `--prefill decode`: —"
       if res["prefill"] == "parallel"
       else ". Decode prefill: the prompt is fed token by token under the policy, so no query ever sees more "
-      "than the budget"
+      "than the budget; snapkv (which ranks a prompt's keys by its last window's attention) needs `--prefill "
+      "parallel`: —"
     )
-    + ".\n"
+    + ". Every budgeted policy at budget b allocates the same cache bytes: b keys per (layer, kv head), "
+    "fpa_global as one pool per row shared by all layers and heads.\n"
   ]
   models = sorted({k.split("/")[0] for k in res["cells"]})
   head = ["model", "full", f"fpa ε={res['tolerance']:g} (cache)"] + [f"{p} {b:g}" for b in BUDGETS for p in BUDGETED]
@@ -194,19 +199,26 @@ def main(argv=None) -> dict:
     n_prompts=a.n * len(a.depths),
     depths=a.depths,
   )
-  # A model retrained since (more passkey stages) invalidates its cells.
+  # A model retrained since (more passkey stages, another text pipeline, another commit) invalidates its cells.
   steps = res.setdefault("model_steps", {})
   for m in models:
-    if steps.get(m) != pk[m].get("steps"):
+    ident = [pk[m].get("steps"), pk[m].get("text_rows"), pk[m].get("commit")]
+    if steps.get(m) != ident:
       res["cells"] = {k: v for k, v in res["cells"].items() if k.split("/")[0] != m}
-      steps[m] = pk[m].get("steps")
+      steps[m] = ident
   examples = [ex for d in a.depths for ex in passkey_eval_examples(train_len, a.multiple, d, n=a.n, seed=a.seed)]
   t0 = time.perf_counter()
-  policies = [p for p in a.policies if not (p in DECODE_ONLY and a.prefill == "parallel")]
+  skip = DECODE_ONLY if a.prefill == "parallel" else PARALLEL_ONLY
+  policies = [p for p in a.policies if p not in skip]
   if len(policies) < len(a.policies):
+    why = (
+      "they rank keys by the attention each received while decoding, which a parallel prefill does not record"
+      if a.prefill == "parallel"
+      else "they rank a prompt's keys by its last window's attention, which needs the whole prompt"
+    )
+    other = "decode" if a.prefill == "parallel" else "parallel"
     print(
-      f"[kv_compression] skipping {sorted(set(a.policies) - set(policies))}: they rank keys by the attention "
-      "each received, which a parallel prefill does not record (use --prefill decode)",
+      f"[kv_compression] skipping {sorted(set(a.policies) - set(policies))}: {why} (use --prefill {other})",
       file=sys.stderr,
     )
   todo = [

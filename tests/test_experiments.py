@@ -128,13 +128,15 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
     "full",
     "fpa",
     "window",
+    "fpa_global",
+    "snapkv",  # parallel prefill only: skipped under the default decode prefill
     "--budgets",
     "0.25",
     "--out-dir",
     str(tmp_path),
   ]
   res = kv_compression.main(args)
-  assert set(res["cells"]) == {"fpa/full", "fpa/fpa", "fpa/window"}
+  assert set(res["cells"]) == {"fpa/full", "fpa/fpa", "fpa/window", "fpa/fpa_global"}
   assert res["cells"]["fpa/window"]["0.25"]["cache_fraction"] <= 0.26
   assert res["cells"]["fpa/full"]["1"]["n"] == 2
   assert "| fpa |" in (tmp_path / "kv_compression.md").read_text()
@@ -147,5 +149,7 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
     json.dumps({"train_length": 40, "fpa": {"workdir": str(tmp_path / "run"), "steps": 7}})
   )
   retrained = kv_compression.main(args)  # the model has more steps now: its cells are recomputed
-  assert sorted(calls) == ["fpa", "full", "window"] and retrained["model_steps"] == {"fpa": 7}
+  assert sorted(calls) == ["fpa", "fpa_global", "full", "window"] and retrained["model_steps"] == {
+    "fpa": [7, None, None]
+  }
   assert "base110m" in kv_compression.base110m_recipe()
