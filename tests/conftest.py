@@ -45,6 +45,34 @@ SLOW = {
   "test_pallas_sharded.py::test_layer_under_mesh_matches_plain_and_gathers_nothing[data=2,model=4-6]",
   "test_pallas_sharded.py::test_grouped_heads_under_mesh_match_chunked[data=4,model=2-False]",
   "test_model_gqa.py::test_kv_heads_equal_heads_is_unchanged[fpa]",
+  # long or multi-process runs of the trainer (their paths have cheaper tests in the default run)
+  "test_train.py::test_resume_in_new_process_is_exact",  # in-process: test_checkpoint_fallback's resume
+  "test_multihost.py::test_two_process_train_matches_one_process",  # test_sharded_step_matches_single_device
+  "test_train.py::test_periodic_eval_scores_the_fixed_heldout_set",  # make_heldout: test_data_pipeline
+  "test_train.py::test_tiny_model_overfits_tiny_batch[fpa]",  # losses fall: test_dropin's README model
+  "test_train.py::test_tiny_model_overfits_tiny_batch[fox]",
+  "test_train.py::test_no_retracing_in_process",  # one trace per program: the inference TRACES tests
+  "test_studies_lm.py::test_perplexity_script_tiny_run",
+  "test_notebooks.py::test_notebook_runs[01_mechanism.ipynb]",
+  # heavy compiles whose property a smaller default case checks
+  "test_scan.py::test_scanned_equals_unscanned_logits_and_grads[fpa]",  # layout round trip + decay mask
+  "test_ops_gqa.py::test_grads_match_repeated_heads[3-1-False-fpa]",  # test_grads_match_finite_differences_tiny
+  "test_ops_gqa.py::test_values_match_repeated_reference[4-2-True-fox]",
+  "test_ops_gqa.py::test_pallas_grouped_matches_quadratic[fpa-2-1-False-block2]",
+  "test_ops_skip.py::test_fox_skipping_within_bound",  # test_mostly_dead_tiles_are_skipped_within_bound
+  "test_ops_skip.py::test_segments_and_padding",
+  "test_ops_diag_sub.py::test_chunked_with_sub_tiled_diagonal_matches_quadratic[11-300-256-spikes-sorted]",
+  "test_ops_grad.py::test_chunked_large_tiles_grads_match_quadratic[8-130-64-spikes-None]",
+  "test_ops_grad.py::test_grads_match_fd_of_float64_reference[1-2-9-2-3-2-unsorted-4]",
+  "test_ops_pallas.py::test_pallas_matches_quadratic_and_chunked[3-2-19-2-4-4-sorted-True-8-True]",
+  "test_ops_edges.py::test_inf_level_every_impl_agrees_values_and_grads[chunked-4-0.001]",
+  "test_ops_edges.py::test_inf_level_every_impl_agrees_values_and_grads[pallas-8-None]",
+  "test_pallas_sharded.py::test_grouped_heads_under_mesh_match_chunked[data=2,model=4-True]",
+  "test_inference.py::test_parallel_prefill_keeps_the_same_keys_as_decode",  # test_policies' prefill checks
+  "test_inference.py::test_generate_greedy_equals_parallel_argmax[softmax]",
+  "test_inference.py::test_generate_greedy_equals_parallel_argmax[fox]",
+  "test_model_gqa.py::test_full_cache_equals_parallel[fpa-2]",
+  "test_dropin.py::test_layer_skip_tolerance_within_the_ops_bound",  # the op's bound: test_ops_skip
   # covered by a sibling test of the same property
   "test_ops_skip.py::test_random_fields_within_bound",  # test_mostly_dead_tiles_are_skipped_within_bound
   "test_ops_skip.py::test_near_threshold_dips_move_the_output_within_bound",

@@ -42,7 +42,7 @@ def _sub_bias(lvl, phi):
 def test_sub_tiled_bias_equals_in_tile_scan_and_loop_penalty(monkeypatch, n, sub, gates):
   monkeypatch.setattr(chunked, "DIAG_SUB", sub)
   lvl, phi = _tile_inputs(0, n, gates)
-  got, want = np.asarray(jax.jit(_sub_bias)(lvl, phi)), np.asarray(chunked._diag_bias(lvl, phi))
+  got, want = np.asarray(jax.jit(_sub_bias)(lvl, phi)), np.asarray(jax.jit(chunked._diag_bias)(lvl, phi))
   causal = np.tril(np.ones((n, n), bool))
   # min and relu are exact in fp32: the two formulations agree bitwise on the causal part.
   assert_bitwise(got[..., causal], want[..., causal])
