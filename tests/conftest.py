@@ -55,7 +55,6 @@ SLOW = {
   "test_studies_lm.py::test_perplexity_script_tiny_run",
   "test_notebooks.py::test_notebook_runs[01_mechanism.ipynb]",
   # heavy compiles whose property a smaller default case checks
-  "test_scan.py::test_scanned_equals_unscanned_logits_and_grads[fpa]",  # layout round trip + decay mask
   "test_ops_gqa.py::test_grads_match_repeated_heads[3-1-False-fpa]",  # test_grads_match_finite_differences_tiny
   "test_ops_gqa.py::test_values_match_repeated_reference[4-2-True-fox]",
   "test_ops_gqa.py::test_pallas_grouped_matches_quadratic[fpa-2-1-False-block2]",

@@ -20,7 +20,7 @@ from fpa_jax.data import SyntheticPipeline
 from fpa_jax.train import TrainStep, create_state, lr_schedule, make_optimizer
 
 # A live gate (random read-outs) so the gate's parameters matter; 3 layers so stacking is not trivial.
-KW = dict(n_layers=3, step_init_std=0.05, absolute_init_std=0.05, offset_init_std=0.05, attn_impl="quadratic")
+KW = dict(n_layers=3, step_init_std=0.05, absolute_init_std=0.05, offset_init_std=0.05)
 
 
 def _cfg(att="fpa", **kw):
