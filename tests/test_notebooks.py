@@ -63,7 +63,7 @@ def kernel_env(tmp_path, monkeypatch):
   monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend, as in Jupyter
 
 
-# 02 (scan vs quadratic timings, ~80 s) runs with `-m slow`; 01 and 03 run by default.
+# 02 (scan vs quadratic timings, ~80 s) runs with `-m slow`; so do 01 and 03 (listed in conftest.SLOW).
 SLOW_NOTEBOOKS = ("02_scan_vs_quadratic.ipynb",)
 
 
