@@ -47,7 +47,7 @@ from tqdm import tqdm
 from fpa_jax import configs as C
 from fpa_jax.data import dips as dips_data
 from fpa_jax.data import scopes as scopes_data
-from fpa_jax.layers import FirstPassageAttention, RMSNorm
+from fpa_jax.layers import GATE_OPTIONS, FirstPassageAttention, RMSNorm
 from fpa_jax.ops import first_passage_penalty
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -545,25 +545,7 @@ def run(
   return {**results, "meta": _meta(settings, command, wall(), eval_sets)}
 
 
-_CONFIG_KEYS = (
-  "attention",
-  "d_model",
-  "n_heads",
-  "vocab_size",
-  "gate_init_std",
-  "gate_bias_init",
-  "gate_forget",
-  "gate_terms_override",
-  "step_scale",
-  "step_init_std",
-  "step_bias_init",
-  "absolute_scale",
-  "absolute_init_std",
-  "offset_scale",
-  "offset_init_std",
-  "offset_bias_init",
-  "rope",
-)
+_CONFIG_KEYS = ("attention", "d_model", "n_heads", "vocab_size", *GATE_OPTIONS, "rope")
 
 
 def _line(r: dict) -> str:

@@ -162,17 +162,7 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   out_dir, tag = Path(args.out_dir), run_tag(args)
   held, coverage = P.heldout_batches(args)
-  recipe = {
-    "tag": tag,
-    "train_length": args.train_len,
-    "layers": args.layers,
-    "d_model": args.d_model,
-    "heads": args.heads,
-    "batch_size": args.batch_size,
-    "steps": args.steps,
-    "lr": args.lr,
-    "warmup": args.warmup,
-  }
+  recipe = P.recipe_of(args, tag)
   for row in args.rows:
     entry = {"bpb": [], "curves": [], "train_wall_s": [], "workdirs": [], "seeds": []}
     for seed in args.seeds:

@@ -73,6 +73,21 @@ def study_config(method: str, args, seed: int, overrides: dict | None = None):
   )
 
 
+def recipe_of(args, tag: str) -> dict:
+  """The recipe fields a results file records (`add_recipe_args`' model and training settings)."""
+  return {
+    "tag": tag,
+    "train_length": args.train_len,
+    "layers": args.layers,
+    "d_model": args.d_model,
+    "heads": args.heads,
+    "batch_size": args.batch_size,
+    "steps": args.steps,
+    "lr": args.lr,
+    "warmup": args.warmup,
+  }
+
+
 def run_tag(args) -> str:
   return args.tag or (f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}_lr{args.lr:g}_T{args.steps}")
 
@@ -369,18 +384,7 @@ def main(argv=None) -> dict | None:
   docs = long_documents(args)
   T = docs.shape[1] - 1
   buckets = [(a, min(a + args.pos_bucket, T)) for a in range(0, T, args.pos_bucket)]
-  recipe = {
-    "tag": tag,
-    "train_length": args.train_len,
-    "layers": args.layers,
-    "d_model": args.d_model,
-    "heads": args.heads,
-    "batch_size": args.batch_size,
-    "steps": args.steps,
-    "lr": args.lr,
-    "warmup": args.warmup,
-    "seeds": args.seeds,
-  }
+  recipe = {**recipe_of(args, tag), "seeds": args.seeds}
   for method in args.methods:
     entry = {"bpb": [], "by_position_seeds": [], "train_wall_s": [], "workdirs": [], "final_train_loss": []}
     for seed in args.seeds:
