@@ -10,16 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _fwd import forward as fwd
 from _tol import assert_close
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
 from fpa_jax.layers import apply_rope, segment_positions
 from fpa_jax.models import abstract_model, build_model, count_params
-
-
-@nnx.jit
-def fwd(model, tokens, segment_ids=None):
-  return model(tokens, segment_ids=segment_ids)
 
 
 @pytest.mark.parametrize("name", sorted(C.CONFIGS))

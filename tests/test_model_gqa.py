@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _fwd import forward
 from _tol import assert_bitwise, assert_close
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
@@ -62,11 +63,11 @@ def test_full_cache_equals_parallel(att, kvh):
   tok = _tokens(2, 21, m.cfg.vocab_size)
   logits, stats = cached_logits(m, tok)
   n = m.cfg.d_model * m.cfg.n_layers  # logits: reductions over d_model in every layer
-  assert_close(logits, m(tok), n=n)
+  assert_close(logits, forward(m, tok), n=n)
   assert stats["lost_mass_max"] == 0.0
   seg = jnp.array([[1] * 7 + [2] * 9 + [5] * 5, [3] * 21])
   logits, _ = cached_logits(m, tok, segment_ids=seg)
-  assert_close(logits, m(tok, seg), n=n)
+  assert_close(logits, forward(m, tok, seg), n=n)
 
 
 def test_policies_run_per_kv_head():
@@ -97,7 +98,7 @@ def test_generate_parallel_prefill_equals_decode_prefill():
   # greedy: each new token is the parallel forward's argmax after the prompt and earlier tokens
   for p, row in zip(prompts, out):
     seq = jnp.asarray(np.concatenate([p, row])[None])
-    np.testing.assert_array_equal(np.argmax(np.asarray(m(seq))[0, len(p) - 1 : -1], -1), row)
+    np.testing.assert_array_equal(np.argmax(np.asarray(forward(m, seq))[0, len(p) - 1 : -1], -1), row)
 
 
 @pytest.mark.parametrize("att", ["fpa", pytest.param("softmax", marks=pytest.mark.slow)])

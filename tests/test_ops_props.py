@@ -188,6 +188,25 @@ def test_no_retrace_for_same_shapes():
     f(*_inputs(rng, (1,), t=7, d=2, dv=2))  # a new shape does retrace (and the counter sees it)
 
 
+def test_eager_calls_compile_one_program_per_configuration():
+  """An eager call runs the kernel as one jitted program (validated first, in Python), cached per
+  (impl, scale, tiles, tolerance, shapes), so a notebook's second call compiles nothing."""
+  from fpa_jax.ops import attention as A
+
+  rng = np.random.default_rng(5)
+  q, k, v, f, l = _inputs(rng, (1,), t=11, d=2, dv=2)
+  lf = -jnp.abs(f)
+  n_fpa, n_fox = A._fpa_core._cache_size(), A._fox_core._cache_size()
+  for _ in range(2):
+    ops.fpa_attention(q, k, v, f, l, impl="chunked", block_size=4)
+    ops.fox_attention(q, k, v, lf, impl="chunked", block_size=4)
+  assert (A._fpa_core._cache_size(), A._fox_core._cache_size()) == (n_fpa + 1, n_fox + 1)
+  ops.fpa_attention(q, k, v, f, l, impl="chunked", block_size=8)  # another tiling: another program
+  assert A._fpa_core._cache_size() == n_fpa + 2
+  with pytest.raises(ValueError, match="log_fgate"):  # validation still runs on every eager call
+    ops.fox_attention(q, k, v, -lf, impl="chunked", block_size=4)
+
+
 # ----------------------------------------------------------------------------- validation
 
 

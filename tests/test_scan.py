@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
+from _fwd import forward
 from _tol import assert_close, assert_trees_close
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
@@ -68,7 +69,7 @@ def test_stacked_params_layout_and_conversion_round_trip():
     assert (path[0] == "blocks") == (v.shape[0] == big.n_layers and spec[0] is None and len(spec) == v.ndim), path
 
 
-@pytest.mark.parametrize("att", ["fpa", "softmax"])
+@pytest.mark.parametrize("att", ["fox", "fpa", "softmax"])  # fox: the chunked tile kernel FPA shares
 def test_scanned_equals_unscanned_logits_and_grads(att):
   m = build_model(_cfg(att, scan_layers=True, qk_norm=True, output_gate=True), seed=0)
   u = convert_layers(m, False)
@@ -76,7 +77,7 @@ def test_scanned_equals_unscanned_logits_and_grads(att):
   seg = jnp.array([[1] * 9 + [2] * 7, [1] * 16])
   (ls, gs), (lu, gu) = _loss_and_grads(m, tok, seg), _loss_and_grads(u, tok, seg)
   n = m.cfg.d_model * m.cfg.n_layers  # logits (and what comes from them): sums over d_model per layer
-  assert_close(m(tok, seg), u(tok, seg), n=n)
+  assert_close(forward(m, tok, seg), forward(u, tok, seg), n=n)
   assert_close(ls, lu, n=n)
   # the absolute bias shifts field and level alike: its gradient is rounding noise on both sides
   assert_trees_close(_per_layer(gs, 3), _per_layer(gu, 3), n=n, zero_leaves=("absolute/b",))
@@ -135,7 +136,7 @@ def test_cached_decoding_of_a_scanned_model():
   u = convert_layers(m, False)
   tok = _tokens(2, 13, m.cfg.vocab_size)
   logits, stats = cached_logits(m, tok)
-  assert_close(logits, m(tok), n=m.cfg.d_model * m.cfg.n_layers)
+  assert_close(logits, forward(m, tok), n=m.cfg.d_model * m.cfg.n_layers)
   assert stats["cache_fraction"] == 1.0
   for a, b in zip(layer_logit_bounds(m), layer_logit_bounds(u), strict=True):
     assert_close(a, b, n=m.cfg.d_model)  # norms of one layer's weights

@@ -26,6 +26,8 @@ Edge cases, the same in every impl (tests/test_ops_edges.py):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -96,6 +98,16 @@ def fpa_attention(
   _v.check_skip_tolerance(skip_tolerance, impl)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
+  return _fpa_core(
+    q, k, v, field, level, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance
+  )
+
+
+# The computation after validation, one jitted program per (impl, scale, tiles, tolerance, shapes):
+# an eager call (a notebook, a test) compiles the kernel once instead of dispatching it op by op;
+# under an outer jit it is inlined.
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance"))
+def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance):
   if impl == "pallas":
     return _pallas.pallas_attention(
       q, k, v, _chunked.FPAGate(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
@@ -155,12 +167,20 @@ def fox_attention(
   _v.check_log_fgate(log_fgate)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
+  scale = _v.default_scale(scale, d)
+  return _fox_core(
+    q, k, v, log_fgate, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance"))
+def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_tolerance):
   # The one place all impls share: chunked / pallas tile c_i - c_j, the others the FPA special
   # case, which agree only for a monotone c.
   c = jnp.cumsum(_v.clamp_log_fgate(log_fgate), axis=1)
   if impl == "pallas":
     return _pallas.pallas_attention(
-      q, k, v, _chunked.FoXGate(c), scale=_v.default_scale(scale, d), segment_ids=segment_ids, block_sizes=block_size
+      q, k, v, _chunked.FoXGate(c), scale=scale, segment_ids=segment_ids, block_sizes=block_size
     )
   if impl == "chunked":
     return _chunked.chunked_attention(
@@ -168,12 +188,12 @@ def fox_attention(
       k,
       v,
       _chunked.FoXGate(c),
-      scale=_v.default_scale(scale, d),
+      scale=scale,
       segment_ids=segment_ids,
       block_size=block_size,
       skip_tolerance=skip_tolerance,
     )
-  return fpa_attention(q, k, v, c, c, impl=impl, scale=scale, segment_ids=segment_ids)
+  return _fpa_core(q, k, v, c, c, segment_ids, impl=impl, scale=scale, block_size=None, skip_tolerance=None)
 
 
 def softmax_attention(
