@@ -8,7 +8,9 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ] || ! cmp -s requirements.txt .venv/.requirements.stamp; then
   "$PY" -m venv .venv
   .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
-  .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
+  # Offline-friendly first (the venv's setuptools); where that venv cannot build an editable wheel,
+  # pip's isolated build. The first try's failure is expected there: not shown.
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
     || .venv/bin/pip install -q --disable-pip-version-check --no-deps -e .
   cp requirements.txt .venv/.requirements.stamp
 fi

@@ -22,7 +22,8 @@ warmed up first, then timed (median of --repeats) and divided by N: prefill is e
 Cache bytes: every array the cache allocates (`inference.decode.cache_bytes`, no allocation: the
 per-layer caches, or fpa_global's pool).
 Speed does not depend on the weights, so an untrained model is measured unless --workdir is given
-(kept fractions and the tolerance study do: random prompts on an untrained model say little).
+(kept fractions and the tolerance study do: random prompts on an untrained model say little;
+`--tolerance-prompts passkey` reads a passkey model its own kind of text).
 Writes results/bench_decode.{json,md}.
 """
 
@@ -132,6 +133,22 @@ def tolerance_study(model, prompt, eps: float) -> dict:
   return out
 
 
+def tolerance_prompts(kind: str, random_prompts: np.ndarray, length: int) -> jax.Array:
+  """[B, length'] prompts of the tolerance study: the random ones cut to `length`, or B passkey test
+  prompts at 1x (depths spread over 0..100%) cut before the answer, all to the shortest."""
+  if kind == "random":
+    return jnp.asarray(random_prompts)[:, :length]
+  from fpa_jax.data import passkey_eval_examples
+
+  b = len(random_prompts)
+  exs = [
+    passkey_eval_examples(length, 1, depth, n=1, seed=i)[0]
+    for i, depth in enumerate(np.linspace(0, 100, b).round().astype(int).tolist())
+  ]
+  cut = min(ex["answer_start"] for ex in exs)
+  return jnp.asarray(np.stack([np.asarray(ex["tokens"][:cut], np.int32) for ex in exs]))
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--workdir", help="a training run to load (default: an untrained --config model)")
@@ -143,6 +160,13 @@ def main(argv=None) -> dict:
   ap.add_argument("--quick", action="store_true", help=f"multiples 1 2, 16 new tokens, 1 repeat, {QUICK}, no tolerance")
   ap.add_argument("--policies", nargs="+", choices=sorted(POLICIES), help="labels to run (default: all)")
   ap.add_argument("--tolerance", type=float, help="fpa tolerance study at 1x (default 1e-3, --quick: 0 = skip)")
+  ap.add_argument(
+    "--tolerance-prompts",
+    choices=("random", "passkey"),
+    default="random",
+    help="prompts of the tolerance study: random tokens, or the passkey test prompts at 1x (byte models trained "
+    "by experiments.passkey: what the model was trained to read)",
+  )
   ap.add_argument("--out", default=str(ROOT / "results" / "bench_decode"))
   a = ap.parse_args(argv)
   labels = list(a.policies or (QUICK if a.quick else POLICIES))
@@ -200,7 +224,8 @@ def main(argv=None) -> dict:
     tol = {
       "tolerance": a.tolerance,
       "context": length,
-      **tolerance_study(model, jnp.asarray(prompts[min(a.multiples)])[:, :length], a.tolerance),
+      "prompts": a.tolerance_prompts,
+      **tolerance_study(model, tolerance_prompts(a.tolerance_prompts, prompts[min(a.multiples)], length), a.tolerance),
     }
   for mult in a.multiples:
     full = rows[f"{mult}x/full"]
@@ -277,7 +302,10 @@ def main(argv=None) -> dict:
         f"{'met' if tt < 1 else 'not met'}).\n"
       )
   if tol:
-    md += f"\nTolerance policy `fpa` (eps = {a.tolerance:g}) at 1x ({length} tokens, every token decoded):\n\n"
+    md += (
+      f"\nTolerance policy `fpa` (eps = {a.tolerance:g}) at 1x ({length} tokens, every token decoded; "
+      f"{a.tolerance_prompts} prompts):\n\n"
+    )
     md += md_table(
       ["bound", "kept / seen (mean)", "peak keys held / seq", "max lost mass", "overflow"],
       [

@@ -3,6 +3,7 @@
     python -m experiments.passkey                                  # every method, resumable
     python -m experiments.passkey --methods fox softmax            # a subset (results merge)
     python -m experiments.passkey --scale base110m                 # print the accelerator recipe only
+    python -m experiments.passkey --methods fpa_fox5_evict         # retrofit the trained fpa_fox5 (below)
 
 Small byte-level LMs (`small` with 2 layers, d_model 128, 4 heads) are trained at length L on a mix
 of `fpa_text` rows and `fpa_passkey` train prompts (one prompt per row, the train split's generator
@@ -15,6 +16,11 @@ keys than the test prompts) reaches `--competence`. Then the test prompts
 1/2/4/8 x L and depths 0/25/50/75/100% by greedy exact match of the whole answer, computed from one
 teacher-forced forward pass per prompt with the parallel (chunked) model: greedy decoding
 reproduces the answer iff the argmax at every answer position is the answer token.
+
+A retrofit (`RETROFIT`: `fpa_fox5_evict`) does not start from scratch: it continues its source
+method's trained run from the source's last checkpoint (optimizer state and data position
+included) for `--retrofit-steps` more steps with its own settings, here the evictability objective
+with its target ramped from the source's last step, as DMS retrofits a trained model.
 
 Runs use the library trainer, so rerunning the same command resumes from `runs/passkey/...`
 checkpoints. Writes results/passkey.{json,md} and results/passkey_<method>.png.
@@ -50,7 +56,22 @@ METHODS = {
   # other read-outs at 0): the weak-decay start that made FoX learn retrieval, for the FPA gates.
   "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
   "stack_fox5": {"attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # fpa_fox5 retrofitted with the evictability objective (`fpa_jax.losses`, issue 21): DMS's recipe,
+  # the trained model continued with the hinge on the soft live fraction of keys older than 16
+  # tokens, its target ramped from 1 to 0.1 over 300 steps (`RETROFIT`).
+  "fpa_fox5_evict": {
+    "attention": "fpa",
+    "gate_forget": True,
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "evict_weight": 1.0,
+    "evict_target": 0.1,
+    "evict_ramp_steps": 300,
+  },
 }
+# method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
+# the validation says (competence does not end a continuation early).
+RETROFIT = {"fpa_fox5_evict": "fpa_fox5"}
 FAMILY = {
   "fpa": "fpa",
   "stack": "stack",
@@ -59,6 +80,7 @@ FAMILY = {
   "softmax": "softmax",
   "fpa_fox5": "fpa",
   "stack_fox5": "stack",
+  "fpa_fox5_evict": "fpa",
 }
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)
@@ -212,7 +234,7 @@ def evaluate(
 # ------------------------------------------------------------------------------------------------
 
 
-def study_config(method: str, args, steps: int, cooldown: int = 0):
+def study_config(method: str, args, steps: int, cooldown: int = 0, ramp_start: int = 0):
   from fpa_jax.configs import get_config
 
   over = dict(
@@ -239,6 +261,8 @@ def study_config(method: str, args, steps: int, cooldown: int = 0):
     cooldown_steps=cooldown,
   )
   over.update(METHODS[method])
+  if "evict_weight" in over:
+    over["evict_ramp_start"] = ramp_start
   return get_config("small", **over)
 
 
@@ -287,12 +311,14 @@ def train_to_competence(method: str, args, log) -> dict:
     c = passkey_cell(model, val_exs, length=args.train_len, batch_size=eval_batch(args.train_len, args.n_eval))
     return {"exact": float(c["accuracy"]), "digit": float(c["digit_accuracy"])}
 
-  steps, out = 0, None
-  while steps < args.max_steps:
-    steps = min(steps + args.stage_steps, args.max_steps)
-    if str(steps) in val and val[str(steps)]["exact"] < args.competence and steps < args.max_steps:
+  start = seed_retrofit(method, args, workdir) if method in RETROFIT else 0
+  max_steps = start + args.retrofit_steps if method in RETROFIT else args.max_steps
+  steps, out = start, None
+  while steps < max_steps:
+    steps = min(steps + args.stage_steps, max_steps)
+    if str(steps) in val and (val[str(steps)]["exact"] < args.competence or method in RETROFIT) and steps < max_steps:
       continue  # a stage an earlier session finished and scored: go straight on to the next one
-    cfg = study_config(method, args, steps)
+    cfg = study_config(method, args, steps, ramp_start=start)
     data = PasskeyTextMix(
       data_dir=args.data_dir,
       seq_len=args.train_len,
@@ -313,7 +339,7 @@ def train_to_competence(method: str, args, log) -> dict:
       f"{val[str(steps)]['digit']:.3f}), train wall {out['train_wall_s']:.0f} s"
       + (f", last loss {last:.3f}" if last is not None else "")
     )
-    if val[str(steps)]["exact"] >= args.competence:
+    if val[str(steps)]["exact"] >= args.competence and method not in RETROFIT:
       break
   if args.cooldown_steps:  # one more stage whose lr decays linearly to 0 (WSD): anneal the constant-lr run
     steps, out = (
@@ -335,7 +361,35 @@ def train_to_competence(method: str, args, log) -> dict:
     "cooldown_steps": args.cooldown_steps,
     "config": out["init_config"],
     "sessions": out["sessions"],
+    **({"retrofit_of": RETROFIT[method], "retrofit_from_step": start} if method in RETROFIT else {}),
   }
+
+
+def seed_retrofit(method: str, args, workdir: str) -> int:
+  """Start `method`'s run from the last checkpoint of the run it retrofits (`RETROFIT`), once:
+  copies that step's checkpoint into `workdir` (the trainer resumes from it, optimizer state and
+  data position included). -> the source's final step, where the continuation starts."""
+  import shutil
+
+  src = RETROFIT[method]
+  done = U.read_json(Path(args.out_dir) / "passkey.json", {}).get(src)
+  if not done or not done.get("competent_1x"):
+    raise SystemExit(
+      f"{method} continues {src}'s trained run: train it first (python -m {MODULE} --methods {src} ...), "
+      f"then rerun with --methods {method}"
+    )
+  start = int(done["steps"])
+  ckpt = Path(workdir) / "checkpoints"
+  if not ckpt.exists():
+    src_step = Path(args.runs_dir) / run_tag(args) / src / "checkpoints" / str(start)
+    if not src_step.is_dir():
+      raise SystemExit(f"{src}'s checkpoint of step {start} is missing ({src_step}): retrain {src}")
+    os.makedirs(ckpt)
+    shutil.copytree(src_step, ckpt / str(start))
+    U.write_json(
+      Path(workdir) / "study_init_config.json", study_config(method, args, start, ramp_start=start).to_dict()
+    )
+  return start
 
 
 # ------------------------------------------------------------------------------------------------
@@ -556,6 +610,9 @@ def parse_args(argv=None):
   )
   ap.add_argument("--max-steps", type=int, default=1500, help="also the cosine horizon (moot at --min-lr-ratio 1)")
   ap.add_argument("--stage-steps", type=int, default=300)
+  ap.add_argument(
+    "--retrofit-steps", type=int, default=600, help=f"steps a retrofit ({', '.join(RETROFIT)}) continues its source run"
+  )
   ap.add_argument("--ckpt-every", type=int, default=100)
   ap.add_argument("--competence", type=float, default=0.9, help="1x validation exact match that ends training")
   ap.add_argument(

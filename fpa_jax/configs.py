@@ -373,6 +373,7 @@ class TrainConfig(_Part):
   evict_weight: float = 0.0  # weight of the hinge on the soft live fraction of old keys
   evict_target: float = 0.25  # final kept fraction of the keys outside the window, in (0, 1)
   evict_ramp_steps: int = 0  # DMS ramp of the compression ratio 1 -> 1/evict_target; 0 = no ramp
+  evict_ramp_start: int = 0  # optimizer step the ramp starts at (retrofitting a trained run: its step)
   evict_window: int = 16  # recent window W: keys j > i - W are never counted (always kept)
   evict_tau: float = 4.0  # penalty (nats) at which a key counts as half evicted
   evict_temp: float = 1.0  # sigmoid width (nats) of the soft count
@@ -423,7 +424,7 @@ class TrainConfig(_Part):
       raise ValueError(f"evict_temp={self.evict_temp} must be > 0 (the soft count's width in nats)")
     if self.evict_soft < 0:
       raise ValueError(f"evict_soft={self.evict_soft} must be >= 0 (0 = exact relu penalty)")
-    _at_least(self, 0, "evict_window", "evict_ramp_steps")
+    _at_least(self, 0, "evict_window", "evict_ramp_steps", "evict_ramp_start")
     _at_least(self, 1, "evict_queries")
 
 

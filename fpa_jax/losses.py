@@ -11,10 +11,12 @@ Evictability (`TrainConfig.evict_*`, off when evict_weight = 0: then `objective`
 from `key`, new each step), every layer's soft live fraction of the keys outside the recent window
 (`fpa_jax.ops.evictability.live_counts`) is hinged at the kept-fraction target of the step,
 
-    target_t = 1 / (1 + (1 / evict_target - 1) * min(t / evict_ramp_steps, 1))
+    target_t = 1 / (1 + (1 / evict_target - 1) * clip((t - evict_ramp_start) / evict_ramp_steps, 0, 1))
 
 DMS's ramp: the compression ratio 1 / target grows linearly from 1 (target 1: no pressure, the
-hinge is 0) to 1 / evict_target; evict_ramp_steps = 0 starts at the final target. The hinge is per
+hinge is 0) to 1 / evict_target; evict_ramp_steps = 0 starts at the final target. evict_ramp_start
+delays the ramp to a later step: retrofitting a trained run (DMS's recipe) starts it at the run's
+step, where the optimizer's step count resumes. The hinge is per
 (sequence, query, layer, kv head), averaged over (query, old key) pairs (`hinge_live_fraction`):
 every head must fit the budget on its own, as the per-head `fpa_budget` cache does.
 Metrics (all scalars, logged with the train metrics): evict_loss (the hinge, before the weight),
@@ -48,11 +50,12 @@ def _ce_sum(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
 
 def evict_target(step, cfg) -> jax.Array:
   """Kept-fraction target at optimizer step `step` (int scalar, may be traced): DMS's linear ramp of
-  the compression ratio from 1 to 1 / cfg.evict_target over cfg.evict_ramp_steps (0: no ramp)."""
+  the compression ratio from 1 to 1 / cfg.evict_target over cfg.evict_ramp_steps (0: no ramp),
+  starting at step cfg.evict_ramp_start (target 1 before it)."""
   final_cr = 1.0 / cfg.evict_target
   if cfg.evict_ramp_steps <= 0:
     return jnp.float32(cfg.evict_target)
-  progress = jnp.minimum(jnp.asarray(step, jnp.float32) / cfg.evict_ramp_steps, 1.0)
+  progress = jnp.clip((jnp.asarray(step, jnp.float32) - cfg.evict_ramp_start) / cfg.evict_ramp_steps, 0.0, 1.0)
   return 1.0 / (1.0 + (final_cr - 1.0) * progress)
 
 

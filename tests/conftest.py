@@ -38,6 +38,7 @@ SLOW = {
   "test_quickstart.py::test_quickstart_smoke",
   "test_studies_lm.py::test_lm_ablations_script_tiny_run",
   "test_studies_lm.py::test_passkey_script_tiny_run",
+  "test_studies_lm.py::test_passkey_retrofit_continues_the_source_run",
   "test_notebooks.py::test_notebook_runs[03_train_and_decode.ipynb]",
   "test_experiments.py::test_kv_compression_tiny_run",
   "test_experiments.py::test_bench_decode_tiny_run_writes_results",

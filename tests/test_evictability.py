@@ -243,6 +243,9 @@ def test_target_ramp_is_dms():
   r = [float(losses.evict_target(s, cfg)) for s in (0, 5, 10, 50)]
   assert_close(r, [1.0, 1 / (1 + 3 * 0.5), 0.25, 0.25], dtype=np.float32)
   assert float(losses.evict_target(0, tiny(evict_target=0.3))) == pytest.approx(0.3)
+  # retrofitting a run at step 100: no pressure before it, the same ramp after it
+  late = tiny(evict_weight=1.0, evict_target=0.25, evict_ramp_steps=10, evict_ramp_start=100, evict_window=4)
+  assert_close([float(losses.evict_target(s, late)) for s in (0, 100, 105, 110, 500)], [1.0, *r], dtype=np.float32)
 
 
 def test_train_logs_evict_metrics(tmp_path):
@@ -274,6 +277,7 @@ def test_train_logs_evict_metrics(tmp_path):
     (dict(evict_queries=0), "evict_queries"),
     (dict(evict_window=-1), "evict_window"),
     (dict(evict_ramp_steps=-1), "evict_ramp_steps"),
+    (dict(evict_ramp_start=-5), "evict_ramp_start"),
     (dict(evict_weight=1.0, attention="softmax"), "gated"),
     (dict(evict_weight=1.0, evict_window=16), "evict_window"),
   ],

@@ -122,6 +122,53 @@ def test_passkey_script_tiny_run(tmp_path, data_dir):
   assert "4 (lr cooled to 0):" in (tmp_path / "out" / "passkey.md").read_text()
 
 
+def _tiny_passkey_argv(tmp_path, data_dir, methods):
+  return [
+    "--methods",
+    *methods,
+    "--train-len",
+    "288",
+    *TINY,
+    "--passkey-rows",
+    "4",
+    "--max-steps",
+    "2",
+    "--stage-steps",
+    "2",
+    "--n-val",
+    "5",
+    "--n-eval",
+    "5",
+    "--multiples",
+    "1",
+    "--data-dir",
+    data_dir,
+    "--small-data",
+    "--runs-dir",
+    str(tmp_path / "runs"),
+    "--out-dir",
+    str(tmp_path / "out"),
+  ]
+
+
+def test_passkey_retrofit_needs_its_trained_source(tmp_path, data_dir):
+  with pytest.raises(SystemExit, match="fpa_fox5_evict continues fpa_fox5's trained run: train it first"):
+    passkey.main(_tiny_passkey_argv(tmp_path, data_dir, ["fpa_fox5_evict"]))
+
+
+def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
+  # --competence 0: the 2-step source counts as trained; the retrofit then continues it 2 steps with
+  # the evictability objective, its target ramped from the source's last step.
+  argv = _tiny_passkey_argv(tmp_path, data_dir, ["fpa_fox5", "fpa_fox5_evict"]) + ["--competence", "0"]
+  res = passkey.main(argv + ["--retrofit-steps", "2"])
+  src, ret = res["fpa_fox5"], res["fpa_fox5_evict"]
+  assert src["steps"] == 2 and ret["steps"] == 4 and ret["retrofit_of"] == "fpa_fox5" and ret["retrofit_from_step"] == 2
+  assert ret["sessions"] == [{"from": 2, "to": 4, "wall_s": ret["sessions"][0]["wall_s"]}]  # resumed, not restarted
+  assert ret["config"]["evict_weight"] == 1.0 and ret["config"]["evict_ramp_start"] == 2
+  logged = lambda e: [json.loads(line) for line in open(f"{e['workdir']}/metrics.jsonl")]
+  assert any("evict_loss" in r for r in logged(ret)) and not any("evict_loss" in r for r in logged(src))
+
+
 def test_perplexity_script_tiny_run(tmp_path, data_dir):
   argv = [
     "--methods",
