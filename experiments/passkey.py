@@ -373,7 +373,7 @@ def seed_retrofit(method: str, args, workdir: str) -> int:
 
   src = RETROFIT[method]
   done = U.read_json(Path(args.out_dir) / "passkey.json", {}).get(src)
-  if not done or not done.get("competent_1x"):
+  if not done or "steps" not in done:
     raise SystemExit(
       f"{method} continues {src}'s trained run: train it first (python -m {MODULE} --methods {src} ...), "
       f"then rerun with --methods {method}"

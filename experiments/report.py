@@ -90,17 +90,21 @@ def _kv(doc, decode=None, passkey=None) -> str:
   if decode is not None:
     text += (
       f"; with every prompt token decoded under the policy ({decode['n_prompts']} prompts per cell): "
-      + _kv_cells(decode, ("fpa_budget", "window", "h2o"))
+      + _kv_cells(decode)
     )
   return text + _stale(doc, passkey)
 
 
-def _kv_cells(doc, policies=("fpa_budget", "window")) -> str:
+KV_POLICIES = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv")
+
+
+def _kv_cells(doc, policies=KV_POLICIES) -> str:
   out = []
   for key, cell in sorted(doc["cells"].items()):
     model, policy = key.split("/")
-    if policy in policies and "0.25" in cell:
-      out.append(f"{model}/{policy} 25%: {cell['0.25']['accuracy']:.2f}")
+    for b in ("0.25", "0.125"):
+      if policy in policies and b in cell:
+        out.append(f"{model}/{policy} {float(b):.1%}".replace(".0%", "%") + f": {cell[b]['accuracy']:.2f}")
     if policy == "fpa" and "tol" in cell:
       out.append(
         f"{model}/fpa ε={doc['tolerance']:g}: {cell['tol']['accuracy']:.2f} at "

@@ -69,7 +69,11 @@ def test_report_claims_table_reads_results(tmp_path):
     "prefill": "parallel",
     "tolerance": 1e-3,
     "n_prompts": 20,
-    "cells": {"fpa/fpa_budget": {"0.25": cell(0.5)}, "fpa/fpa": {"tol": cell(0.9, 0.6)}},
+    "cells": {
+      "fpa/fpa_budget": {"0.25": cell(0.5), "0.125": cell(0.4, 0.125)},
+      "fpa/fpa": {"tol": cell(0.9, 0.6)},
+      "fpa/snapkv": {"0.5": cell(1.0, 0.5), "0.25": cell(0.3)},
+    },
   }
   (tmp_path / "results" / "kv_compression.json").write_text(json.dumps(kv))
   (tmp_path / "results" / "kv_compression_decode").mkdir()
@@ -81,7 +85,8 @@ def test_report_claims_table_reads_results(tmp_path):
   assert (
     "step budget (no retrieval to extrapolate): fox*;" in md and "\\* models trained before the text-pipeline" in md
   )
-  assert "fpa/fpa_budget 25%: 0.50" in md and "fpa/fpa ε=0.001: 0.90 at 0.60 of the cache" in md
+  assert "fpa/fpa_budget 25%: 0.50; fpa/fpa_budget 12.5%: 0.40" in md and "fpa/snapkv 25%: 0.30" in md
+  assert "fpa/fpa ε=0.001: 0.90 at 0.60 of the cache" in md and "snapkv 50%" not in md
   assert "(5 prompts per cell): exact match at 8x (prefill decode): fpa/h2o 25%: 0.80" in md
 
 

@@ -69,59 +69,6 @@ def test_passkey_mix_weights_and_exact_resume(data_dir):
 TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--block-size", "32", "--batch-size", "8", "--warmup", "1"]
 
 
-def test_passkey_script_tiny_run(tmp_path, data_dir):
-  argv = [
-    "--methods",
-    "fox",
-    "--train-len",
-    "288",
-    *TINY,
-    "--passkey-rows",
-    "4",
-    "--max-steps",
-    "2",
-    "--stage-steps",
-    "2",
-    "--n-val",
-    "5",
-    "--n-eval",
-    "5",
-    "--multiples",
-    "1",
-    "--data-dir",
-    data_dir,
-    "--small-data",
-    "--runs-dir",
-    str(tmp_path / "runs"),
-    "--out-dir",
-    str(tmp_path / "out"),
-  ]
-  res = passkey.main(argv)
-  saved = json.loads((tmp_path / "out" / "passkey.json").read_text())
-  assert saved["train_length"] == 288 and saved["fox"]["steps"] == 2
-  e = saved["fox"]
-  assert (
-    0 <= e["1"] <= 1 and e["2"] is None and e["8"] is None and set(e["by_depth"]["1"]) == {"0", "25", "50", "75", "100"}
-  )
-  assert e["workdir"].startswith(str(tmp_path / "runs")) and e["train_wall_s"] > 0 and "val_history" in e
-  assert saved["meta"]["commit"] and saved["meta"]["command"].startswith("python -m experiments.passkey")
-  assert "| fox | 2 |" in (tmp_path / "out" / "passkey.md").read_text()
-  assert (tmp_path / "out" / "passkey_fox.png").stat().st_size > 0
-  assert res["fox"]["1"] == e["1"]
-  # Rerunning resumes from the checkpoints: no training, same numbers.
-  again = passkey.main(argv)
-  assert again["fox"]["1"] == e["1"] and again["fox"]["sessions"] == e["sessions"]
-  # A cooldown stage continues the same run: 2 more steps with the lr decaying to 0, scored at 1x.
-  cooled = passkey.main(argv + ["--cooldown-steps", "2"])["fox"]
-  assert (
-    cooled["steps"] == 4
-    and cooled["cooldown_steps"] == 2
-    and cooled["sessions"][-1] == {"from": 2, "to": 4, "wall_s": cooled["sessions"][-1]["wall_s"]}
-  )
-  assert cooled["val_history"][4]["cooldown"] == 2
-  assert "4 (lr cooled to 0):" in (tmp_path / "out" / "passkey.md").read_text()
-
-
 def _tiny_passkey_argv(tmp_path, data_dir, methods):
   return [
     "--methods",
@@ -149,6 +96,34 @@ def _tiny_passkey_argv(tmp_path, data_dir, methods):
     "--out-dir",
     str(tmp_path / "out"),
   ]
+
+
+def test_passkey_script_tiny_run(tmp_path, data_dir):
+  argv = _tiny_passkey_argv(tmp_path, data_dir, ["fox"])
+  res = passkey.main(argv)
+  saved = json.loads((tmp_path / "out" / "passkey.json").read_text())
+  assert saved["train_length"] == 288 and saved["fox"]["steps"] == 2
+  e = saved["fox"]
+  assert (
+    0 <= e["1"] <= 1 and e["2"] is None and e["8"] is None and set(e["by_depth"]["1"]) == {"0", "25", "50", "75", "100"}
+  )
+  assert e["workdir"].startswith(str(tmp_path / "runs")) and e["train_wall_s"] > 0 and "val_history" in e
+  assert saved["meta"]["commit"] and saved["meta"]["command"].startswith("python -m experiments.passkey")
+  assert "| fox | 2 |" in (tmp_path / "out" / "passkey.md").read_text()
+  assert (tmp_path / "out" / "passkey_fox.png").stat().st_size > 0
+  assert res["fox"]["1"] == e["1"]
+  # Rerunning resumes from the checkpoints: no training, same numbers.
+  again = passkey.main(argv)
+  assert again["fox"]["1"] == e["1"] and again["fox"]["sessions"] == e["sessions"]
+  # A cooldown stage continues the same run: 2 more steps with the lr decaying to 0, scored at 1x.
+  cooled = passkey.main(argv + ["--cooldown-steps", "2"])["fox"]
+  assert (
+    cooled["steps"] == 4
+    and cooled["cooldown_steps"] == 2
+    and cooled["sessions"][-1] == {"from": 2, "to": 4, "wall_s": cooled["sessions"][-1]["wall_s"]}
+  )
+  assert cooled["val_history"][4]["cooldown"] == 2
+  assert "4 (lr cooled to 0):" in (tmp_path / "out" / "passkey.md").read_text()
 
 
 def test_passkey_retrofit_needs_its_trained_source(tmp_path, data_dir):
