@@ -76,22 +76,30 @@ def markdown(res: dict) -> str:
     "fpa_global as one pool per row shared by all layers and heads.\n"
   ]
   models = sorted({k.split("/")[0] for k in res["cells"]})
-  head = ["model", "full", f"fpa ε={res['tolerance']:g} (cache)"] + [f"{p} {b:g}" for b in BUDGETS for p in BUDGETED]
+  c = res["cells"]
+  # columns of the (policy, budget) pairs some model was scored at
+  cols = [(p, f"{b:g}") for b in BUDGETS for p in BUDGETED if any(f"{b:g}" in c.get(f"{m}/{p}", {}) for m in models)]
+  ci = res["n_prompts"] >= 50  # a 95% interval says something only with enough prompts
+  if ci:
+    lines[0] += "Cells: exact match [95% Wilson interval].\n"
+  head = ["model", "full", f"fpa ε={res['tolerance']:g} (cache)"] + [f"{p} {b}" for p, b in cols]
   rows = []
   for m in models:
-    c = res["cells"]
     get = lambda p, b: c.get(f"{m}/{p}", {}).get(b)
-    row = [m, _acc(get("full", "1"))]
+    row = [m, _acc(get("full", "1"), ci)]
     tol = get("fpa", "tol")
     row.append("—" if tol is None else f"{tol['accuracy']:.2f} ({tol['cache_fraction']:.2f})")
-    row += [_acc(get(p, f"{b:g}")) for b in BUDGETS for p in BUDGETED]
+    row += [_acc(get(p, b), ci) for p, b in cols]
     rows.append(row)
   lines.append(U.md_table(head, rows))
   return "\n".join(lines)
 
 
-def _acc(cell) -> str:
-  return "—" if cell is None else f"{cell['accuracy']:.2f}"
+def _acc(cell, ci: bool = False) -> str:
+  if cell is None:
+    return "—"
+  lo_hi = cell.get("ci95") if ci else None
+  return f"{cell['accuracy']:.2f}" + (f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]" if lo_hi else "")
 
 
 def figure(res: dict, path: Path) -> None:

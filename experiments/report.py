@@ -56,14 +56,6 @@ def _live_sets(doc, task: str) -> str:
 STALE_TEXT = " *(models trained before the text-pipeline fix: their fpa_text rows came one file at a time)*"
 
 
-def _stale(doc, models=None) -> str:
-  """A label for results whose models' text rows predate issue 18: such entries (and files) carry
-  no `text_rows`; `models` is the passkey file whose entries a KV study's models are."""
-  entries = [v for k, v in (models or doc).items() if isinstance(v, dict) and "steps" in v]
-  fresh = doc.get("text_rows") == "windows" or (entries and all(e.get("text_rows") == "windows" for e in entries))
-  return "" if fresh else STALE_TEXT
-
-
 def _passkey(doc) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.passkey`)"
@@ -83,34 +75,51 @@ def _passkey(doc) -> str:
   )
 
 
-def _kv(doc, decode=None, passkey=None) -> str:
+def _kv(doc, decode=None, more=None) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.kv_compression`)"
-  text = _kv_cells(doc)
-  if decode is not None:
+  text = _kv_cells(doc) + _kv_stale(doc)
+  if more is not None and more.get("cells"):
     text += (
-      f"; with every prompt token decoded under the policy ({decode['n_prompts']} prompts per cell): "
-      + _kv_cells(decode)
+      f"; with {more['n_prompts']} prompts per cell (95% intervals): " + _kv_cells(more, ci=True) + _kv_stale(more)
     )
-  return text + _stale(doc, passkey)
+  if decode is not None and decode.get("cells"):
+    text += f"; with every prompt token decoded under the policy ({decode['n_prompts']} prompts per cell): "
+    text += _kv_cells(decode) + _kv_stale(decode)
+  return text
+
+
+def _kv_stale(doc) -> str:
+  """The pre-fix label for a KV study whose models' text rows predate issue 18: its `model_steps`
+  entries are (steps, text_rows, commit) since the fix, a bare step count before it."""
+  steps = doc.get("model_steps", {}).values()
+  return "" if steps and all(isinstance(s, list) and "windows" in s for s in steps) else STALE_TEXT
 
 
 KV_POLICIES = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv")
+KV_BUDGETS = ("0.25", "0.125")
 
 
-def _kv_cells(doc, policies=KV_POLICIES) -> str:
-  out = []
+def _kv_cells(doc, policies=KV_POLICIES, ci=False) -> str:
+  """Per model: the tolerance policy, then each budgeted policy at 25% / 12.5% of the cache."""
+  fmt = lambda c: (
+    f"{c['accuracy']:.2f}"
+    + (  # noqa: E731
+      f" [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if ci and c.get("ci95") else ""
+    )
+  )
+  models = {}
   for key, cell in sorted(doc["cells"].items()):
     model, policy = key.split("/")
-    for b in ("0.25", "0.125"):
-      if policy in policies and b in cell:
-        out.append(f"{model}/{policy} {float(b):.1%}".replace(".0%", "%") + f": {cell[b]['accuracy']:.2f}")
+    out = models.setdefault(model, [])
     if policy == "fpa" and "tol" in cell:
-      out.append(
-        f"{model}/fpa ε={doc['tolerance']:g}: {cell['tol']['accuracy']:.2f} at "
-        f"{cell['tol']['cache_fraction']:.2f} of the cache"
+      out.insert(
+        0, f"fpa ε={doc['tolerance']:g} {fmt(cell['tol'])} at {cell['tol']['cache_fraction']:.2f} of the cache"
       )
-  return f"exact match at {doc['multiple']}x (prefill {doc['prefill']}): " + "; ".join(out)
+    if policy in policies and any(b in cell for b in KV_BUDGETS):
+      out.append(f"{policy} " + " / ".join(fmt(cell[b]) if b in cell else "—" for b in KV_BUDGETS))
+  parts = [f"**{m}**: " + ", ".join(cells) for m, cells in models.items() if cells]
+  return f"exact match at {doc['multiple']}x (prefill {doc['prefill']}; budgets 25% / 12.5%): " + "; ".join(parts)
 
 
 def _ppl(doc, long=None, old=(None, None)) -> str:
@@ -150,7 +159,11 @@ def claims_table(root: Path = ROOT) -> str:
     ),
     (
       "... and keeps that with the KV cache compressed to ~25%",
-      _kv(_load(root, "kv_compression"), _load(root, "kv_compression_decode/kv_compression"), _load(root, "passkey")),
+      _kv(
+        _load(root, "kv_compression"),
+        _load(root, "kv_compression_decode/kv_compression"),
+        _load(root, "kv_compression_n100/kv_compression"),
+      ),
     ),
     (
       "Perplexity on par with FoX (within 2%)",

@@ -69,6 +69,7 @@ def test_report_claims_table_reads_results(tmp_path):
     "prefill": "parallel",
     "tolerance": 1e-3,
     "n_prompts": 20,
+    "model_steps": {"fpa": [30, "windows", "abc"]},  # (steps, text rows, commit): trained after the text fix
     "cells": {
       "fpa/fpa_budget": {"0.25": cell(0.5), "0.125": cell(0.4, 0.125)},
       "fpa/fpa": {"tol": cell(0.9, 0.6)},
@@ -77,7 +78,14 @@ def test_report_claims_table_reads_results(tmp_path):
   }
   (tmp_path / "results" / "kv_compression.json").write_text(json.dumps(kv))
   (tmp_path / "results" / "kv_compression_decode").mkdir()
-  dec = {**kv, "prefill": "decode", "n_prompts": 5, "cells": {"fpa/h2o": {"0.25": cell(0.8)}}}
+  # a bare step count: a model trained before the text fix
+  dec = {
+    **kv,
+    "prefill": "decode",
+    "n_prompts": 5,
+    "cells": {"fpa/h2o": {"0.25": cell(0.8)}},
+    "model_steps": {"fpa": 30},
+  }
   (tmp_path / "results" / "kv_compression_decode" / "kv_compression.json").write_text(json.dumps(dec))
   md = report.claims_table(tmp_path)
   assert "trained longer: held-out bits per byte after 1200 steps" in md and "fpa_fox5 / fox = 1.100" in md
@@ -85,9 +93,18 @@ def test_report_claims_table_reads_results(tmp_path):
   assert (
     "step budget (no retrieval to extrapolate): fox*;" in md and "\\* models trained before the text-pipeline" in md
   )
-  assert "fpa/fpa_budget 25%: 0.50; fpa/fpa_budget 12.5%: 0.40" in md and "fpa/snapkv 25%: 0.30" in md
-  assert "fpa/fpa ε=0.001: 0.90 at 0.60 of the cache" in md and "snapkv 50%" not in md
-  assert "(5 prompts per cell): exact match at 8x (prefill decode): fpa/h2o 25%: 0.80" in md
+  assert "**fpa**: fpa ε=0.001 0.90 at 0.60 of the cache, fpa_budget 0.50 / 0.40, snapkv 0.30 / —" in md
+  assert "(5 prompts per cell): exact match at 8x (prefill decode; budgets 25% / 12.5%): **fpa**: h2o 0.80 / —" in md
+  assert md.count("trained before the text-pipeline fix: their fpa_text") == 2  # passkey's fox, the decode study
+  assert "with 100 prompts per cell" not in md
+  (tmp_path / "results" / "kv_compression_n100").mkdir()
+  more = {**kv, "n_prompts": 100, "cells": {"fpa/fpa_budget": {"0.25": {**cell(0.99), "ci95": [0.95, 1.0]}}}}
+  (tmp_path / "results" / "kv_compression_n100" / "kv_compression.json").write_text(json.dumps(more))
+  md = report.claims_table(tmp_path)
+  assert (
+    "with 100 prompts per cell (95% intervals): exact match at 8x (prefill parallel; budgets 25% / 12.5%): **fpa**: fpa_budget 0.99 [0.95, 1.00] / —"
+    in md
+  )
 
 
 def test_update_readme_fills_marked_blocks(tmp_path):
@@ -158,3 +175,25 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
     "fpa": [7, None, None]
   }
   assert "base110m" in kv_compression.base110m_recipe()
+
+
+def test_forget_speed_records_every_layer_and_rebuilds_with_skipping():
+  import jax
+
+  from experiments import forget_speed as F
+  from fpa_jax import configs as C
+  from fpa_jax.models import build_model
+
+  from _fwd import forward
+  from _tol import assert_close
+
+  gate = dict(step_init_std=0.3, absolute_init_std=0.3, offset_init_std=0.3)
+  m = build_model(C.get_config("tiny", attention="fpa", block_size=8, **gate), seed=0)
+  tok = jax.random.randint(jax.random.key(0), (2, 40), 0, m.cfg.vocab_size)
+  rec = F.record_attention_inputs(m, tok)
+  assert len(rec) == m.cfg.n_layers and rec[0][0].shape == (2, 40, m.cfg.n_heads, m.cfg.head_dim)
+  per, every = F.tiles_dropped(rec, 0.9)
+  assert 0.0 <= every <= per <= 1.0
+  exact, skipping = F.with_skip(m, None), F.with_skip(m, 1e-3)
+  assert skipping.cfg.skip_tolerance == 1e-3 and exact.cfg.skip_tolerance is None
+  assert_close(forward(exact, tok), forward(m, tok), n=m.cfg.d_model * m.cfg.n_layers)  # the same parameters

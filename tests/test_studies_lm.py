@@ -142,6 +142,17 @@ def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
   assert ret["config"]["evict_weight"] == 1.0 and ret["config"]["evict_ramp_start"] == 2
   logged = lambda e: [json.loads(line) for line in open(f"{e['workdir']}/metrics.jsonl")]
   assert any("evict_loss" in r for r in logged(ret)) and not any("evict_loss" in r for r in logged(src))
+  # ... and the speed study reads both from that results file
+  from experiments import forget_speed
+
+  out = str(tmp_path / "out" / "forget_speed")
+  fs = forget_speed.main(
+    ["--passkey-results", str(tmp_path / "out" / "passkey.json"), "--multiple", "1", "--batch", "2"]
+    + ["--tolerances", "0.5", "--repeats", "1", "--out", out]
+  )
+  cell = fs["rows"]["fpa_fox5_evict"]["tolerances"]["0.5"]
+  assert 0 <= cell["tiles_dropped_all_heads"] <= cell["tiles_dropped_per_head"] <= 1 and cell["prefill_s"] > 0
+  assert "| fpa_fox5 | 0.5 |" in open(out + ".md").read()
 
 
 def test_perplexity_script_tiny_run(tmp_path, data_dir):
