@@ -447,6 +447,13 @@ def markdown(res: dict) -> str:
     + ", ".join(f"{f}: `{m}` (8x {_f(res[m]['8'])})" for f, m in fam.items())
     + ".\n"
   )
+  for m in methods:  # a retrofit's steps count from its source's start; its train min is its own
+    if res[m].get("retrofit_of"):
+      best += (
+        f"\n`{m}` is `{res[m]['retrofit_of']}` continued from step {res[m]['retrofit_from_step']} with its own "
+        f"settings (`RETROFIT`: {', '.join(f'{k}={v}' for k, v in METHODS[m].items() if k.startswith('evict_'))}); "
+        "its train min is the continuation's.\n"
+      )
   depth_rows = [
     [m, f"{k}x", *[_f(res[m]["by_depth"][str(k)][str(d)]) for d in DEPTHS]] for m in methods for k in MULTIPLES
   ]
