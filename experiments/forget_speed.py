@@ -7,7 +7,7 @@ dead-tile skipping (`skip_tolerance`) drops, and the prefill time with it on and
 The passkey study's models (their workdirs are in results/passkey.json) read `--batch` passkey test
 prompts at `--multiple` x their training length (depths spread over 0-100%). For each tolerance eps:
   * tiles dropped: `ops.chunked.skipped_tile_fraction` on every layer's own q, k, field and level
-    (recorded from one eager forward pass), per (batch, kv head) and for all of them at once (only
+    (recorded from one forward pass), per (batch, kv head) and for all of them at once (only
     then is a tile's compute skipped), averaged over the layers;
   * prefill time: the jitted forward pass of the whole model over the prompts, skipping on (eps)
     and off (None), median of `--repeats` after a compile and a warm-up;
@@ -31,21 +31,32 @@ MODULE = "experiments.forget_speed"
 
 
 def record_attention_inputs(model, tokens):
-  """[(q, k, gates, layer cfg)] of every attention layer, from one eager forward pass over tokens [B, T]."""
+  """[(q, k, gates, layer cfg)] of every attention layer, from one jitted forward pass over tokens [B, T]."""
+  import jax
+  from flax import nnx
+
   from fpa_jax import layers
 
-  seen, orig = [], layers.FirstPassageAttention.parallel_attention
+  seen, cfgs, orig = [], [], layers.FirstPassageAttention.parallel_attention
 
   def rec(self, op, q, k, v, gates, segment_ids):
-    seen.append((q, k, gates, self.cfg))
+    seen.append((q, k, tuple(gates)))
+    cfgs.append(self.cfg)
     return orig(self, op, q, k, v, gates, segment_ids)
+
+  graphdef, state = nnx.split(model)
+
+  def forward(state, tokens):  # returns what the layers saw (traced once: one compile)
+    seen.clear()
+    nnx.merge(graphdef, state)(tokens)
+    return list(seen)
 
   layers.FirstPassageAttention.parallel_attention = rec
   try:
-    model(tokens)
+    out = jax.jit(forward)(state, tokens)
   finally:
     layers.FirstPassageAttention.parallel_attention = orig
-  return seen
+  return [(q, k, g, c) for (q, k, g), c in zip(out, cfgs)]
 
 
 def tiles_dropped(recorded, eps: float) -> tuple[float, float]:

@@ -41,6 +41,7 @@ SLOW = {
   "test_studies_lm.py::test_passkey_retrofit_continues_the_source_run",
   "test_notebooks.py::test_notebook_runs[03_train_and_decode.ipynb]",
   "test_experiments.py::test_kv_compression_tiny_run",
+  "test_experiments.py::test_forget_speed_records_every_layer_and_rebuilds_with_skipping",  # + the retrofit run's
   "test_experiments.py::test_bench_decode_tiny_run_writes_results",
   "test_experiments.py::test_bench_attention_tiny_run_writes_results",
   "test_live_sets.py::test_run_smoke_writes_results_and_resumes",

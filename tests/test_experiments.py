@@ -188,10 +188,10 @@ def test_forget_speed_records_every_layer_and_rebuilds_with_skipping():
   from _tol import assert_close
 
   gate = dict(step_init_std=0.3, absolute_init_std=0.3, offset_init_std=0.3)
-  m = build_model(C.get_config("tiny", attention="fpa", block_size=8, **gate), seed=0)
-  tok = jax.random.randint(jax.random.key(0), (2, 40), 0, m.cfg.vocab_size)
+  m = build_model(C.get_config("tiny", attention="fpa", block_size=8, n_layers=1, **gate), seed=0)
+  tok = jax.random.randint(jax.random.key(0), (2, 24), 0, m.cfg.vocab_size)
   rec = F.record_attention_inputs(m, tok)
-  assert len(rec) == m.cfg.n_layers and rec[0][0].shape == (2, 40, m.cfg.n_heads, m.cfg.head_dim)
+  assert len(rec) == m.cfg.n_layers and rec[0][0].shape == (2, 24, m.cfg.n_heads, m.cfg.head_dim)
   per, every = F.tiles_dropped(rec, 0.9)
   assert 0.0 <= every <= per <= 1.0
   exact, skipping = F.with_skip(m, None), F.with_skip(m, 1e-3)
