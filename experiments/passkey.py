@@ -380,15 +380,14 @@ def seed_retrofit(method: str, args, workdir: str) -> int:
     )
   start = int(done["steps"])
   ckpt = Path(workdir) / "checkpoints"
-  if not ckpt.exists():
-    src_step = Path(args.runs_dir) / run_tag(args) / src / "checkpoints" / str(start)
-    if not src_step.is_dir():
-      raise SystemExit(f"{src}'s checkpoint of step {start} is missing ({src_step}): retrain {src}")
-    os.makedirs(ckpt)
-    shutil.copytree(src_step, ckpt / str(start))
-    U.write_json(
-      Path(workdir) / "study_init_config.json", study_config(method, args, start, ramp_start=start).to_dict()
-    )
+  if ckpt.exists():  # seeded in an earlier session: it continues from where it was seeded
+    return int(U.read_json(Path(workdir) / "study_init_config.json", {}).get("evict_ramp_start", start))
+  src_step = Path(args.runs_dir) / run_tag(args) / src / "checkpoints" / str(start)
+  if not src_step.is_dir():
+    raise SystemExit(f"{src}'s checkpoint of step {start} is missing ({src_step}): retrain {src}")
+  os.makedirs(ckpt)
+  shutil.copytree(src_step, ckpt / str(start))
+  U.write_json(Path(workdir) / "study_init_config.json", study_config(method, args, start, ramp_start=start).to_dict())
   return start
 
 

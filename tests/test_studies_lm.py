@@ -140,6 +140,9 @@ def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
   assert src["steps"] == 2 and ret["steps"] == 4 and ret["retrofit_of"] == "fpa_fox5" and ret["retrofit_from_step"] == 2
   assert ret["sessions"] == [{"from": 2, "to": 4, "wall_s": ret["sessions"][0]["wall_s"]}]  # resumed, not restarted
   assert ret["config"]["evict_weight"] == 1.0 and ret["config"]["evict_ramp_start"] == 2
+  # a rerun resumes the seeded continuation (no training, the same start), whatever the source has now
+  again = passkey.main(argv + ["--retrofit-steps", "2"])["fpa_fox5_evict"]
+  assert again["sessions"] == ret["sessions"] and again["retrofit_from_step"] == 2 and again["steps"] == 4
   logged = lambda e: [json.loads(line) for line in open(f"{e['workdir']}/metrics.jsonl")]
   assert any("evict_loss" in r for r in logged(ret)) and not any("evict_loss" in r for r in logged(src))
   # ... and the speed study reads both from that results file
