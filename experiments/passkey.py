@@ -68,10 +68,12 @@ METHODS = {
     "evict_target": 0.1,
     "evict_ramp_steps": 300,
   },
+  # its control: fpa_fox5 continued as long without the objective (the same extra steps and data)
+  "fpa_fox5_cont": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
-RETROFIT = {"fpa_fox5_evict": "fpa_fox5"}
+RETROFIT = {"fpa_fox5_evict": "fpa_fox5", "fpa_fox5_cont": "fpa_fox5"}
 FAMILY = {
   "fpa": "fpa",
   "stack": "stack",
@@ -81,6 +83,7 @@ FAMILY = {
   "fpa_fox5": "fpa",
   "stack_fox5": "stack",
   "fpa_fox5_evict": "fpa",
+  "fpa_fox5_cont": "fpa",
 }
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)
@@ -448,10 +451,11 @@ def markdown(res: dict) -> str:
   )
   for m in methods:  # a retrofit's steps count from its source's start; its train min is its own
     if res[m].get("retrofit_of"):
+      src = res[m]["retrofit_of"]
+      own = ", ".join(f"{k}={v}" for k, v in METHODS[m].items() if METHODS[src].get(k) != v) or "none: a control"
       best += (
-        f"\n`{m}` is `{res[m]['retrofit_of']}` continued from step {res[m]['retrofit_from_step']} with its own "
-        f"settings (`RETROFIT`: {', '.join(f'{k}={v}' for k, v in METHODS[m].items() if k.startswith('evict_'))}); "
-        "its train min is the continuation's.\n"
+        f"\n`{m}` is `{src}` continued from step {res[m]['retrofit_from_step']} with its own settings "
+        f"(`RETROFIT`; {own}); its train min is the continuation's.\n"
       )
   depth_rows = [
     [m, f"{k}x", *[_f(res[m]["by_depth"][str(k)][str(d)]) for d in DEPTHS]] for m in methods for k in MULTIPLES

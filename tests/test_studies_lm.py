@@ -156,6 +156,16 @@ def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
   cell = fs["rows"]["fpa_fox5_evict"]["tolerances"]["0.5"]
   assert 0 <= cell["tiles_dropped_all_heads"] <= cell["tiles_dropped_per_head"] <= 1 and cell["prefill_s"] > 0
   assert "| fpa_fox5 | 0.5 |" in open(out + ".md").read()
+  # ... and the text-cost study
+  from experiments import evict_cost
+
+  out = str(tmp_path / "out" / "evict_cost")
+  ec = evict_cost.main(
+    ["--passkey-results", str(tmp_path / "out" / "passkey.json"), "--models", "fpa_fox5", "fpa_fox5_evict"]
+    + ["--multiples", "1", "--rows", "2", "--out", out]
+  )
+  assert set(ec["cells"]) == {"fpa_fox5/1x", "fpa_fox5_evict/1x"} and ec["cells"]["fpa_fox5_evict/1x"]["nll_mean"] > 0
+  assert "| fpa_fox5_evict | 4 |" in open(out + ".md").read()
 
 
 def test_perplexity_script_tiny_run(tmp_path, data_dir):
