@@ -170,6 +170,16 @@ def train_lm(cfg, workdir: str, data, *, progress_bar: bool | None = None) -> di
   }
 
 
+def passkey_models(path, models) -> dict[str, Any]:
+  """The passkey study's results file (`experiments.passkey`) with every one of `models` in it, or a
+  SystemExit that says to train the missing ones first."""
+  pk = read_json(path, {})
+  missing = [m for m in models if m not in pk]
+  if missing:
+    raise SystemExit(f"{missing} not in {path}: train them first (python -m experiments.passkey)")
+  return pk
+
+
 def init_config(workdir: str, fallback=None) -> dict | None:
   """The config `workdir`'s run started with (`study_init_config.json`), else `fallback` (a Config or dict).
 

@@ -39,10 +39,7 @@ def main(argv=None) -> dict:
   from fpa_jax import eval as E
 
   t0 = time.perf_counter()
-  pk = U.read_json(a.passkey_results, {})
-  missing = [m for m in a.models if m not in pk]
-  if missing:
-    raise SystemExit(f"{missing} not in {a.passkey_results}: train them first (python -m experiments.passkey)")
+  pk = U.passkey_models(a.passkey_results, a.models)
   cells = {}
   for m in a.models:
     for k in a.multiples:

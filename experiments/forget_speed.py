@@ -120,10 +120,7 @@ def main(argv=None) -> dict:
   from fpa_jax.inference import load_model
 
   t0 = time.perf_counter()
-  pk = U.read_json(a.passkey_results, {})
-  missing = [m for m in a.models if m not in pk]
-  if missing:
-    raise SystemExit(f"{missing} not in {a.passkey_results}: train them first (python -m experiments.passkey)")
+  pk = U.passkey_models(a.passkey_results, a.models)
   train_len = pk["train_length"]
   depths = np.linspace(0, 100, a.batch).round().astype(int).tolist()
   exs = [passkey_eval_examples(train_len, a.multiple, d, n=1, seed=i)[0] for i, d in enumerate(depths)]
