@@ -262,6 +262,23 @@ want = grads("quadratic", None)
 for name, g, w in zip("q k v field level".split(), grads("chunked", 4), want):
   assert np.all(np.isfinite(np.asarray(g))), name
   assert_close(np.asarray(g), np.asarray(w), n=t, err_msg=name)
+
+# The model case that found it: one 32-token tile (nb = 1), whose block-pair statistic R was a
+# zero-size slice; its pullback gave the field NaN gradients at this level only.
+from flax import nnx
+from fpa_jax.configs import get_config
+from fpa_jax.models import DecoderLM
+tok = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 33)), jnp.int32)  # failed before the fix
+def model_grads(impl):
+  model = DecoderLM(get_config("tiny", attention="fpa", attn_impl=impl, n_layers=1).model, rngs=nnx.Rngs(0))
+  def loss(m):
+    lg = jax.nn.log_softmax(m(tok[:, :-1]))
+    return -jnp.mean(jnp.take_along_axis(lg, tok[:, 1:, None], -1))
+  return jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(model)))
+flat = lambda leaves: np.concatenate([np.ravel(x) for x in leaves])
+g, w = flat(model_grads("chunked")), flat(model_grads("quadratic"))
+assert np.all(np.isfinite(g))
+assert_close(g, w, n=32)  # one scale for all: some leaves are ~1e-9 sums that cancel
 print("OK")
 """
 

@@ -133,6 +133,10 @@ def _scan_stats(phi):
   inf = jnp.full(phi.shape[:-1] + (1,), jnp.inf, F32)
   suffix = jnp.concatenate([_min_scan(phi, -1, reverse=True)[..., 1:], inf], -1)  # S_j, excl. j
   prefix = _min_scan(phi, -1)  # C_i, incl. i
+  if nb == 1:
+    # One block: no pair has a block between. Built from a zero-size slice of p instead, R's
+    # pullback read garbage (NaN field gradients) at --xla_backend_optimization_level=0.
+    return suffix, prefix, jnp.full(phi.shape[:-2] + (1, 1), jnp.inf, F32)
   bmin = phi.min(-1)  # [..., nb]
   # P[b, J] = min(bmin over (J, b]); R[I, J] = P[I - 1, J] = min over blocks strictly between.
   ib = jnp.arange(nb)
