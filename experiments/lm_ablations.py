@@ -1,7 +1,7 @@
 """Issue 20 §1: why an FPA gate that contains FoX trains worse than FoX. One row per hypothesis.
 
     python -m experiments.lm_ablations                                  # every row, seed 0, 600 steps
-    python -m experiments.lm_ablations --rows fox fpa_fox0 --seeds 0 1 2 --steps 3000
+    python -m experiments.lm_ablations --seeds 0 1 2                      # every row, 3 seeds
 
 The perplexity study's recipe (byte LMs on `fpa_text`, 2 layers, d_model 128, 4 heads, L=256, batch
 8, AdamW warmup + cosine; `experiments.perplexity.study_config`), trained on the fixed text pipeline
@@ -13,10 +13,19 @@ offset read-outs of size ~1e-3), so a row that closes the gap to `fox` names the
   fpa_fox0_glr0.1   the same read-outs at scale 10 with a tenth of the learning rate (gate_lr_scale)
   fox_step / fox_absolute / fox_offset   FoX's forget term plus one read-out alone: which one hurts
   fpa_fox0_init0    read-outs initialised at exactly 0 (relu's kink: no gradient reaches them at first)
+  fpa / fpa_scale1  the single-head default gate (no forget term) at scale 10 and at scale 1
+
+Every row pins the single-head gate (`configs.SINGLE_HEAD_GATE`) it changes from; the table led to
+the LM presets' gate (`configs.LM_GATE` = `fpa_fox0_scale1`), whose long runs are in
+`experiments.perplexity --methods fox fpa_lm --steps 3000 --out-name perplexity_T3000`. The gate
+statistics of each trained model (`losses.gate_stats` on the first held-out batch, mean over
+layers: field range, share of active pairs, of pairs past FORGOTTEN nats, mean penalty) are in the
+table too: whether the read-outs learned to forget at all.
 
 The held-out loss is also logged every `--eval-every` steps (the trainer's periodic eval on the same
 held-out set), so "never worse than FoX at any logged step" can be read off the curves. Rerunning
-resumes each run from its checkpoints and rescoring is cheap; results merge across invocations.
+resumes each run from its checkpoints and rescoring is cheap; results merge across invocations of
+one recipe (another recipe, e.g. other --steps, starts the file afresh: give it its own --out-dir).
 Writes results/lm_ablations.{json,md,png}.
 """
 
@@ -32,11 +41,15 @@ import numpy as np
 
 from experiments import _common as U
 from experiments import perplexity as P
+from fpa_jax.configs import SINGLE_HEAD_GATE
+from fpa_jax.losses import FORGOTTEN
 
 MODULE = "experiments.lm_ablations"
-FPA_FOX0 = {"attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0}
+# Every row starts from the single-head gate (read-outs at scale 10): the rows that led to LM_GATE.
+V1 = SINGLE_HEAD_GATE
+FPA_FOX0 = {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0}
 ROWS: dict[str, tuple[dict, str]] = {
-  "fox": ({"attention": "fox"}, "the baseline (FoX paper init, bias 0)"),
+  "fox": ({**V1, "attention": "fox"}, "the baseline (FoX paper init, bias 0)"),
   "fpa_fox0": (FPA_FOX0, "FPA at FoX's init: FoX + step, absolute, offset read-outs (scale 10, std 1e-3)"),
   "fpa_fox0_scale1": (
     {**FPA_FOX0, "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0},
@@ -50,7 +63,11 @@ ROWS: dict[str, tuple[dict, str]] = {
     {**FPA_FOX0, "step_init_std": 0.0, "absolute_init_std": 0.0, "offset_init_std": 0.0},
     "relu's kink: read-outs start at exactly 0",
   ),
-  "fpa": ({"attention": "fpa"}, "the default FPA gate (no forget term)"),
+  "fpa": ({**V1, "attention": "fpa"}, "the single-head default FPA gate (no forget term)"),
+  "fpa_scale1": (
+    {**V1, "attention": "fpa", "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0},
+    "the single-head gate (no forget term) at scale 1",
+  ),
 }
 
 
@@ -58,9 +75,28 @@ def run_tag(args) -> str:
   return args.tag or f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}_lr{args.lr:g}_T{args.steps}"
 
 
-def curve(history: list[dict]) -> dict[str, float]:
-  """step -> held-out loss (nats per token) from the trainer's periodic evals."""
-  return {str(r["step"]): float(r["eval_loss"]) for r in history if r.get("eval_loss") is not None}
+
+
+def final_gate_stats(model, batch: dict) -> dict[str, float]:
+  """`losses.gate_stats` of the trained model on the first held-out batch ({} without a gate)."""
+  from flax import nnx
+
+  from fpa_jax import losses
+  from fpa_jax.configs import GATED
+
+  if model.cfg.attention not in GATED:
+    return {}
+
+  @nnx.jit
+  def f(m, inputs, seg):
+    return losses.gate_stats(m(inputs, seg, return_gates=True)[1], seg)
+
+  return {k: float(v) for k, v in f(model, batch["inputs"], batch["segment_ids"]).items()}
+
+
+def _layer_mean(stats: dict, name: str) -> float:
+  vals = [v for k, v in stats.items() if k.startswith(f"gate_{name}_l")]
+  return float(np.mean(vals)) if vals else float("nan")
 
 
 def summarise(res: dict) -> dict:
@@ -101,12 +137,25 @@ def markdown(res: dict) -> str:
         pct(s[m].get("vs_fox")),
         pct(s[m].get("vs_fpa_fox0")),
         f"{np.mean(e['train_wall_s']) / 60:.1f}",
+        *(gate_cols(e.get("gate_stats", []))),
       ]
     )
   table = U.md_table(
-    ["row", "hypothesis", "seeds", "bpb (mean ± std)", "vs fox", "vs fpa_fox0", "train min / run"], rows
-  )
+    [
+      "row", "hypothesis", "seeds", "bpb (mean ± std)", "vs fox", "vs fpa_fox0", "train min / run",
+      "field range", "active pairs", f"pairs > {FORGOTTEN:g} nats", "mean penalty",
+    ],
+    rows,
+  )  # fmt: skip
   return head + table
+
+
+def gate_cols(per_seed: list[dict]) -> list[str]:
+  """The final gate statistics (mean over layers, then seeds): range, active, forgotten, penalty."""
+  if not per_seed or not per_seed[0]:
+    return ["—"] * 4
+  m = lambda name: np.mean([_layer_mean(st, name) for st in per_seed])
+  return [f"{m('field_range'):.2f}", f"{m('active'):.3f}", f"{m('forgotten'):.3f}", f"{m('penalty'):.2f}"]
 
 
 def plot(res: dict, path: Path) -> None:
@@ -164,14 +213,15 @@ def main(argv=None) -> dict:
   held, coverage = P.heldout_batches(args)
   recipe = P.recipe_of(args, tag)
   for row in args.rows:
-    entry = {"bpb": [], "curves": [], "train_wall_s": [], "workdirs": [], "seeds": []}
+    entry = {"bpb": [], "curves": [], "train_wall_s": [], "workdirs": [], "seeds": [], "gate_stats": []}
     for seed in args.seeds:
       workdir = os.path.join(args.runs_dir, tag, f"{row}_s{seed}")
       extra = {"eval_every": args.eval_every, "heldout_windows": args.heldout_windows}
       cfg = P.study_config(row, args, seed, overrides={**ROWS[row][0], **extra})
       tr = U.train_lm(cfg, workdir, None)
       entry["bpb"].append(P.bits_per_byte(P.nll_fn(tr["model"]), held))
-      entry["curves"].append(curve(read_metrics(workdir)))  # every session's, not only this one's
+      entry["gate_stats"].append(final_gate_stats(tr["model"], held[0]))
+      entry["curves"].append(P.curve(read_metrics(workdir)))  # every session's, not only this one's
       entry["train_wall_s"].append(tr["train_wall_s"])
       entry["workdirs"].append(workdir)
       entry["seeds"].append(seed)

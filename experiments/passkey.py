@@ -42,24 +42,28 @@ from flax import nnx
 from experiments import _common as U
 
 # Scoring lives in fpa_jax.eval; its names stay importable from here (tests, notebooks).
+from fpa_jax.configs import LM_GATE, SINGLE_HEAD_GATE
 from fpa_jax.eval import answer_span, argmax_fn, eval_batch, teacher_forced_exact_match  # noqa: F401
 
 MODULE = "experiments.passkey"
 # method -> config overrides (on top of the study's model/training settings)
+# Every method trained before the LM gate (issue 20) keeps the single-head gate it was trained with.
+V1 = SINGLE_HEAD_GATE
 METHODS = {
-  "fpa": {"attention": "fpa"},
-  "stack": {"attention": "stack"},
-  "fox": {"attention": "fox", "gate_bias_init": 0.0},  # FoX paper init
-  "fox_b5": {"attention": "fox", "gate_bias_init": 5.0},  # weak-decay init (sigmoid(5) = 0.993)
-  "softmax": {"attention": "softmax"},  # RoPE
+  "fpa": {**V1, "attention": "fpa"},
+  "stack": {**V1, "attention": "stack"},
+  "fox": {**V1, "attention": "fox", "gate_bias_init": 0.0},  # FoX paper init
+  "fox_b5": {**V1, "attention": "fox", "gate_bias_init": 5.0},  # weak-decay init (sigmoid(5) = 0.993)
+  "softmax": {**V1, "attention": "softmax"},  # RoPE
   # fpa / stack started exactly at fox_b5 (FoX's log-sigmoid term in the increment, bias 5; the
   # other read-outs at 0): the weak-decay start that made FoX learn retrieval, for the FPA gates.
-  "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  "stack_fox5": {"attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  "fpa_fox5": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  "stack_fox5": {**V1, "attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
   # fpa_fox5 retrofitted with the evictability objective (`fpa_jax.losses`, issue 21): DMS's recipe,
   # the trained model continued with the hinge on the soft live fraction of keys older than 16
   # tokens, its target ramped from 1 to 0.1 over 300 steps (`RETROFIT`).
   "fpa_fox5_evict": {
+    **V1,
     "attention": "fpa",
     "gate_forget": True,
     "gate_bias_init": 5.0,
@@ -69,7 +73,10 @@ METHODS = {
     "evict_ramp_steps": 300,
   },
   # its control: fpa_fox5 continued as long without the objective (the same extra steps and data)
-  "fpa_fox5_cont": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  "fpa_fox5_cont": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # the LM default gate (`configs.LM_GATE`: FoX's term plus read-outs at scale 1, issue 20) at
+  # fox_b5's weak-decay bias: fpa_fox5 with its read-outs moving 10x slower.
+  "fpa_lm5": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
@@ -84,6 +91,7 @@ FAMILY = {
   "stack_fox5": "stack",
   "fpa_fox5_evict": "fpa",
   "fpa_fox5_cont": "fpa",
+  "fpa_lm5": "fpa",
 }
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)

@@ -28,18 +28,23 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
+from fpa_jax.configs import LM_GATE, SINGLE_HEAD_GATE
 
 MODULE = "experiments.perplexity"
+# Methods trained before the LM gate (issue 20) keep the single-head gate they were trained with.
+V1 = SINGLE_HEAD_GATE
 METHODS = {
-  "fpa": {"attention": "fpa"},
-  "stack": {"attention": "stack"},
-  "fox": {"attention": "fox"},  # FoX paper init (gate bias 0)
-  "softmax": {"attention": "softmax"},  # RoPE
+  "fpa": {**V1, "attention": "fpa"},
+  "stack": {**V1, "attention": "stack"},
+  "fox": {**V1, "attention": "fox"},  # FoX paper init (gate bias 0)
+  "softmax": {**V1, "attention": "softmax"},  # RoPE
   # FPA started exactly at FoX (FoX's log-sigmoid term in the increment, bias 5, the other read-outs
   # small): the start that made FPA learn passkey retrieval (experiments.passkey)
-  "fpa_fox5": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0},
+  "fpa_fox5": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0},
   # ... and at FoX's own init (bias 0: log sigmoid(0) = -0.69 per token, a strong recency prior at step 0)
-  "fpa_fox0": {"attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0},
+  "fpa_fox0": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0},
+  # the LM default (`configs.LM_GATE`, the `small` preset's): FPA at FoX's init, read-outs at scale 1
+  "fpa_lm": {**LM_GATE, "attention": "fpa"},
 }
 LN2 = math.log(2.0)
 
@@ -243,18 +248,42 @@ def markdown(res: dict) -> str:
     ],
     rows,
   )
-  claim = ""
-  if "fpa" in s and "fox" in s:
-    d = s["fpa"]["vs_fox"]
-    pair = s["fpa"].get("vs_fox_paired", [])
-    claim = (
-      f"\nClaim \"FPA within 2% of FoX\": FPA's mean bpb is {100 * d:+.2f}% vs FoX "
-      f"({'within' if abs(d) <= 0.02 else 'NOT within'} 2%; seed std FPA {s['fpa']['bpb_std']:.4f}, "
-      f"FoX {s['fox']['bpb_std']:.4f}; paired per seed "
-      + ", ".join(f"{100 * x:+.1f}%" for x in pair)
-      + f"). At {r['steps']} steps these models are far from converged: this compares early training.\n"
-    )
+  claim = "".join(_claim(res, m) for m in ("fpa_lm", "fpa") if m in s and "fox" in s)
   return head + table + claim
+
+
+def _claim(res: dict, m: str) -> str:
+  """The issue-20 targets for FPA row m against FoX: mean bpb within 2%, by position out to 8L,
+  and (with --eval-every curves) the largest paired gap at any logged step."""
+  s, steps = res["summary"], res["recipe"]["steps"]
+  d, pair = s[m]["vs_fox"], s[m].get("vs_fox_paired", [])
+  out = (
+    f"\nClaim \"FPA within 2% of FoX\" (`{m}`): mean bpb {100 * d:+.2f}% vs FoX "
+    f"({'within' if d <= 0.02 else 'NOT within'} 2%; seed std {m} {s[m]['bpb_std']:.4f}, "
+    f"FoX {s['fox']['bpb_std']:.4f}; paired per seed " + ", ".join(f"{100 * x:+.1f}%" for x in pair) + ")."
+  )
+  fpa, fox = np.asarray(res[m]["by_position"]), np.asarray(res["fox"]["by_position"])
+  rel = fpa / fox - 1.0
+  worst = int(np.argmax(rel))
+  a, b = res["position_buckets"][worst]
+  out += f" By position out to {res['pos_multiple']}L: worst bucket {a}-{b} at {100 * rel[worst]:+.2f}% vs FoX."
+  if res[m].get("curves") and res["fox"].get("curves"):
+    fox_c = dict(zip(res["fox"]["seeds"], res["fox"]["curves"]))
+    pairs = [(c, fox_c[sd]) for sd, c in zip(res[m]["seeds"], res[m]["curves"]) if sd in fox_c]
+    common = sorted(set.intersection(*[set(c) & set(f) for c, f in pairs]), key=int) if pairs else []
+    if common:
+      gaps = np.asarray([[c[t] / f[t] - 1.0 for t in common] for c, f in pairs])  # [seeds, steps]
+      mean = gaps.mean(0)
+      se = gaps.std(0, ddof=1) / np.sqrt(len(gaps)) if len(gaps) > 1 else np.zeros_like(mean)
+      k = int(np.argmax(mean))
+      out += (
+        f" Held-out loss at each of {len(common)} logged steps: largest paired gap {100 * mean[k]:+.2f}% "
+        f"(± {100 * se[k]:.2f}% s.e. over {len(gaps)} seeds) at step {common[k]}; "
+        f"{int((mean - 2 * se > 0).sum())} logged steps worse than FoX beyond 2 s.e."
+      )
+  if steps < 1000:
+    out += f" At {steps} steps these models are far from converged: this compares early training."
+  return out + "\n"
 
 
 def plot(res: dict, path: Path) -> None:
@@ -282,11 +311,11 @@ def plot(res: dict, path: Path) -> None:
   plt.close(fig)
 
 
-def write_outputs(res: dict, out_dir: Path) -> None:
+def write_outputs(res: dict, out_dir: Path, name: str = "perplexity") -> None:
   res["summary"] = summarise(res)
-  U.write_json(out_dir / "perplexity.json", res)
-  (out_dir / "perplexity.md").write_text(markdown(res))
-  plot(res, out_dir / "perplexity.png")
+  U.write_json(out_dir / f"{name}.json", res)
+  (out_dir / f"{name}.md").write_text(markdown(res))
+  plot(res, out_dir / f"{name}.png")
 
 
 def base110m_recipe() -> str:
@@ -337,6 +366,12 @@ def parse_args(argv=None):
   ap.add_argument("--pos-docs", type=int, default=32)
   ap.add_argument("--pos-bucket", type=int, default=64)
   ap.add_argument("--report-only", action="store_true", help="re-render the .md/.png from the JSON, train nothing")
+  ap.add_argument(
+    "--out-name", default="perplexity", help="results file stem: another recipe (e.g. --steps 3000) keeps its own file"
+  )
+  ap.add_argument(
+    "--eval-every", type=int, default=0, help="> 0: held-out loss every N steps during training (curves per seed)"
+  )
   return ap.parse_args(argv)
 
 
@@ -361,20 +396,26 @@ def add_recipe_args(ap: argparse.ArgumentParser, *, steps: int, runs_dir: str) -
   ap.add_argument("--out-dir", default="results")
 
 
+def curve(history: list[dict]) -> dict[str, float]:
+  """step -> held-out loss (nats per token) from the trainer's periodic evals (`--eval-every`)."""
+  return {str(r["step"]): float(r["eval_loss"]) for r in history if r.get("eval_loss") is not None}
+
+
 def main(argv=None) -> dict | None:
   from fpa_jax import eval as ev
+  from fpa_jax.inference import read_metrics
 
   args = parse_args(argv)
   if args.scale == "base110m":
     print(base110m_recipe())
     return None
   if args.report_only:
-    res = U.read_json(Path(args.out_dir) / "perplexity.json")
+    res = U.read_json(Path(args.out_dir) / f"{args.out_name}.json")
     if res is None:
-      raise SystemExit(f"{args.out_dir}/perplexity.json not found: run python -m {MODULE} first")
+      raise SystemExit(f"{args.out_dir}/{args.out_name}.json not found: run python -m {MODULE} first")
     for m in (m for m in METHODS if m in res):  # the config each run started with (see _common.init_config)
       res[m]["config"] = U.init_config(res[m]["workdirs"][-1], res[m].get("config"))
-    write_outputs(res, Path(args.out_dir))
+    write_outputs(res, Path(args.out_dir), args.out_name)
     return res
   log = lambda s: print(s, file=sys.stderr, flush=True)
   t0 = time.perf_counter()
@@ -387,9 +428,12 @@ def main(argv=None) -> dict | None:
   recipe = {**recipe_of(args, tag), "seeds": args.seeds}
   for method in args.methods:
     entry = {"bpb": [], "by_position_seeds": [], "train_wall_s": [], "workdirs": [], "final_train_loss": []}
+    extra = {"eval_every": args.eval_every, "heldout_windows": args.heldout_windows} if args.eval_every else {}
     for seed in args.seeds:
       workdir = os.path.join(args.runs_dir, tag, f"{method}_s{seed}")
-      tr = U.train_lm(study_config(method, args, seed), workdir, None)
+      tr = U.train_lm(study_config(method, args, seed, overrides={**METHODS[method], **extra}), workdir, None)
+      if args.eval_every:  # every session's evals, not only this one's
+        entry.setdefault("curves", []).append(curve(read_metrics(workdir)))
       nll = nll_fn(tr["model"])
       entry["bpb"].append(bits_per_byte(nll, held))
       by_pos = ev.loss_by_position(tr["model"], docs, bucket=args.pos_bucket, batch_size=4, show_progress=False)
@@ -400,7 +444,7 @@ def main(argv=None) -> dict | None:
       log(f"[perplexity] {method} seed {seed}: bpb {entry['bpb'][-1]:.4f}, train wall {tr['train_wall_s']:.0f} s")
     entry["by_position"] = np.mean(entry["by_position_seeds"], axis=0).tolist()
     entry.update(seeds=args.seeds, config=tr["init_config"], command=U.command(MODULE, argv), commit=U.git_commit())
-    res = U.read_json(out_dir / "perplexity.json", {})  # merge with methods other invocations wrote
+    res = U.read_json(out_dir / f"{args.out_name}.json", {})  # merge with methods other invocations wrote
     if res.get("recipe", {}).get("tag") != tag:
       res = {}
     res.update(
@@ -418,8 +462,8 @@ def main(argv=None) -> dict | None:
         ),
       }
     )
-    write_outputs(res, out_dir)
-  return U.read_json(out_dir / "perplexity.json")
+    write_outputs(res, out_dir, args.out_name)
+  return U.read_json(out_dir / f"{args.out_name}.json")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,7 @@ def main(argv=None) -> int:
   data = ScopesLM(seq_len=seq, batch_size=16)
   cfg = C.get_config(
     "small",
+    **C.SINGLE_HEAD_GATE,  # a synthetic nested task: the single-head gate (configs docstring)
     attention="fpa",
     task="synthetic",
     d_model=64,

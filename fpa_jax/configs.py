@@ -57,6 +57,16 @@ Why these defaults (issue 11's single-head studies, reproduced by `experiments.l
   0.74 / 0.62 (1x / 2x) on scopes; random weights: 5/5 (`results/scopes.md`; both inits side by
   side in `results/ablations_live_sets.md`).
 
+The language-model gate (`LM_GATE`, the default of the LM presets `small` and `base110m`; issue 20,
+`results/lm_ablations.md`): FoX's log-sigmoid term in the increment (`gate_forget`: the gate starts
+as FoX at FoX's init) and the step / absolute / offset read-outs at scale 1. Byte LMs with the
+single-head defaults above trained 3-5% worse than FoX, also when started at FoX's init: the
+scale-10 read-outs move 10x faster under Adam, and in a language model that speed hurts. Scale 1
+(or the scale-10 read-outs at a tenth of the learning rate, `gate_lr_scale`) closes the gap; which
+read-out and relu's kink were ruled out row by row in the ablation table. The base defaults (and
+`tiny`) stay the single-head ones (`SINGLE_HEAD_GATE`): hard forgetting within a few hundred steps
+is what the synthetic live-set tasks need. Either set is a plain dict of overrides.
+
 Depth (`scan_layers`, `remat`; same logits and gradients either way, `tests/test_scan.py`):
 - scan_layers=True stores the blocks as one Block whose parameters have a leading [n_layers] axis
   (logical axis `layers`, never sharded) and runs them with `nnx.scan`: the step is traced and
@@ -231,7 +241,7 @@ class ModelConfig(_Part):
     for f in ("gate_init_std", "step_init_std", "absolute_init_std", "offset_init_std"):
       _number(self, f, 0, why="std of a gate read-out's init; 0 = zero weights")
     for f in ("step_scale", "absolute_scale", "offset_scale"):
-      _number(self, f, 0, lo_open=True, why="a gate term's scale; the module docstring explains the default 10")
+      _number(self, f, 0, lo_open=True, why="a gate term's scale: 10 single-head, 1 in the LM presets (module docstring)")
     for f in ("gate_bias_init", "step_bias_init", "offset_bias_init"):
       _number(self, f, why="a gate read-out's initial bias")
     if self.n_heads % self.kv_heads:
@@ -482,6 +492,11 @@ def _divisor_hint(d: int, h: int) -> int:
   return min(divs, key=lambda k: abs(k - h))
 
 
+# The gate fields that differ between the single-head defaults and the LM presets (module docstring).
+LM_GATE: dict[str, Any] = {"gate_forget": True, "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0}
+SINGLE_HEAD_GATE: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in LM_GATE}
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiny(Config):
   """python -m fpa_jax.train --config tiny --task text --steps 50 --workdir /tmp/fpa_tiny
@@ -518,6 +533,10 @@ class Small(Config):
   """
 
   name: str = "small"
+  gate_forget: bool = LM_GATE["gate_forget"]  # LM_GATE (module docstring)
+  step_scale: float = LM_GATE["step_scale"]
+  absolute_scale: float = LM_GATE["absolute_scale"]
+  offset_scale: float = LM_GATE["offset_scale"]
   vocab_size: int = 256
   d_model: int = 128
   n_layers: int = 4
@@ -543,6 +562,10 @@ class Base110M(Config):
   """
 
   name: str = "base110m"
+  gate_forget: bool = LM_GATE["gate_forget"]  # LM_GATE (module docstring)
+  step_scale: float = LM_GATE["step_scale"]
+  absolute_scale: float = LM_GATE["absolute_scale"]
+  offset_scale: float = LM_GATE["offset_scale"]
   vocab_size: int = 32000
   d_model: int = 768
   n_layers: int = 12

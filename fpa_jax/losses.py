@@ -23,6 +23,12 @@ Metrics (all scalars, logged with the train metrics): evict_loss (the hinge, bef
 evict_target, evict_live (soft live fraction over all layers), evict_live_l{i} (per layer) and
 evict_live_hard (penalty < evict_tau with the exact penalty: what a threshold policy would keep).
 
+Gate statistics (`eval_terms`, the trainer's periodic eval; issue 20): on the first held-out batch,
+per layer, the field's range along each sequence, the share of (query, earlier key) pairs in one
+segment with a penalty > 0 (active) and > FORGOTTEN nats (weight below e^-5 of an unpenalised
+key's), and the mean penalty, each averaged over sequences and kv heads: whether a gate learns to
+forget, as training goes.
+
 The model must have a gate (`ModelConfig.attention` in `configs.GATED`; `Config.validate` checks).
 Shapes: B batch, T sequence, V vocab, L layers, KVH kv heads, Q sampled queries.
 """
@@ -34,6 +40,9 @@ import jax.numpy as jnp
 import optax
 
 from fpa_jax.ops import evictability as E
+from fpa_jax.ops.penalty import first_passage_penalty
+
+FORGOTTEN = 5.0  # nats: a penalty past this is reported as forgotten (gate_forgotten_l{i})
 
 
 def lm_loss(model, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -104,3 +113,38 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
   hinge, metrics = evict_terms(gates, batch["segment_ids"], cfg, step, key)
   total = s + jax.lax.stop_gradient(n) * (cfg.evict_weight * hinge)
   return total, {"lm_sum": s, "count": n, **metrics}
+
+
+def gate_stats(gates: tuple[jax.Array, jax.Array], segment_ids: jax.Array | None) -> dict[str, jax.Array]:
+  """Per-layer gate statistics (module docstring) from field, level [L, B, T, KVH] and segment_ids
+  [B, T] (None: one segment) -> {gate_field_range_l{i}, gate_active_l{i}, gate_forgotten_l{i},
+  gate_penalty_l{i}}, fp32 scalars. O(L B KVH T^2): an eval-time diagnostic, not a training term."""
+  field, level = (jnp.moveaxis(a, -1, -2) for a in gates)  # [L, B, KVH, T]
+  t = field.shape[-1]
+  pen = first_passage_penalty(field, level)  # [L, B, KVH, T(i), T(j)]
+  pairs = jnp.tril(jnp.ones((t, t), bool), -1)
+  if segment_ids is not None:
+    pairs = pairs & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
+  pairs = jnp.broadcast_to(pairs, pen.shape[1:]).astype(jnp.float32)
+  n = jnp.maximum(pairs.sum((1, 2, 3)), 1.0)  # per sequence
+  share = lambda x: jnp.mean(jnp.sum(jnp.where(pairs > 0, x, 0.0), (-3, -2, -1)) / n, -1)  # [L]: mean over B
+  rng = (field.max(-1) - field.min(-1)).mean((1, 2))
+  active, forgotten = share((pen > 0).astype(jnp.float32)), share((pen > FORGOTTEN).astype(jnp.float32))
+  mean_pen = share(pen)
+  out = {}
+  for i in range(field.shape[0]):
+    out |= {
+      f"gate_field_range_l{i}": rng[i],
+      f"gate_active_l{i}": active[i],
+      f"gate_forgotten_l{i}": forgotten[i],
+      f"gate_penalty_l{i}": mean_pen[i],
+    }
+  return out
+
+
+def eval_terms(model, batch: dict, with_gate_stats: bool) -> tuple[jax.Array, jax.Array, dict]:
+  """-> (sum of masked CEs, target tokens, `gate_stats` or {}): the trainer's eval of one batch."""
+  if not with_gate_stats:
+    return *lm_loss(model, batch), {}
+  logits, gates = model(batch["inputs"], batch["segment_ids"], return_gates=True)
+  return *_ce_sum(logits, batch), gate_stats(gates, batch["segment_ids"])

@@ -15,7 +15,8 @@ skipped (logged, moved to checkpoints.corrupt/) in favour of the newest one that
 (`Checkpointer.restore_newest`); if none does, the run stops with one error naming the fix.
 
 Outputs in the workdir: metrics.jsonl (one JSON object per logged step: step, loss, tokens_per_s,
-lr, grad_norm, ...; evict_* with the evictability objective on, `fpa_jax.losses`), TensorBoard events
+lr, grad_norm, ...; evict_* with the evictability objective on, eval_loss and gate_* statistics of a
+gated model at each periodic eval, `fpa_jax.losses`), TensorBoard events
 under tb/, checkpoints/ (orbax), config.json.
 
 Design (functional NNX): the model and optimizer are created *inside* a jit whose out_shardings
@@ -28,6 +29,7 @@ Multi-host: see `fpa_jax.sharding.maybe_initialize_distributed` (called by `main
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,7 +47,7 @@ from fpa_jax import configs as C
 from fpa_jax import data as D  # its modules (grain, TFDS) load on first use, in make_data
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
-from fpa_jax.losses import lm_loss, objective  # lm_loss re-exported here for compatibility
+from fpa_jax.losses import eval_terms, lm_loss, objective  # lm_loss re-exported here for compatibility
 from fpa_jax.models import DecoderLM, weight_decay_mask
 
 
@@ -171,6 +173,9 @@ class TrainStep:
       jax.jit(self._step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep), donate_argnums=(0,)), mesh
     )
     self.eval_jitted = _UnderMesh(jax.jit(self._eval, in_shardings=(shardings, batch_sh), out_shardings=rep), mesh)
+    self.stats_jitted = _UnderMesh(  # the eval with gate statistics (`losses.gate_stats`): first batch only
+      jax.jit(functools.partial(self._eval, stats=True), in_shardings=(shardings, batch_sh), out_shardings=rep), mesh
+    )
 
   def _step(self, state, batch):
     self.traces += 1  # Python side effect: runs once per trace, never per call
@@ -229,9 +234,9 @@ class TrainStep:
     }
     return new_state, metrics
 
-  def _eval(self, state, batch):
+  def _eval(self, state, batch, stats=False):
     model, _ = nnx.merge(self.graphdef, state)
-    return lm_loss(model, batch)
+    return eval_terms(model, batch, stats and self.cfg.attention in C.GATED)
 
   def __call__(self, state, batch):
     return self.jitted(state, batch)
@@ -399,9 +404,10 @@ def train(
         }
         if cfg.eval_every and done % cfg.eval_every == 0:
           with jax.transfer_guard_device_to_host("allow"):
-            eval_data, ev = _evaluate(cfg, step_fn, state, mesh, eval_data, log)
+            eval_data, ev, gate = _evaluate(cfg, step_fn, state, mesh, eval_data, log)
           if ev is not None:
             rec["eval_loss"] = ev
+          rec.update(gate)  # gate_* statistics (`losses.gate_stats`)
         logger.write(rec)
         history.append(rec)
         t_window, tok_window = time.perf_counter(), 0.0
@@ -513,14 +519,16 @@ def _evaluate(cfg, step_fn, state, mesh, eval_data, log):
       eval_data = heldout_batches(cfg)
     except Exception as e:  # noqa: BLE001 - a missing split just disables eval
       log(f"[train] no validation split for {cfg.task!r} ({e}); eval disabled")
-      return False, None
+      return False, None, {}
   if eval_data is False:
-    return False, None
-  tot, n = 0.0, 0.0
-  for b in eval_data:
-    s, c = jax.device_get(step_fn.eval_jitted(state, S.shard_batch(b, mesh)))
+    return False, None, {}
+  tot, n, stats = 0.0, 0.0, {}
+  for i, b in enumerate(eval_data):
+    fn = step_fn.stats_jitted if i == 0 else step_fn.eval_jitted
+    s, c, st = jax.device_get(fn(state, S.shard_batch(b, mesh)))
     tot, n = tot + float(s), n + float(c)
-  return eval_data, (tot / n if n else None)
+    stats = stats or {k: float(v) for k, v in st.items()}
+  return eval_data, (tot / n if n else None), stats
 
 
 # ------------------------------------------------------------------------------------------------

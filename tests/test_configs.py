@@ -152,3 +152,34 @@ def test_set_parses_every_part_with_its_type():
     "rope": True,
     "mesh": "data=2,model=4",
   }
+
+
+def test_lm_presets_use_the_lm_gate_and_the_base_the_single_head_gate():
+  """LM_GATE (issue 20: FoX's term + read-outs at scale 1) is the LM presets' default; the base
+  defaults and `tiny` keep the single-head gate, and SINGLE_HEAD_GATE is exactly those defaults."""
+  assert set(C.LM_GATE) == set(C.SINGLE_HEAD_GATE) and C.LM_GATE != C.SINGLE_HEAD_GATE
+  for name in ("small", "base110m"):
+    cfg = C.get_config(name, attention="fpa")
+    assert {k: getattr(cfg, k) for k in C.LM_GATE} == C.LM_GATE, name
+    assert cfg.gate_terms == ("forget", "step", "absolute", "offset")
+  for cfg in (C.ModelConfig(), C.get_config("tiny")):
+    assert {k: getattr(cfg, k) for k in C.SINGLE_HEAD_GATE} == C.SINGLE_HEAD_GATE
+  # either set is a plain override: small with the single-head gate is small's other fields + it
+  cfg = C.get_config("small", attention="fpa", **C.SINGLE_HEAD_GATE)
+  assert cfg.gate_terms == ("step", "absolute", "offset") and cfg.step_scale == 10.0
+
+
+def test_studies_keep_the_gate_their_committed_runs_were_trained_with():
+  """Rows trained before LM_GATE pin SINGLE_HEAD_GATE: rerunning one resumes its checkpoints
+  (the trainer refuses another model) and reproduces its committed numbers."""
+  from experiments import lm_ablations, passkey, perplexity
+
+  scales = ("step_scale", "absolute_scale", "offset_scale")
+  old = [(m, o) for m, o in passkey.METHODS.items() if m != "fpa_lm5"]
+  old += [(m, o) for m, o in perplexity.METHODS.items() if m != "fpa_lm"]
+  old += [(m, o) for m, (o, _) in lm_ablations.ROWS.items() if "scale1" not in m]
+  for m, over in old:
+    assert set(C.LM_GATE) <= set(over), m  # pinned, not left to the preset
+    assert all(over[k] == C.SINGLE_HEAD_GATE[k] for k in scales), m
+  for over in (passkey.METHODS["fpa_lm5"], perplexity.METHODS["fpa_lm"]):
+    assert {k: over[k] for k in C.LM_GATE} == C.LM_GATE

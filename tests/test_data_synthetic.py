@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fpa_jax.data import builders, dips, scopes
+from fpa_jax.data import bindings, builders, dips, scopes
 
 
 def brute_scopes(tokens, n_symbols):
@@ -57,6 +57,49 @@ def test_scopes_targets_match_brute_force(seed):
   for q, v in live.items():  # the answer is the symbol of the most recent live key, or NONE
     want = scopes.NONE if not v else toks[v[-1]] + cfg.n_symbols
     assert toks[q + 1] == want
+
+
+def brute_bindings(toks: list[int], cfg) -> dict[int, int]:
+  """query NAME position -> the position of the VALUE it must return: the latest binding of that
+  name whose scope is still open, found by a backwards scan that skips closed scopes."""
+  out = {}
+  for q in range(1, len(toks) - 1):
+    if toks[q - 1] != bindings.QUERY:
+      continue
+    depth_drop, j = 0, q - 2
+    while j >= 0:  # walk back; a CLOSE hides everything until its matching OPEN
+      if toks[j] == bindings.CLOSE:
+        depth_drop += 1
+      elif toks[j] == bindings.OPEN:
+        depth_drop = max(depth_drop - 1, 0)
+      elif depth_drop == 0 and toks[j] == toks[q] and toks[j - 1] != bindings.QUERY and toks[j + 1] >= bindings.NAME0 + cfg.n_names:
+        out[q] = j + 1
+        break
+      j -= 1
+  return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bindings_targets_match_brute_force_and_defeat_a_window(seed):
+  """Every query's answer is its name's innermost live binding (a backwards scan over the tokens),
+  and at every length >= 30% of the answers lie further back than an eighth of the sequence: a
+  window of 12.5% of the cache loses them."""
+  far, n_q = 0, 0
+  for k, length in enumerate([128, 512, 1024]):
+    cfg = bindings.BindingsConfig(length=length, max_depth=3 + seed % 2)
+    ex = bindings.generate(np.random.default_rng([seed, k]), cfg)
+    toks = ex["tokens"]
+    assert len(toks) == length and toks[0] == bindings.BOS and toks[-1] == bindings.EOS
+    assert toks.max() < bindings.vocab_size(cfg) and ex["depth"].max() <= cfg.max_depth and ex["depth"].min() >= 0
+    want = brute_bindings(list(toks), cfg)
+    assert dict(zip(ex["query_pos"].tolist(), ex["answer_pos"].tolist())) == want and len(want) >= 3
+    assert (toks[ex["query_pos"] + 1] == toks[ex["answer_pos"]]).all()
+    np.testing.assert_array_equal(np.flatnonzero(bindings.loss_mask(toks)), ex["query_pos"])
+    far += int((ex["query_pos"] - ex["answer_pos"] > length // 8).sum())
+    n_q += len(want)
+  assert far / n_q >= 0.3, (far, n_q)
+  with pytest.raises(ValueError, match="inner_min"):
+    bindings.BindingsConfig(inner_min=0.5, inner_max=0.2).validate()
 
 
 @pytest.mark.parametrize("seed", range(6))

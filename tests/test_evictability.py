@@ -317,3 +317,33 @@ def test_return_gates_equal_the_gate(batch, scan, attention):
   assert_close(level, l_ref, n=cfg.d_model * L)
   if attention == "fox":
     assert_bitwise(field, level)
+
+
+def test_gate_stats_match_a_float64_loop():
+  """`losses.gate_stats` (the trainer's eval-time gate statistics) equals loops over the penalty's
+  definition: field range, active / forgotten shares and mean penalty over same-segment pairs."""
+  from fpa_jax.ops.reference_np import penalty_np
+
+  rng = np.random.default_rng(0)
+  n_layers, b, t, kvh = 2, 3, 9, 2
+  field = np.cumsum(rng.normal(scale=3.0, size=(n_layers, b, t, kvh)), 2).astype(np.float32)
+  level = (field + rng.normal(scale=3.0, size=field.shape)).astype(np.float32)
+  seg = np.asarray([[0] * 9, [0] * 4 + [1] * 5, [0, 0, 1, 1, 1, 2, 2, 2, 2]], np.int32)
+  got = jax.jit(losses.gate_stats)((jnp.asarray(field), jnp.asarray(level)), jnp.asarray(seg))
+  for li in range(n_layers):
+    per = {"active": [], "forgotten": [], "penalty": []}
+    for bi in range(b):
+      vals = {k: [] for k in per}
+      for h in range(kvh):
+        pen = penalty_np(field[li, bi, :, h].astype(np.float64), level[li, bi, :, h].astype(np.float64))
+        ps = [pen[i, j] for i in range(t) for j in range(i) if seg[bi, i] == seg[bi, j]]
+        vals["active"].append(np.mean([p > 0 for p in ps]))
+        vals["forgotten"].append(np.mean([p > losses.FORGOTTEN for p in ps]))
+        vals["penalty"].append(np.mean(ps))
+      for k in per:
+        per[k].append(np.mean(vals[k]))
+    want_range = np.mean(field[li].max(1) - field[li].min(1))
+    assert_close(got[f"gate_field_range_l{li}"], want_range, dtype=np.float32, n=t)
+    for k in per:
+      assert_close(got[f"gate_{k}_l{li}"], np.mean(per[k]), dtype=np.float32, n=t * t)
+  assert 0 < float(got["gate_active_l0"]) < 1 and float(got["gate_forgotten_l0"]) > 0  # the case is not trivial

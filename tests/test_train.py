@@ -344,8 +344,10 @@ def test_periodic_eval_scores_the_fixed_heldout_set(tmp_path):
   again = heldout_batches(cfg)
   assert all((a["inputs"] == b["inputs"]).all() for a, b in zip(held, again))
   out = train(cfg, workdir=str(tmp_path / "run"), progress=False, mesh=S.make_mesh(None, devices=jax.devices()[:1]))
-  evals = [r["eval_loss"] for r in out["history"] if "eval_loss" in r]
-  assert len(evals) == 2 and all(np.isfinite(evals))
+  evals = [r for r in out["history"] if "eval_loss" in r]
+  assert len(evals) == 2 and all(np.isfinite(r["eval_loss"]) for r in evals)
+  # the gate statistics of a gated model come with each eval (`losses.gate_stats`)
+  assert all(0.0 <= r["gate_active_l0"] <= 1.0 and r["gate_field_range_l0"] >= 0.0 for r in evals)
 
 
 def test_gate_lr_scale_scales_only_the_gate_readouts():
