@@ -75,8 +75,6 @@ def run_tag(args) -> str:
   return args.tag or f"L{args.train_len}_l{args.layers}d{args.d_model}_b{args.batch_size}_lr{args.lr:g}_T{args.steps}"
 
 
-
-
 def final_gate_stats(model, batch: dict) -> dict[str, float]:
   """`losses.gate_stats` of the trained model on the first held-out batch ({} without a gate)."""
   from flax import nnx

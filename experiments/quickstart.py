@@ -6,9 +6,11 @@
 2. Study 1, reduced: one attention head per method (fpa, stack, fox, softmax+RoPE) trained to put
    its attention on the live keys of nested scopes; mean attention mass on the target set at 1x and
    2x the training length (2 seeds; the full study is `python -m experiments.live_sets`).
-3. The learned KV-cache rule: a small FPA language model trained on nested-scope sequences, then
-   decoded token by token at 2x its training length with the cache under each policy: how many
-   keys each keeps and how often it still answers the scope queries right.
+3. The learned KV-cache rule: an FPA language model (`experiments.bindings_lm`'s recipe, seed 0)
+   trained on nested named bindings (`fpa_jax.data.bindings`), then decoded token by token at 4x its
+   training length with the cache under each policy: how many keys each keeps and how often it
+   still answers the queries right, the far ones (a binding made before long closed inner scopes)
+   apart. The full study with FoX, stack and softmax and 3 seeds is `python -m experiments.bindings_lm`.
 Writes results/quickstart/{summary.json, live_sets.md, decode.md}; ends with the full study commands.
 """
 
@@ -23,8 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import _common as U
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "x(a(bc)d(e)f)y"
+LM_LEN = 128  # step 3's training length
 
 
 def live_keys_demo(text: str = DEMO) -> list[str]:
@@ -43,86 +48,56 @@ def live_keys_demo(text: str = DEMO) -> list[str]:
   return lines
 
 
-class ScopesLM:
-  """In-memory LM batches of `fpa_scopes` sequences (the generator, seeded per batch); the loss is on
-  every next token, answers weighted x`answer_weight`. `get_state`/`set_state`: the batch counter."""
-
-  def __init__(self, *, seq_len: int, batch_size: int, seed: int = 0, answer_weight: float = 4.0):
-    from fpa_jax.data import scopes
-
-    self.cfg = scopes.ScopesConfig(length=seq_len + 1, max_depth=6)
-    self.vocab_size = scopes.vocab_size(self.cfg)
-    self.batch_size, self.seed, self.w, self.n = batch_size, seed, answer_weight, 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    from fpa_jax.data import scopes
-
-    rng = np.random.default_rng([self.seed, self.n])
-    self.n += 1
-    toks = np.stack([scopes.generate(rng, self.cfg)["tokens"] for _ in range(self.batch_size)])
-    mask = 1.0 + (self.w - 1.0) * np.stack([scopes.loss_mask(t) for t in toks])
-    return {
-      "inputs": toks[:, :-1],
-      "targets": toks[:, 1:],
-      "segment_ids": np.ones_like(toks[:, :-1]),
-      "loss_mask": mask.astype(np.float32),
-    }
-
-  def get_state(self) -> dict:
-    return {"n": self.n}
-
-  def set_state(self, state: dict) -> None:
-    self.n = int(state["n"])
-
-
 def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tuple[list[dict], str]:
-  """Decode held-out scope sequences of `seq_len` tokens under each cache policy: answer accuracy on
-  the queries, keys held and (where measurable) the attention mass lost to eviction."""
+  """Decode held-out `bindings` programs of `seq_len` tokens under each cache policy: answer accuracy
+  on all queries and on the far ones (answer > seq_len / 8 back), keys held and (where measurable)
+  the attention mass lost to eviction."""
   from experiments._common import md_table
-  from fpa_jax.data import scopes
+  from experiments.bindings_lm import eval_programs
   from fpa_jax.inference import cached_logits
 
-  cfg = scopes.ScopesConfig(length=seq_len, max_depth=6)
-  rng = np.random.default_rng(seed)
-  toks = np.stack([scopes.generate(rng, cfg)["tokens"] for _ in range(n)])
-  is_q = toks[:, :-1] == scopes.QUERY
+  toks, is_q, far = eval_programs(seq_len, n, seed)
   rows = []
   for name, kw in [
     ("full", dict(policy="full")),
     ("fpa ε=0.01", dict(policy="fpa", tolerance=1e-2)),
-    ("fpa_threshold τ=8", dict(policy="fpa_threshold", threshold=8.0)),
     ("fpa_budget 25%", dict(policy="fpa_budget", budget=0.25)),
     ("window 25%", dict(policy="window", budget=0.25)),
+    ("h2o 25%", dict(policy="h2o", budget=0.25)),
     ("fpa_budget 12.5%", dict(policy="fpa_budget", budget=0.125)),
     ("window 12.5%", dict(policy="window", budget=0.125)),
+    ("h2o 12.5%", dict(policy="h2o", budget=0.125)),
   ]:
     logits, st = cached_logits(model, toks, **kw)
-    pred = np.argmax(np.asarray(logits)[:, :-1], -1)
-    acc = float((pred == toks[:, 1:])[is_q].mean())
+    ok = np.argmax(np.asarray(logits)[:, :-1], -1) == toks[:, 1:]
     rows.append(
       {
         "policy": name,
-        "query_accuracy": acc,
+        "query_accuracy": float(ok[is_q].mean()),
+        "far_accuracy": float(ok[far].mean()),
         "cache_fraction": st["cache_fraction"],
         "kept_fraction_mean": st["kept_fraction_mean"],
         "lost_mass_max": st["lost_mass_max"],
       }
     )
   md = md_table(
-    ["policy", "query accuracy", "peak keys held / seq", "mean kept / seen", "max lost mass"],
+    ["policy", "query accuracy", "far queries", "peak keys held / seq", "mean kept / seen", "max lost mass"],
     [
       [
         r["policy"],
         f"{r['query_accuracy']:.3f}",
+        f"{r['far_accuracy']:.3f}",
         f"{r['cache_fraction']:.3f}",
         f"{r['kept_fraction_mean']:.3f}",
-        f"{r['lost_mass_max']:.2g}",
+        f"{r['lost_mass_max']:.2g}" if r["lost_mass_max"] is not None else "—",
       ]
       for r in rows
     ],
+  )
+  acc = {r["policy"]: r["query_accuracy"] for r in rows}
+  md += (
+    f"\n\nAt 12.5% of the cache the learned rule keeps {100 * acc['fpa_budget 12.5%']:.1f}% of the queries right "
+    f"(full cache {100 * acc['full']:.1f}%), window {100 * acc['window 12.5%']:.1f}%, h2o {100 * acc['h2o 12.5%']:.1f}%.\n"
   )
   return rows, md
 
@@ -133,7 +108,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=str(ROOT / "results" / "quickstart"))
   ap.add_argument("--seeds", type=int, default=2)
   ap.add_argument("--head-steps", type=int, default=400, help="step 2: training steps per head")
-  ap.add_argument("--lm-steps", type=int, default=300, help="step 3: training steps of the FPA LM")
+  ap.add_argument("--lm-steps", type=int, default=3000, help="step 3: training steps of the FPA LM")
   ap.add_argument("--small", action="store_true", help="tiny settings (tests)")
   a = ap.parse_args(argv)
   if a.small:
@@ -165,38 +140,22 @@ def main(argv=None) -> int:
   (out / "live_sets.md").write_text(md_heads)
 
   print(
-    f"3) The learned KV-cache rule: an FPA LM trained on nested-scope sequences ({a.lm_steps} steps), decoded\n"
-    "   token by token at 2x its training length with each cache policy:"
+    f"3) The learned KV-cache rule: an FPA LM trained on nested named bindings ({a.lm_steps} steps at\n"
+    f"   {LM_LEN} tokens; `fpa_jax.data.bindings`), decoded token by token at 4x its training length with\n"
+    "   each cache policy: far queries ask for a binding made before long, closed inner scopes."
   )
-  from fpa_jax import configs as C
-  from fpa_jax.train import train
+  from experiments import bindings_lm
+  from fpa_jax.data.bindings import BindingsLM
 
-  seq = 128
-  data = ScopesLM(seq_len=seq, batch_size=16)
-  cfg = C.get_config(
-    "small",
-    **C.SINGLE_HEAD_GATE,  # a synthetic nested task: the single-head gate (configs docstring)
-    attention="fpa",
-    task="synthetic",
-    d_model=64,
-    n_layers=2,
-    n_heads=2,
-    d_ff=0,
-    vocab_size=data.vocab_size,
-    seq_len=seq,
-    batch_size=16,
-    block_size=32,
-    steps=a.lm_steps,
-    warmup_steps=min(20, a.lm_steps),  # --small trains 4 steps
-    lr=3e-3,
-    log_every=50,
-    ckpt_every=a.lm_steps,
+  data = BindingsLM(seq_len=LM_LEN, batch_size=16)
+  study = bindings_lm.parse_args(["--steps", str(a.lm_steps), "--train-len", str(LM_LEN)])
+  if a.small:
+    study.d_model, study.heads = 32, 2
+  run = U.train_lm(
+    bindings_lm.study_config("fpa", study, 0, data.vocab_size), os.path.join(a.workdir, "fpa_bindings_lm"), data
   )
-  run = train(cfg, workdir=os.path.join(a.workdir, "fpa_scopes_lm"), data=data)
-  from flax import nnx
-
-  model, _ = nnx.merge(run["graphdef"], run["state"])
-  rows, md_cache = cached_decode_table(model, 2 * seq, n=4 if a.small else 16)
+  model = run["model"]
+  rows, md_cache = cached_decode_table(model, 4 * LM_LEN, n=4 if a.small else 16)
   print(md_cache)
   (out / "decode.md").write_text(md_cache)
   summary = {
@@ -211,6 +170,7 @@ def main(argv=None) -> int:
     "  python -m experiments.live_sets --task all      # study 1: live-key sets, 5 seeds (+ --ablations)\n"
     "  python -m experiments.passkey                   # study 2: passkey retrieval at 1x..8x\n"
     "  python -m experiments.kv_compression            # study 3: passkey at 8x with a compressed cache\n"
+    "  python -m experiments.bindings_lm               # nested bindings at 1x..8x, every cache policy\n"
     "  python -m experiments.perplexity                # study 4: bits per byte, loss by position\n"
     "  python -m experiments.report                    # README results from results/"
   )

@@ -241,7 +241,9 @@ class ModelConfig(_Part):
     for f in ("gate_init_std", "step_init_std", "absolute_init_std", "offset_init_std"):
       _number(self, f, 0, why="std of a gate read-out's init; 0 = zero weights")
     for f in ("step_scale", "absolute_scale", "offset_scale"):
-      _number(self, f, 0, lo_open=True, why="a gate term's scale: 10 single-head, 1 in the LM presets (module docstring)")
+      _number(
+        self, f, 0, lo_open=True, why="a gate term's scale: 10 single-head, 1 in the LM presets (module docstring)"
+      )
     for f in ("gate_bias_init", "step_bias_init", "offset_bias_init"):
       _number(self, f, why="a gate read-out's initial bias")
     if self.n_heads % self.kv_heads:

@@ -47,7 +47,7 @@ from fpa_jax import configs as C
 from fpa_jax import data as D  # its modules (grain, TFDS) load on first use, in make_data
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
-from fpa_jax.losses import eval_terms, lm_loss, objective  # lm_loss re-exported here for compatibility
+from fpa_jax.losses import eval_terms, lm_loss, objective  # noqa: F401 (lm_loss: re-exported for compatibility)
 from fpa_jax.models import DecoderLM, weight_decay_mask
 
 

@@ -60,7 +60,7 @@ def test_scopes_targets_match_brute_force(seed):
 
 
 def brute_bindings(toks: list[int], cfg) -> dict[int, int]:
-  """query NAME position -> the position of the VALUE it must return: the latest binding of that
+  """query NAME position -> the position of the binding it must return: the latest binding of that
   name whose scope is still open, found by a backwards scan that skips closed scopes."""
   out = {}
   for q in range(1, len(toks) - 1):
@@ -72,8 +72,8 @@ def brute_bindings(toks: list[int], cfg) -> dict[int, int]:
         depth_drop += 1
       elif toks[j] == bindings.OPEN:
         depth_drop = max(depth_drop - 1, 0)
-      elif depth_drop == 0 and toks[j] == toks[q] and toks[j - 1] != bindings.QUERY and toks[j + 1] >= bindings.NAME0 + cfg.n_names:
-        out[q] = j + 1
+      elif depth_drop == 0 and (bindings.decode_bind(cfg, toks[j]) or (None,))[0] == toks[q] - bindings.NAME0:
+        out[q] = j
         break
       j -= 1
   return out
@@ -93,7 +93,8 @@ def test_bindings_targets_match_brute_force_and_defeat_a_window(seed):
     assert toks.max() < bindings.vocab_size(cfg) and ex["depth"].max() <= cfg.max_depth and ex["depth"].min() >= 0
     want = brute_bindings(list(toks), cfg)
     assert dict(zip(ex["query_pos"].tolist(), ex["answer_pos"].tolist())) == want and len(want) >= 3
-    assert (toks[ex["query_pos"] + 1] == toks[ex["answer_pos"]]).all()
+    for q, a in zip(ex["query_pos"], ex["answer_pos"]):
+      assert toks[q + 1] == bindings.value_token(cfg, bindings.decode_bind(cfg, toks[a])[1])
     np.testing.assert_array_equal(np.flatnonzero(bindings.loss_mask(toks)), ex["query_pos"])
     far += int((ex["query_pos"] - ex["answer_pos"] > length // 8).sum())
     n_q += len(want)

@@ -53,9 +53,8 @@ def test_report_claims_table_reads_results(tmp_path):
   assert "fpa 5/5, fox 0/5" in md and "after 300 steps" in md and "fpa / fox = 1.050" in md
   assert "trained longer" not in md and "not run yet (`python -m experiments.passkey`)" in md
   # the longer run, passkey (competent or not at 1x) and both kv prefills join the same rows
-  (tmp_path / "results" / "perplexity_long").mkdir()
   long = {"fox": {"bpb": [2.0]}, "fpa_fox5": {"bpb": [2.2]}, "recipe": {"steps": 1200}, "meta": {}}
-  (tmp_path / "results" / "perplexity_long" / "perplexity.json").write_text(json.dumps(long))
+  (tmp_path / "results" / "perplexity_T3000.json").write_text(json.dumps(long))
   pk = {
     "train_length": 64,
     "meta": {},
@@ -100,7 +99,14 @@ def test_report_claims_table_reads_results(tmp_path):
   (tmp_path / "results" / "kv_compression_n100").mkdir()
   more = {**kv, "n_prompts": 100, "cells": {"fpa/fpa_budget": {"0.25": {**cell(0.99), "ci95": [0.95, 1.0]}}}}
   (tmp_path / "results" / "kv_compression_n100" / "kv_compression.json").write_text(json.dumps(more))
+  assert "not run yet (`python -m experiments.bindings_lm`)" in md
+  summary = {"multiple": 4, "fpa_full": 0.9, "fpa_rule": 0.895, "fpa_window": 0.5, "fpa_h2o": 0.85, "fox_full": 0.7}
+  blm = {"fpa": {"evals": [{}, {}, {}]}, "fox": {"evals": [{}]}, "summary": summary, "meta": {}}
+  (tmp_path / "results" / "bindings_lm.json").write_text(json.dumps(blm))
   md = report.claims_table(tmp_path)
+  assert "(seeds: fpa 3, fox 1): FPA's learned rule at 12.5% of the cache, 4x: 89.5 vs its full cache 90.0" in md
+  assert "target <= 1: holds" in md and "h2o at 12.5% on the same FPA models, 4x: 85.0, 4.5 points below" in md
+  assert "(target >= 10: NOT met)" in md and "FPA ahead by 20.0 points" in md
   assert (
     "with 100 prompts per cell (95% intervals): exact match at 8x (prefill parallel; budgets 25% / 12.5%): **fpa**: fpa_budget 0.99 [0.95, 1.00] / —"
     in md

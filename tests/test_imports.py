@@ -17,7 +17,7 @@ OUTSIDE_OK = ("fpa_jax.configs",)
 # Bottom to top, as in fpa_jax/data/__init__.py; a new module must be given a layer here.
 LAYERS = [
   ("tokenizers",),
-  ("scopes", "dips", "passkey", "synthetic"),
+  ("scopes", "dips", "passkey", "synthetic", "bindings"),
   ("text", "windows"),
   ("builders",),
   ("sources",),

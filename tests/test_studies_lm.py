@@ -228,3 +228,25 @@ def test_lm_ablations_script_tiny_run(tmp_path, data_dir):
   assert "| fpa_fox0_glr0.1 |" in (tmp_path / "out" / "lm_ablations.md").read_text()
   again = lm_ablations.main(argv)
   assert again["fox"]["bpb"] == res["fox"]["bpb"] and again["fox"]["train_wall_s"] == res["fox"]["train_wall_s"]
+
+
+def test_bindings_lm_script_tiny_run_resumes_and_reuses_its_scores(tmp_path, monkeypatch):
+  """`experiments.bindings_lm` end to end (issue 21 §2): trains, decodes each length under every
+  policy, writes the table and claims; a rerun resumes the run and reuses its scores (same step)."""
+  from experiments import bindings_lm
+
+  argv = [
+    "--methods", "fpa", "--seeds", "0", "--steps", "2", "--d-model", "16", "--heads", "2", "--train-len", "64",
+    "--multiples", "2", "--budgets", "0.125", "--n-eval", "2",
+    "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out"),
+  ]  # fmt: skip
+  res = bindings_lm.main(argv)
+  cells = res["fpa"]["evals"][0]["2"]
+  assert list(cells) == ["full", "fpa_budget 12.5%", "window 12.5%", "h2o 12.5%"]
+  assert all(0 <= c["acc"] <= 1 and c["n"] > 0 for c in cells.values())
+  assert cells["window 12.5%"]["cache_fraction"] <= 0.125 + 1 / 128
+  md = (tmp_path / "out" / "bindings_lm.md").read_text()
+  assert "| fpa | fpa_budget 12.5% | 1 |" in md and "FPA's learned rule at 12.5%" in md
+  monkeypatch.setattr(bindings_lm, "evaluate", lambda *a, **k: pytest.fail("re-scored an unchanged run"))
+  again = bindings_lm.main(argv)
+  assert again["fpa"]["evals"] == res["fpa"]["evals"] and again["fpa"]["steps"] == [2]

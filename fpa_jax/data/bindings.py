@@ -13,13 +13,13 @@ name; this language is content-addressed, like the variable lookups of real code
 Tokens::
 
     OPEN, CLOSE               a scope (depth +1 / -1)
-    NAME VALUE                a binding, in the current scope
+    BIND(name, value)         one token: a binding in the current scope (a key that holds both)
     QUERY NAME -> VALUE       a query; its answer is the next token (the loss is on it)
 
-Vocabulary (size `7 + n_names + n_values`)::
+Vocabulary (size `7 + N + V + N * V`)::
 
     0 PAD | 1 BOS | 2 EOS | 3 OPEN | 4 CLOSE | 5 QUERY | 6 (unused: scopes' NONE)
-    7 .. 7+N-1: names | 7+N .. 7+N+V-1: values
+    7 .. 7+N-1: names | then V values | then N * V bindings (name-major)
 """
 
 from __future__ import annotations
@@ -53,11 +53,21 @@ class BindingsConfig:
 
 
 def vocab_size(cfg: BindingsConfig) -> int:
-  return NAME0 + cfg.n_names + cfg.n_values
+  return NAME0 + cfg.n_names + cfg.n_values + cfg.n_names * cfg.n_values
 
 
 def value_token(cfg: BindingsConfig, value: int) -> int:
   return NAME0 + cfg.n_names + value
+
+
+def bind_token(cfg: BindingsConfig, name: int, value: int) -> int:
+  return NAME0 + cfg.n_names + cfg.n_values + name * cfg.n_values + value
+
+
+def decode_bind(cfg: BindingsConfig, token: int) -> tuple[int, int] | None:
+  """(name, value) of a binding token, else None."""
+  k = int(token) - (NAME0 + cfg.n_names + cfg.n_values)
+  return divmod(k, cfg.n_values) if 0 <= k < cfg.n_names * cfg.n_values else None
 
 
 class _Program:
@@ -66,7 +76,7 @@ class _Program:
   def __init__(self, cfg: BindingsConfig, rng: np.random.Generator):
     self.cfg, self.rng = cfg, rng
     self.tokens, self.depths = [BOS], [0]
-    self.scopes: list[dict[int, tuple[int, int]]] = [{}]  # per open scope: name -> (value, value pos)
+    self.scopes: list[dict[int, tuple[int, int]]] = [{}]  # per open scope: name -> (value, its position)
     self.query_pos, self.answer_pos = [], []
 
   @property
@@ -87,8 +97,8 @@ class _Program:
 
   def bind(self, name: int):
     value = int(self.rng.integers(self.cfg.n_values))
-    self.scopes[-1][name] = (value, len(self.tokens) + 1)
-    self._emit(NAME0 + name, value_token(self.cfg, value))
+    self.scopes[-1][name] = (value, len(self.tokens))
+    self._emit(bind_token(self.cfg, name, value))
 
   def lookup(self, name: int) -> tuple[int, int] | None:
     return next((s[name] for s in reversed(self.scopes) if name in s), None)
@@ -107,8 +117,8 @@ def generate(rng: np.random.Generator, cfg: BindingsConfig) -> dict[str, np.ndar
   """One example of exactly `cfg.length` tokens.
 
   Returns int32 arrays: `tokens` [T]; `depth` [T] (scope depth after each token); `query_pos` [Q]
-  (the NAME token of each query: the answer is tokens[query_pos + 1]); `answer_pos` [Q] (the VALUE
-  token of the binding that answers it: tokens[answer_pos] == tokens[query_pos + 1]).
+  (the NAME token of each query: the answer is tokens[query_pos + 1]); `answer_pos` [Q] (the
+  binding token that answers it: `decode_bind(tokens[answer_pos])` is (name, answer value)).
   """
   cfg.validate()
   p = _Program(cfg, rng)
@@ -117,7 +127,7 @@ def generate(rng: np.random.Generator, cfg: BindingsConfig) -> dict[str, np.ndar
   names = lambda k: [int(n) for n in rng.choice(cfg.n_names, size=k, replace=False)]  # noqa: E731
   while room(1):
     stretch = max(1, int(rng.uniform(cfg.inner_min, cfg.inner_max) * cfg.length))
-    outer_cost = 2 + 2 * cfg.outer_bindings + 3 * cfg.far_queries
+    outer_cost = 2 + cfg.outer_bindings + 3 * cfg.far_queries
     if not room(stretch + outer_cost):
       break
     p.open()
@@ -125,7 +135,7 @@ def generate(rng: np.random.Generator, cfg: BindingsConfig) -> dict[str, np.ndar
     for n in outer:
       p.bind(n)
     stop = len(p.tokens) + stretch
-    p_query = cfg.inner_queries / max(stretch / 3, 1)  # per event; events are ~3 tokens
+    p_query = cfg.inner_queries / max(stretch / 1.5, 1)  # per event; events are ~1.5 tokens
     # Inside: never idle at depth 1 (a binding there would be a live outer one). Keep room to close
     # back to depth 1 and ask the far queries.
     while len(p.tokens) < stop and room(p.depth + 3 * cfg.far_queries + 4):
@@ -164,3 +174,36 @@ def loss_mask(tokens: np.ndarray) -> np.ndarray:
   m = np.zeros(len(t) - 1, np.float32)
   m[1:] = t[:-2] == QUERY
   return m
+
+
+class BindingsLM:
+  """In-memory LM batches of `generate` examples (seeded per batch), loss on every next token with
+  the answers weighted x`answer_weight`. Checkpointable: `get_state` / `set_state` (the batch count).
+
+  Yields dicts of inputs / targets / segment_ids int32 [B, T] and loss_mask float32 [B, T], T = seq_len."""
+
+  def __init__(self, *, seq_len: int, batch_size: int, seed: int = 0, answer_weight: float = 4.0, **cfg_kw):
+    self.cfg = BindingsConfig(length=seq_len + 1, **cfg_kw).validate()
+    self.vocab_size = vocab_size(self.cfg)
+    self.batch_size, self.seed, self.w, self.n = batch_size, seed, answer_weight, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([self.seed, self.n])
+    self.n += 1
+    toks = np.stack([generate(rng, self.cfg)["tokens"] for _ in range(self.batch_size)])
+    mask = 1.0 + (self.w - 1.0) * np.stack([loss_mask(t) for t in toks])
+    return {
+      "inputs": toks[:, :-1],
+      "targets": toks[:, 1:],
+      "segment_ids": np.ones_like(toks[:, :-1]),
+      "loss_mask": mask.astype(np.float32),
+    }
+
+  def get_state(self) -> dict:
+    return {"n": self.n}
+
+  def set_state(self, state: dict) -> None:
+    self.n = int(state["n"])
