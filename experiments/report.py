@@ -136,7 +136,8 @@ def _ppl(doc, long=None, old=(None, None)) -> str:
 
 def _ppl_one(doc) -> str:
   bpb = {m: float(np.mean(doc[m]["bpb"])) for m in _methods(doc) if "bpb" in doc[m]}
-  parts = [f"{m} {v:.3f} ({len(doc[m]['bpb'])} seeds)" for m, v in bpb.items()]
+  n = {m: len(doc[m]["bpb"]) for m in bpb}
+  parts = [f"{m} {v:.3f} ({n[m]} seed{'s' * (n[m] != 1)})" for m, v in bpb.items()]
   ratios = [f"{m} / fox = {bpb[m] / bpb['fox']:.3f}" for m in bpb if m.startswith("fpa") and "fox" in bpb]
   return (
     f"held-out bits per byte after {doc['recipe']['steps']} steps: "

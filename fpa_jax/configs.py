@@ -60,10 +60,11 @@ Why these defaults (issue 11's single-head studies, reproduced by `experiments.l
 The language-model gate (`LM_GATE`, the default of the LM presets `small` and `base110m`; issue 20,
 `results/lm_ablations.md`): FoX's log-sigmoid term in the increment (`gate_forget`: the gate starts
 as FoX at FoX's init) and the step / absolute / offset read-outs at scale 1. Byte LMs with the
-single-head defaults above trained 3-5% worse than FoX, also when started at FoX's init: the
-scale-10 read-outs move 10x faster under Adam, and in a language model that speed hurts. Scale 1
-(or the scale-10 read-outs at a tenth of the learning rate, `gate_lr_scale`) closes the gap; which
-read-out and relu's kink were ruled out row by row in the ablation table. The base defaults (and
+single-head defaults above trained several percent worse than FoX, also when started at FoX's
+init: the scale-10 read-outs move 10x faster under Adam, and in a language model that speed hurts
+(most of all the step read-out, whose errors the cumulative sum carries forward). Scale 1 (or the
+scale-10 read-outs at a tenth of the learning rate, `gate_lr_scale`) closes the gap; an all-zero
+read-out init (relu's kink) does not (one row per hypothesis in the ablation table). The base defaults (and
 `tiny`) stay the single-head ones (`SINGLE_HEAD_GATE`): hard forgetting within a few hundred steps
 is what the synthetic live-set tasks need. Either set is a plain dict of overrides.
 
