@@ -213,7 +213,7 @@ def markdown(res: dict) -> str:
   # Position columns: within L, then the last bucket before 2L, 4L, 8L.
   cols = [i for i, (a, b) in enumerate(buckets) if b in (L, 2 * L, 4 * L, 8 * L)]
   head = (
-    f"`python -m {MODULE}` (each method's exact command and commit are in perplexity.json): byte LMs ({r['layers']} layers, d_model {r['d_model']}, {r['heads']} heads), "
+    f"`python -m {MODULE}` (each method's exact command and commit are in {res.get('out_name', 'perplexity')}.json): byte LMs ({r['layers']} layers, d_model {r['d_model']}, {r['heads']} heads), "
     f"L={L}, batch {r['batch_size']}, {r['steps']} steps, lr {r['lr']} (cosine), seeds {r['seeds']}; held-out "
     f"bits per byte on {_heldout_words(res)}; loss by position on "
     f"{res['pos_docs']} validation documents read from their start to {res['pos_multiple']}L. \"train min\" is "
@@ -415,6 +415,7 @@ def main(argv=None) -> dict | None:
       raise SystemExit(f"{args.out_dir}/{args.out_name}.json not found: run python -m {MODULE} first")
     for m in (m for m in METHODS if m in res):  # the config each run started with (see _common.init_config)
       res[m]["config"] = U.init_config(res[m]["workdirs"][-1], res[m].get("config"))
+    res["out_name"] = args.out_name
     write_outputs(res, Path(args.out_dir), args.out_name)
     return res
   log = lambda s: print(s, file=sys.stderr, flush=True)
@@ -451,6 +452,7 @@ def main(argv=None) -> dict | None:
       {
         method: entry,
         "recipe": recipe,
+        "out_name": args.out_name,
         "train_length": args.train_len,
         "heldout": coverage,
         "pos_docs": len(docs),

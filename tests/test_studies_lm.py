@@ -203,6 +203,14 @@ def test_perplexity_script_tiny_run(tmp_path, data_dir):
   assert cov["windows"] == 6 and cov["docs_covered"] == cov["docs_in_split"] and cov["bytes_scored"] > 0
   assert "| fox | 1 |" in (tmp_path / "out" / "perplexity.md").read_text()
   assert (tmp_path / "out" / "perplexity.png").stat().st_size > 0
+  # another recipe in its own file, with curves and the FPA claim (LM gate) against FoX
+  argv2 = [a if a != "fox" else "fpa_lm" for a in argv] + ["--eval-every", "1", "--out-name", "ppl_other"]
+  argv2[argv2.index("--runs-dir") + 1] = str(tmp_path / "runs2")  # new runs: evals from their first step
+  res2 = perplexity.main(argv2[:1] + ["fox"] + argv2[1:])
+  assert [len(res2[m]["curves"][0]) for m in ("fox", "fpa_lm")] == [2, 2] and "fox" in res2 and "fpa_lm" in res2
+  md = (tmp_path / "out" / "ppl_other.md").read_text()
+  assert "are in ppl_other.json" in md and "(`fpa_lm`): mean bpb" in md and "logged steps" in md
+  assert res["fox"]["bpb"] == perplexity.main(argv)["fox"]["bpb"]  # the first file is untouched
 
 
 def test_base110m_recipes_only_print(capsys, tmp_path):
