@@ -94,6 +94,24 @@ def _json_default(x):
   raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
+def write_study(out_dir: str | os.PathLike, name: str, res: dict, markdown, plot=None) -> None:
+  """A study's results files: out_dir/name.json (res), name.md (markdown(res)), name.png (plot(res, path))."""
+  out_dir = Path(out_dir)
+  write_json(out_dir / f"{name}.json", res)
+  (out_dir / f"{name}.md").write_text(markdown(res))
+  if plot is not None:
+    plot(res, out_dir / f"{name}.png")
+
+
+def study_parser(module: str, doc: str):
+  """The argparse parser of `python -m module`: its docstring's first paragraph as the description."""
+  import argparse
+
+  return argparse.ArgumentParser(
+    prog=f"python -m {module}", description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+
+
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:
   path = Path(path)
   return json.loads(path.read_text()) if path.exists() else default

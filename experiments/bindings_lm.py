@@ -19,7 +19,6 @@ Writes results/bindings_lm.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -227,9 +226,7 @@ def plot(res: dict, path: Path) -> None:
 
 def write_outputs(res: dict, out_dir: Path) -> None:
   res["summary"] = summarise(res)
-  U.write_json(out_dir / "bindings_lm.json", res)
-  (out_dir / "bindings_lm.md").write_text(markdown(res))
-  plot(res, out_dir / "bindings_lm.png")
+  U.write_study(out_dir, "bindings_lm", res, markdown, plot)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,11 +235,7 @@ def write_outputs(res: dict, out_dir: Path) -> None:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(
-    prog=f"python -m {MODULE}",
-    description=__doc__.split("\n\n")[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument("--train-len", type=int, default=128)

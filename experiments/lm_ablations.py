@@ -183,9 +183,7 @@ def plot(res: dict, path: Path) -> None:
 
 def write_outputs(res: dict, out_dir: Path) -> None:
   res["summary"] = summarise(res)
-  U.write_json(out_dir / "lm_ablations.json", res)
-  (out_dir / "lm_ablations.md").write_text(markdown(res))
-  plot(res, out_dir / "lm_ablations.png")
+  U.write_study(out_dir, "lm_ablations", res, markdown, plot)
 
 
 def parse_args(argv=None):
