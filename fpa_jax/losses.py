@@ -23,7 +23,8 @@ Metrics (all scalars, logged with the train metrics): evict_loss (the hinge, bef
 evict_target, evict_live (soft live fraction over all layers), evict_live_l{i} (per layer) and
 evict_live_hard (penalty < evict_tau with the exact penalty: what a threshold policy would keep).
 
-Gate statistics (`eval_terms`, the trainer's periodic eval; issue 20): on the first held-out batch,
+Gate statistics (`eval_terms`, the trainer's periodic eval; issue 20): on the first held-out batch
+(its first STATS_ROWS sequences, their first STATS_LEN tokens: the all-pairs penalty is O(T^2)),
 per layer, the field's range along each sequence, the share of (query, earlier key) pairs in one
 segment with a penalty > 0 (active) and > FORGOTTEN nats (weight below e^-5 of an unpenalised
 key's), and the mean penalty, each averaged over sequences and kv heads: whether a gate learns to
@@ -43,6 +44,7 @@ from fpa_jax.ops import evictability as E
 from fpa_jax.ops.penalty import first_passage_penalty
 
 FORGOTTEN = 5.0  # nats: a penalty past this is reported as forgotten (gate_forgotten_l{i})
+STATS_ROWS, STATS_LEN = 2, 256  # the gate statistics' sample of the first eval batch
 
 
 def lm_loss(model, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -147,4 +149,7 @@ def eval_terms(model, batch: dict, with_gate_stats: bool) -> tuple[jax.Array, ja
   if not with_gate_stats:
     return *lm_loss(model, batch), {}
   logits, gates = model(batch["inputs"], batch["segment_ids"], return_gates=True)
-  return *_ce_sum(logits, batch), gate_stats(gates, batch["segment_ids"])
+  cut = lambda a: a[..., :STATS_ROWS, :STATS_LEN, :]  # noqa: E731  [L, B, T, KVH]
+  seg = batch["segment_ids"]
+  stats = gate_stats(tuple(map(cut, gates)), None if seg is None else seg[:STATS_ROWS, :STATS_LEN])
+  return *_ce_sum(logits, batch), stats

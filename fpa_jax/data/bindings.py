@@ -153,10 +153,14 @@ def generate(rng: np.random.Generator, cfg: BindingsConfig) -> dict[str, np.ndar
     for n in rng.choice(outer, size=cfg.far_queries):
       p.query(int(n))  # answered by the outer binding, past every closed inner scope
     p.close()
-  while room(1):  # pad the tail with scopes too short to bind anything
-    p.open() if p.depth == 0 and room(2) else p.close() if p.depth else p._emit(PAD)
-  while p.depth:  # never reached: the tail closes what it opens; kept for safety of the length
-    p.scopes.pop()
+  while room(1):  # fill the tail with empty scopes (an open only where its close fits), then PAD
+    if p.depth:
+      p.close()
+    elif room(2):
+      p.open()
+    else:
+      p._emit(PAD)
+  assert p.depth == 0 and len(p.tokens) == end
   p.tokens.append(EOS)
   p.depths.append(0)
   i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
