@@ -191,7 +191,9 @@ def markdown(res: dict) -> str:
       far = _stat(res, meth, "4" if "4" in mults else mults[-1], label, "far")
       rows.append([meth, label, len(res[meth]["evals"]), *cells, f"{np.mean(far):.3f}" if far else "—"])
   far_col = f"far queries @ {'4' if '4' in mults else mults[-1]}x"
-  table = U.md_table(["method", "cache", "seeds", *[f"{m}x" for m in mults], far_col], rows)
+  table = U.md_table(
+    ["method", "cache", "seeds", *[f"{m}x" for m in mults], far_col], rows, align="ll" + "r" * (len(mults) + 2)
+  )
   return head + table + "\n\n" + "\n".join(f"- {c}" for c in claims(res["summary"])) + "\n"
 
 

@@ -120,7 +120,9 @@ def markdown(res: dict) -> str:
     f"{r['d_model']}, {r['heads']} heads), L={r['train_length']}, batch {r['batch_size']}, {r['steps']} steps, lr "
     f"{r['lr']} (cosine); held-out bits per byte on {cov['bytes_scored']} bytes of {cov['windows']} windows over "
     f"{cov['docs_covered']} of {cov['docs_in_split']} validation documents. \"vs\" columns: mean of the per-seed "
-    "(paired) relative differences.\n\n"
+    "(paired) relative differences. Gate columns: each trained model's gate on the first held-out batch "
+    f"(`fpa_jax.losses.gate_stats`), mean over layers and seeds: the field's range along a window (nats), the "
+    f"share of (query, earlier key) pairs with a penalty > 0 and > {FORGOTTEN:g} nats, and the mean penalty.\n\n"
   )
   pct = lambda v: "—" if v is None else f"{100 * v:+.2f}%"
   rows = []
@@ -144,6 +146,7 @@ def markdown(res: dict) -> str:
       "field range", "active pairs", f"pairs > {FORGOTTEN:g} nats", "mean penalty",
     ],
     rows,
+    align="ll" + "r" * 9,
   )  # fmt: skip
   return head + table
 
