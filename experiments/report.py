@@ -160,6 +160,35 @@ def _bindings(doc) -> str:
   )
 
 
+def dips_limits_table(root: Path = ROOT) -> str | None:
+  """results/dips_limits.md: FPA's coverage on `dips` (issue 20 §3) under each variant run into
+  results/dips_limits/<variant>/dips.json (`python -m experiments.live_sets --task dips --methods fpa
+  --seeds 5 ... --out-dir results/dips_limits/<variant>`), beside the study's default row."""
+  runs = [("default (study 1)", _load(root, "dips"))]
+  runs += [
+    (d.name, _load(root, f"dips_limits/{d.name}/dips")) for d in sorted((root / "results" / "dips_limits").glob("*"))
+  ]
+  rows = []
+  for name, doc in runs:
+    if doc is None or "fpa" not in doc:
+      continue
+    e, cmd = doc["fpa"], doc["meta"]["command"].replace("python -m experiments.live_sets ", "")
+    cov = lambda k: f"{np.mean(e[k]):.3f} ± {np.std(e[k]):.3f}"  # noqa: E731  (as live_sets reports it)
+    d, hd = e["config"]["d_model"], e["config"]["d_model"] // e["config"]["n_heads"]
+    steps = doc["meta"]["settings"]["steps"]
+    rows.append(
+      f"| {name} | `{cmd}` | {hd} | {steps} | {cov('coverage_1x')} | {cov('coverage_2x')} | {e['successes_coverage']}/{e['seeds']} |"
+    )
+  if len(rows) < 2:
+    return None
+  head = (
+    "FPA's coverage head on `dips` (1 - TV to uniform over the live set; a seed succeeds at >= 0.95 at both "
+    "1x and 2x), single head, d_model = head dim:\n\n"
+    "| variant | command | head dim | steps | coverage 1x | coverage 2x | seeds >= 0.95 |\n|---|---|---:|---:|---:|---:|---:|\n"
+  )
+  return head + "\n".join(rows) + "\n"
+
+
 def claims_table(root: Path = ROOT) -> str:
   rows = [
     (
@@ -201,6 +230,9 @@ def claims_table(root: Path = ROOT) -> str:
 def main(argv=None) -> int:
   (ROOT / "results").mkdir(exist_ok=True)
   (ROOT / "results" / "claims.md").write_text(claims_table())
+  dips = dips_limits_table()
+  if dips is not None:
+    (ROOT / "results" / "dips_limits.md").write_text(dips)
   path = ROOT / "README.md"
   old = path.read_text()
   new = render(old)

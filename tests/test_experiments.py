@@ -203,3 +203,20 @@ def test_forget_speed_records_every_layer_and_rebuilds_with_skipping():
   exact, skipping = F.with_skip(m, None), F.with_skip(m, 1e-3)
   assert skipping.cfg.skip_tolerance == 1e-3 and exact.cfg.skip_tolerance is None
   assert_close(forward(exact, tok), forward(m, tok), n=m.cfg.d_model * m.cfg.n_layers)  # the same parameters
+
+
+def test_dips_limits_table_collects_the_variant_runs(tmp_path):
+  """`report.dips_limits_table`: the study's default FPA row, then one row per results/dips_limits/<variant>."""
+  run = lambda cmd, d, steps, cov: {  # noqa: E731
+    "fpa": {"coverage_1x": cov, "coverage_2x": cov, "successes_coverage": 1, "seeds": 2, "config": {"d_model": d, "n_heads": 1}},
+    "meta": {"command": f"python -m experiments.live_sets {cmd}", "settings": {"steps": steps}},
+  }  # fmt: skip
+  (tmp_path / "results" / "dips_limits" / "d64").mkdir(parents=True)
+  assert report.dips_limits_table(tmp_path) is None  # nothing to compare yet
+  (tmp_path / "results" / "dips.json").write_text(json.dumps(run("--task all", 16, 1500, [0.9, 0.92])))
+  (tmp_path / "results" / "dips_limits" / "d64" / "dips.json").write_text(
+    json.dumps(run("--set d_model=64", 64, 1500, [0.96, 0.94]))
+  )
+  md = report.dips_limits_table(tmp_path)
+  assert "| default (study 1) | `--task all` | 16 | 1500 | 0.910 ± 0.010 | 0.910 ± 0.010 | 1/2 |" in md
+  assert "| d64 | `--set d_model=64` | 64 | 1500 | 0.950 ± 0.010 |" in md
