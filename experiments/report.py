@@ -174,7 +174,7 @@ def dips_limits_table(root: Path = ROOT) -> str | None:
       continue
     e, cmd = doc["fpa"], doc["meta"]["command"].replace("python -m experiments.live_sets ", "")
     cov = lambda k: f"{np.mean(e[k]):.3f} ± {np.std(e[k]):.3f}"  # noqa: E731  (as live_sets reports it)
-    d, hd = e["config"]["d_model"], e["config"]["d_model"] // e["config"]["n_heads"]
+    hd = e["config"]["d_model"] // e["config"]["n_heads"]
     steps = doc["meta"]["settings"]["steps"]
     rows.append(
       f"| {name} | `{cmd}` | {hd} | {steps} | {cov('coverage_1x')} | {cov('coverage_2x')} | {e['successes_coverage']}/{e['seeds']} |"
