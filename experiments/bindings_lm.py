@@ -154,7 +154,8 @@ def claims(s: dict) -> list[str]:
     gap = s["fpa_full"] - s["fpa_rule"]
     out.append(
       f"FPA's learned rule at 12.5% of the cache, {k}x: {pts(s['fpa_rule'])} vs its full cache {pts(s['fpa_full'])} "
-      f"({pts(gap)} points below; target <= 1: {'holds' if gap <= 0.01 else 'NOT met'})."
+      f"({pts(abs(gap))} points {'below' if gap > 0 else 'above'}; target: at most 1 below, "
+      f"{'holds' if gap <= 0.01 else 'NOT met'})."
     )
     for p in ("window", "h2o"):
       d = s["fpa_rule"] - s[f"fpa_{p}"]

@@ -105,7 +105,10 @@ def test_report_claims_table_reads_results(tmp_path):
   (tmp_path / "results" / "bindings_lm.json").write_text(json.dumps(blm))
   md = report.claims_table(tmp_path)
   assert "(seeds: fpa 3, fox 1): FPA's learned rule at 12.5% of the cache, 4x: 89.5 vs its full cache 90.0" in md
-  assert "target <= 1: holds" in md and "h2o at 12.5% on the same FPA models, 4x: 85.0, 4.5 points below" in md
+  assert (
+    "(0.5 points below; target: at most 1 below, holds)" in md
+    and "h2o at 12.5% on the same FPA models, 4x: 85.0, 4.5 points below" in md
+  )
   assert "(target >= 10: NOT met)" in md and "FPA ahead by 20.0 points" in md
   assert (
     "with 100 prompts per cell (95% intervals): exact match at 8x (prefill parallel; budgets 25% / 12.5%): **fpa**: fpa_budget 0.99 [0.95, 1.00] / —"
