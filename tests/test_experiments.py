@@ -217,9 +217,10 @@ def test_dips_limits_table_collects_the_variant_runs(tmp_path):
   (tmp_path / "results" / "dips_limits" / "d64").mkdir(parents=True)
   assert report.dips_limits_table(tmp_path) is None  # nothing to compare yet
   (tmp_path / "results" / "dips.json").write_text(json.dumps(run("--task all", 16, 1500, [0.9, 0.92])))
-  (tmp_path / "results" / "dips_limits" / "d64" / "dips.json").write_text(
-    json.dumps(run("--set d_model=64", 64, 1500, [0.96, 0.94]))
-  )
+  d64 = run("--set d_model=64", 64, 1500, [0.96, 0.94])
+  d64["fox"] = {**d64["fpa"], "coverage_1x": [0.7, 0.7], "successes_coverage": 0}  # a variant's other heads
+  (tmp_path / "results" / "dips_limits" / "d64" / "dips.json").write_text(json.dumps(d64))
   md = report.dips_limits_table(tmp_path)
-  assert "| default (study 1) | `--task all` | 16 | 1500 | 0.910 ± 0.010 | 0.910 ± 0.010 | 1/2 |" in md
-  assert "| d64 | `--set d_model=64` | 64 | 1500 | 0.950 ± 0.010 |" in md
+  assert "| default (study 1) | fpa | `--task all` | 16 | 1500 | 0.910 ± 0.010 | 0.910 ± 0.010 | 1/2 |" in md
+  assert "| d64 | fpa | `--set d_model=64` | 64 | 1500 | 0.950 ± 0.010 |" in md
+  assert "| d64 | fox | `--set d_model=64` | 64 | 1500 | 0.700 ± 0.000 | 0.950 ± 0.010 | 0/2 |" in md
