@@ -160,6 +160,23 @@ def _bindings(doc) -> str:
   )
 
 
+def _dips_variants(root: Path) -> str:
+  """The `dips` variants run with every method (results/dips_limits/<variant>), as the claim's row."""
+  out = []
+  for d in sorted((root / "results" / "dips_limits").glob("*")):
+    doc = _load(root, f"dips_limits/{d.name}/dips")
+    ms = [m for m in FAMILIES if doc and m in doc]
+    if len(ms) < 2:
+      continue
+    e = doc[ms[0]]
+    hd, steps = e["config"]["d_model"] // e["config"]["n_heads"], doc["meta"]["settings"]["steps"]
+    out.append(
+      f"with head dim {hd} and {steps} steps (`{d.name}`): "
+      + ", ".join(f"{m} {doc[m]['successes']}/{doc[m]['seeds']}" for m in ms)
+    )
+  return "".join(f"; {o}" for o in out)
+
+
 def dips_limits_table(root: Path = ROOT) -> str | None:
   """results/dips_limits.md: FPA's coverage on `dips` (issue 20 §3) under each variant run into
   results/dips_limits/<variant>/dips.json (`python -m experiments.live_sets --task dips --methods fpa
@@ -201,7 +218,10 @@ def claims_table(root: Path = ROOT) -> str:
       "(nested scopes)",
       _live_sets(_load(root, "scopes"), "scopes"),
     ),
-    ("... and on the general case (levels set per key, dips per token)", _live_sets(_load(root, "dips"), "dips")),
+    (
+      "... and on the general case (levels set per key, dips per token)",
+      _live_sets(_load(root, "dips"), "dips") + _dips_variants(root),
+    ),
     (
       "A 110M model retrieves a passkey perfectly at 8x its training length, the only one of the methods",
       _passkey(_load(root, "passkey")),

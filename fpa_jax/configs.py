@@ -41,9 +41,11 @@ Why these defaults (issue 11's single-head studies, reproduced by `experiments.l
   a nested-scope walk needs increments that are exactly 0 on content tokens, +/- on brackets.
 - An absolute term: a cumulative field alone cannot say "this dip reaches value v" whatever came
   before, which the general case (levels set per key, dips set per token) needs in principle.
-  Open: study 1 does not show it at work yet. On `dips` coverage no gated head reaches 0.95 on
-  any seed at the study's budget (fpa 0.91 +/- 0.02, stack 0.68, FoX 0.68, softmax 0.76), and
-  fpa without the absolute term scores about the same (`results/dips.md`, ablations).
+  At study 1's budget (head dim 16, 1500 steps) no gated head reaches coverage 0.95 on `dips`,
+  and fpa without the absolute term scores about the same (`results/dips.md`, ablations); what
+  limits FPA there is the head dim and the steps, not the parameterisation: at head dim 64 and
+  3000 steps FPA reaches it on every seed while stack, FoX and softmax heads of that size reach
+  it on none (`results/dips_limits.md`).
 - Scales of 10 with near-zero initial weights: Adam moves the read-outs ~10x faster than a
   unit-scale weight, so penalties of tens of nats (hard forgetting) are reachable in a few hundred
   steps, while attention starts close to NoPE.

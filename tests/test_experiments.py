@@ -224,3 +224,7 @@ def test_dips_limits_table_collects_the_variant_runs(tmp_path):
   assert "| default (study 1) | fpa | `--task all` | 16 | 1500 | 0.910 ± 0.010 | 0.910 ± 0.010 | 1/2 |" in md
   assert "| d64 | fpa | `--set d_model=64` | 64 | 1500 | 0.950 ± 0.010 |" in md
   assert "| d64 | fox | `--set d_model=64` | 64 | 1500 | 0.700 ± 0.000 | 0.950 ± 0.010 | 0/2 |" in md
+  for m in ("fpa", "fox"):
+    d64[m]["successes"] = d64[m]["successes_coverage"]
+  (tmp_path / "results" / "dips_limits" / "d64" / "dips.json").write_text(json.dumps(d64))
+  assert "; with head dim 64 and 1500 steps (`d64`): fpa 1/2, fox 0/2 |" in report.claims_table(tmp_path)
