@@ -284,14 +284,13 @@ def main(argv=None) -> dict:
     res = U.read_json(out_dir / "bindings_lm.json", {})
     if res.get("recipe") != recipe:
       res = {}
-    old = {s: e for s, e in zip(res.get(method, {}).get("seeds", []), res.get(method, {}).get("evals", []))}
     entry = res.get(method, {"seeds": [], "evals": [], "steps": [], "train_wall_s": [], "workdirs": []})
     for seed in args.seeds:
       data = BindingsLM(seq_len=args.train_len, batch_size=args.batch_size, seed=seed)
       workdir = os.path.join(args.runs_dir, tag, f"{method}_s{seed}")
       tr = U.train_lm(study_config(method, args, seed, data.vocab_size), workdir, data)
       i = entry["seeds"].index(seed) if seed in entry["seeds"] else None
-      if i is not None and entry["steps"][i] == tr["step"] and seed in old:
+      if i is not None and entry["steps"][i] == tr["step"]:
         continue  # scored at this step already
       ev = evaluate(tr["model"], method, args, log)
       vals = {"seeds": seed, "evals": ev, "steps": tr["step"], "train_wall_s": tr["train_wall_s"], "workdirs": workdir}
