@@ -94,25 +94,30 @@ def eval_programs(length: int, n: int, seed: int = 123) -> tuple[np.ndarray, np.
   return toks, is_q[:, :-1], far[:, :-1]
 
 
-def evaluate(model, method: str, args, log) -> dict:
-  """{multiple: {label: {acc, far, near, n, n_far, cache_fraction}}} for one trained model."""
+def score(model, toks: np.ndarray, is_q: np.ndarray, far: np.ndarray, **policy) -> tuple[dict, dict]:
+  """Decode `eval_programs` output under one cache policy (`cached_logits` kwargs) -> ({acc, far,
+  near, n, n_far, cache_fraction}, the decode's stats)."""
   from fpa_jax.inference import cached_logits
 
+  logits, st = cached_logits(model, toks, **policy)
+  ok = np.argmax(np.asarray(logits)[:, :-1], -1) == toks[:, 1:]
+  cell = {
+    "acc": float(ok[is_q].mean()),
+    "far": float(ok[far].mean()),
+    "near": float(ok[is_q & ~far].mean()),
+    "n": int(is_q.sum()),
+    "n_far": int(far.sum()),
+    "cache_fraction": float(st["cache_fraction"]),
+  }
+  return cell, st
+
+
+def evaluate(model, method: str, args, log) -> dict:
+  """{multiple: {label: {acc, far, near, n, n_far, cache_fraction}}} for one trained model."""
   out = {}
   for mult in args.multiples:
     toks, is_q, far = eval_programs(mult * args.train_len, args.n_eval)
-    cells = {}
-    for label, kw in policies(method, args.budgets):
-      logits, st = cached_logits(model, toks, **kw)
-      ok = np.argmax(np.asarray(logits)[:, :-1], -1) == toks[:, 1:]
-      cells[label] = {
-        "acc": float(ok[is_q].mean()),
-        "far": float(ok[far].mean()),
-        "near": float(ok[is_q & ~far].mean()),
-        "n": int(is_q.sum()),
-        "n_far": int(far.sum()),
-        "cache_fraction": float(st["cache_fraction"]),
-      }
+    cells = {label: score(model, toks, is_q, far, **kw)[0] for label, kw in policies(method, args.budgets)}
     log(f"[bindings_lm] {method} {mult}x: " + ", ".join(f"{k} {v['acc']:.3f}" for k, v in cells.items()))
     out[str(mult)] = cells
   return out

@@ -31,7 +31,6 @@ Writes results/lm_ablations.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -190,11 +189,7 @@ def write_outputs(res: dict, out_dir: Path) -> None:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(
-    prog=f"python -m {MODULE}",
-    description=__doc__.split("\n\n")[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
   ap.add_argument("--seeds", type=int, nargs="+", default=[0])
   P.add_recipe_args(ap, steps=600, runs_dir="runs/lm_ablations")

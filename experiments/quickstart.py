@@ -53,8 +53,7 @@ def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tu
   on all queries and on the far ones (answer > seq_len / 8 back), keys held and (where measurable)
   the attention mass lost to eviction."""
   from experiments._common import md_table
-  from experiments.bindings_lm import eval_programs
-  from fpa_jax.inference import cached_logits
+  from experiments.bindings_lm import eval_programs, score
 
   toks, is_q, far = eval_programs(seq_len, n, seed)
   rows = []
@@ -68,13 +67,12 @@ def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tu
     ("window 12.5%", dict(policy="window", budget=0.125)),
     ("h2o 12.5%", dict(policy="h2o", budget=0.125)),
   ]:
-    logits, st = cached_logits(model, toks, **kw)
-    ok = np.argmax(np.asarray(logits)[:, :-1], -1) == toks[:, 1:]
+    cell, st = score(model, toks, is_q, far, **kw)
     rows.append(
       {
         "policy": name,
-        "query_accuracy": float(ok[is_q].mean()),
-        "far_accuracy": float(ok[far].mean()),
+        "query_accuracy": cell["acc"],
+        "far_accuracy": cell["far"],
         "cache_fraction": st["cache_fraction"],
         "kept_fraction_mean": st["kept_fraction_mean"],
         "lost_mass_max": st["lost_mass_max"],

@@ -160,18 +160,29 @@ def _bindings(doc) -> str:
   )
 
 
+def _dips_variant_runs(root: Path) -> list[tuple[str, dict]]:
+  """(variant, its dips.json) of every run under results/dips_limits/ that holds an FPA head."""
+  docs = [
+    (d.name, _load(root, f"dips_limits/{d.name}/dips")) for d in sorted((root / "results" / "dips_limits").glob("*"))
+  ]
+  return [(name, doc) for name, doc in docs if doc is not None and "fpa" in doc]
+
+
+def _head_dim_steps(doc: dict, method: str) -> tuple[int, int]:
+  cfg = doc[method]["config"]
+  return cfg["d_model"] // cfg["n_heads"], doc["meta"]["settings"]["steps"]
+
+
 def _dips_variants(root: Path) -> str:
   """The `dips` variants run with every method (results/dips_limits/<variant>), as the claim's row."""
   out = []
-  for d in sorted((root / "results" / "dips_limits").glob("*")):
-    doc = _load(root, f"dips_limits/{d.name}/dips")
-    ms = [m for m in FAMILIES if doc and m in doc]
+  for name, doc in _dips_variant_runs(root):
+    ms = [m for m in FAMILIES if m in doc]
     if len(ms) < 2:
       continue
-    e = doc[ms[0]]
-    hd, steps = e["config"]["d_model"] // e["config"]["n_heads"], doc["meta"]["settings"]["steps"]
+    hd, steps = _head_dim_steps(doc, "fpa")
     out.append(
-      f"with head dim {hd} and {steps} steps (`{d.name}`): "
+      f"with head dim {hd} and {steps} steps (`{name}`): "
       + ", ".join(f"{m} {doc[m]['successes']}/{doc[m]['seeds']}" for m in ms)
     )
   return "".join(f"; {o}" for o in out)
@@ -181,27 +192,21 @@ def dips_limits_table(root: Path = ROOT) -> str | None:
   """results/dips_limits.md: FPA's coverage on `dips` (issue 20 §3) under each variant run into
   results/dips_limits/<variant>/dips.json (`python -m experiments.live_sets --task dips --methods fpa
   --seeds 5 ... --out-dir results/dips_limits/<variant>`), beside the study's default row."""
-  runs = [("default (study 1)", _load(root, "dips"))]
-  runs += [
-    (d.name, _load(root, f"dips_limits/{d.name}/dips")) for d in sorted((root / "results" / "dips_limits").glob("*"))
-  ]
+  default, variants = _load(root, "dips"), _dips_variant_runs(root)
+  if default is None or "fpa" not in default or not variants:
+    return None
   rows = []
-  for name, doc in runs:
-    if doc is None or "fpa" not in doc:
-      continue
+  for name, doc in [("default (study 1)", default)] + variants:
     cmd = doc["meta"]["command"].replace("python -m experiments.live_sets ", "")
     # FPA first; the other methods of a variant run too (heads of the same dimension) follow it
-    for m in ["fpa"] + [m for m in FAMILIES if m != "fpa" and m in doc and name != "default (study 1)"]:
+    for m in ["fpa"] + [m for m in FAMILIES if m != "fpa" and m in doc and doc is not default]:
       e = doc[m]
       cov = lambda k: f"{np.mean(e[k]):.3f} ± {np.std(e[k]):.3f}"  # noqa: E731  (as live_sets reports it)
-      hd = e["config"]["d_model"] // e["config"]["n_heads"]
-      steps = doc["meta"]["settings"]["steps"]
+      hd, steps = _head_dim_steps(doc, m)
       rows.append(
         f"| {name} | {m} | `{cmd}` | {hd} | {steps} | {cov('coverage_1x')} | {cov('coverage_2x')} | "
         f"{e['successes_coverage']}/{e['seeds']} |"
       )
-  if sum(r.split(" | ")[1] == "fpa" for r in rows) < 2:
-    return None
   head = (
     "FPA's coverage head on `dips` (1 - TV to uniform over the live set; a seed succeeds at >= 0.95 at both "
     "1x and 2x), single head, d_model = head dim:\n\n"

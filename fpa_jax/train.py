@@ -236,7 +236,7 @@ class TrainStep:
 
   def _eval(self, state, batch, stats=False):
     model, _ = nnx.merge(self.graphdef, state)
-    return eval_terms(model, batch, stats and self.cfg.attention in C.GATED)
+    return eval_terms(model, batch, stats)
 
   def __call__(self, state, batch):
     return self.jitted(state, batch)
@@ -524,7 +524,7 @@ def _evaluate(cfg, step_fn, state, mesh, eval_data, log):
     return False, None, {}
   tot, n, stats = 0.0, 0.0, {}
   for i, b in enumerate(eval_data):
-    fn = step_fn.stats_jitted if i == 0 else step_fn.eval_jitted
+    fn = step_fn.stats_jitted if i == 0 and cfg.attention in C.GATED else step_fn.eval_jitted
     s, c, st = jax.device_get(fn(state, S.shard_batch(b, mesh)))
     tot, n = tot + float(s), n + float(c)
     stats = stats or {k: float(v) for k, v in st.items()}
