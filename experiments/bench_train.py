@@ -15,6 +15,13 @@ block_until_ready per step. Reports median tokens/s and the FPA/FoX ratio (targe
 step time over the plain step's (the objective's cost: the per-layer gates returned from the same
 forward pass, the reverse running min on `evict_queries` sampled queries, and their backward).
 
+    python -m experiments.bench_train --budget-loop   # + each gated attention with budget in the loop
+
+--budget-loop adds a row "<attention>+budget" per gated attention: every step through a random
+`fpa_budget` cache (`budget_loop_prob=1`, the budget range from the config or --set; `fpa_jax.ops.budget`:
+the keep-mask scan and the quadratic attention, whatever attn_impl says), and reports its step time
+over the plain step's.
+
     python -m experiments.bench_train --memory        # writes results/bench_train_memory.{json,md}
 
 --memory only compiles (never runs) the `base110m` train step (2 layers, seq 2048, global batch 8
@@ -353,6 +360,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--out", default="results/bench_train.json")
   ap.add_argument("--evict", action="store_true", help="also time each gated attention with the evictability objective")
   ap.add_argument("--evict_weight", type=float, default=1.0, help="--evict: the objective's weight")
+  ap.add_argument("--budget-loop", action="store_true", help="also time each gated attention with budget in the loop")
   ap.add_argument(
     "--memory",
     action="store_true",
@@ -386,6 +394,8 @@ def main(argv=None) -> dict:
     runs = [(att, cfg)]
     if args.evict and att in C.GATED:
       runs.append((f"{att}+evict", C.replace(cfg, evict_weight=args.evict_weight)))
+    if args.budget_loop and att in C.GATED:
+      runs.append((f"{att}+budget", C.replace(cfg, budget_loop_prob=1.0)))
     for name, c in runs:
       results[name] = bench_one(c, mesh, args.steps, args.warmup)
       print(
@@ -409,14 +419,18 @@ def main(argv=None) -> dict:
     print(f"FPA / FoX throughput: {out['fpa_over_fox']:.3f} (target >= 0.9)")
   if "softmax" in results and "fox" in results:
     out["fox_over_softmax"] = results["fox"]["tokens_per_s"] / results["softmax"]["tokens_per_s"]
-  evict_cost = {
-    a: results[f"{a}+evict"]["step_s_median"] / results[a]["step_s_median"]
-    for a in args.attention
-    if f"{a}+evict" in results
-  }
-  if evict_cost:
-    out["evict_step_over_plain"] = evict_cost
-    print("evictability objective, step time / plain step: " + ", ".join(f"{a} {r:.3f}" for a, r in evict_cost.items()))
+  for suffix, key, what in (
+    ("evict", "evict_step_over_plain", "evictability objective"),
+    ("budget", "budget_step_over_plain", "budget in the loop"),
+  ):
+    cost = {
+      a: results[f"{a}+{suffix}"]["step_s_median"] / results[a]["step_s_median"]
+      for a in args.attention
+      if f"{a}+{suffix}" in results
+    }
+    if cost:
+      out[key] = cost
+      print(f"{what}, step time / plain step: " + ", ".join(f"{a} {r:.3f}" for a, r in cost.items()))
   out["command"] = "python -m experiments.bench_train " + " ".join(argv if argv is not None else sys.argv[1:])
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   scan = None
@@ -451,6 +465,12 @@ def markdown(out: dict) -> str:
   if out.get("evict_step_over_plain"):
     cost = ", ".join(f"{a} {r:.3f}" for a, r in out["evict_step_over_plain"].items())
     lines += ["", f"Evictability objective (`<attention>+evict` rows), step time over the plain step: {cost}."]
+  if out.get("budget_step_over_plain"):
+    cost = ", ".join(f"{a} {r:.3f}" for a, r in out["budget_step_over_plain"].items())
+    lines += [
+      "",
+      f"Budget in the loop (`<attention>+budget` rows, every step budgeted), step time over the plain step: {cost}.",
+    ]
   return "\n".join(lines) + "\n"
 
 

@@ -45,6 +45,9 @@ METHODS = {
   "fpa_fox0": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0},
   # the LM default (`configs.LM_GATE`, the `small` preset's): FPA at FoX's init, read-outs at scale 1
   "fpa_lm": {**LM_GATE, "attention": "fpa"},
+  # ... trained with the evictability objective (issue 21: its cost in bits per byte, paired with
+  # fpa_lm by seed; `U.EVICT_FROM_SCRATCH`)
+  "fpa_lm_evict": {**LM_GATE, "attention": "fpa", **U.EVICT_FROM_SCRATCH},
 }
 LN2 = math.log(2.0)
 

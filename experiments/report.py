@@ -3,7 +3,7 @@
     python -m experiments.report
 
 1. Writes results/claims.md: each claim of the paper beside what the studies here measured, read
-   from results/{scopes,dips,passkey,kv_compression,perplexity,bindings_lm}.json (a claim whose study has not
+   from results/{scopes,dips,passkey,kv_compression,perplexity,bindings_lm,text_pareto}.json (a claim whose study has not
    run yet says so).
 2. Copies tables into README.md, which marks each one as
 
@@ -160,6 +160,16 @@ def _bindings(doc) -> str:
   )
 
 
+def _text_pareto(doc) -> str:
+  if doc is None:
+    return "not run yet (`python -m experiments.text_pareto`)"
+  from experiments.text_pareto import claims
+
+  return "held-out bits per byte of the byte LMs of `perplexity_T3000` under each cache: " + " ".join(
+    claims(doc["summary"])
+  )
+
+
 def _dips_variant_runs(root: Path) -> list[tuple[str, dict]]:
   """(variant, its dips.json) of every run under results/dips_limits/ that holds an FPA head."""
   docs = [
@@ -250,6 +260,10 @@ def claims_table(root: Path = ROOT) -> str:
     (
       "FPA LMs keep nested structure beyond the training length, and a cache cut by the learned rule keeps it",
       _bindings(_load(root, "bindings_lm")),
+    ),
+    (
+      "On text, a model trained to forget gives up little for it, and its rule cuts the cache (issue 21)",
+      _text_pareto(_load(root, "text_pareto")),
     ),
   ]
   lines = ["| claim (paper) | measured here (CPU scale; see each study's table) |", "|---|---|"]

@@ -13,7 +13,8 @@
 - `DataConfig`: what `fpa_jax.data` feeds it (task, data_dir, tokenizer, small_data, seq_len,
   batch_size).
 - `TrainConfig`: the run (preset name, steps, lr schedule incl. cooldown, AdamW, grad_accum, seed,
-  mesh, log / checkpoint / eval cadence, the evictability objective `evict_*`: `fpa_jax.losses`).
+  mesh, log / checkpoint / eval cadence, the evictability objective `evict_*` (`fpa_jax.losses`), budget in the loop
+  `budget_loop_*` (`fpa_jax.ops.budget`)).
 
 `Config` inherits the three (every field belongs to exactly one part, `tests/test_configs.py`);
 `cfg.model`, `cfg.data`, `cfg.train` return each part as its own dataclass. Each part validates its
@@ -394,6 +395,13 @@ class TrainConfig(_Part):
   evict_temp: float = 1.0  # sigmoid width (nats) of the soft count
   evict_soft: float = 0.5  # softplus temperature of the penalty in the objective (0 = exact relu)
   evict_queries: int = 8  # sampled queries per sequence and step (stratified over the positions)
+  # ---- budget in the loop (fpa_jax.ops.budget; off at budget_loop_prob 0) ----
+  # A share of the steps trains through the cache an `fpa_budget` decode of a random size would keep:
+  # capacity round(rho * seq_len), rho ~ U[budget_loop_min, budget_loop_max], recent = capacity // 8.
+  # Those steps run the quadratic attention (O(T^2) memory) whatever attn_impl says.
+  budget_loop_prob: float = 0.0  # share of the steps with a random cache budget; 0 = off
+  budget_loop_min: float = 0.1  # smallest budget, a fraction of the training length, in (0, 1]
+  budget_loop_max: float = 0.5  # largest budget, in [budget_loop_min, 1]
 
   @property
   def train(self) -> TrainConfig:
@@ -441,6 +449,14 @@ class TrainConfig(_Part):
       raise ValueError(f"evict_soft={self.evict_soft} must be >= 0 (0 = exact relu penalty)")
     _at_least(self, 0, "evict_window", "evict_ramp_steps", "evict_ramp_start")
     _at_least(self, 1, "evict_queries")
+    _number(self, "budget_loop_prob", 0, 1, why="the share of steps trained with a random cache budget; 0 = off")
+    _number(self, "budget_loop_min", 0, 1, lo_open=True, why="the smallest budget, a fraction of seq_len")
+    _number(self, "budget_loop_max", 0, 1, lo_open=True, why="the largest budget, a fraction of seq_len")
+    if self.budget_loop_min > self.budget_loop_max:
+      raise ValueError(
+        f"budget_loop_min={self.budget_loop_min} > budget_loop_max={self.budget_loop_max}: the budget is drawn "
+        "uniformly between them, so use min <= max"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +490,11 @@ class Config(TrainConfig, DataConfig, ModelConfig):
       raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
     if self.evict_weight > 0 and self.attention not in GATED:
       raise ValueError(f"evict_weight > 0 needs a gated attention {GATED}, got {self.attention!r}; set evict_weight=0")
+    if self.budget_loop_prob > 0 and self.attention not in GATED:
+      raise ValueError(
+        f"budget_loop_prob > 0 (training through an fpa_budget cache) needs a gated attention {GATED}, got "
+        f"{self.attention!r}; set budget_loop_prob=0"
+      )
     if self.evict_weight > 0 and self.evict_window >= self.seq_len:
       raise ValueError(
         f"evict_window={self.evict_window} >= seq_len={self.seq_len} leaves no old key to evict; use a smaller window"

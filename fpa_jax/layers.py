@@ -24,6 +24,7 @@ from flax import nnx
 from fpa_jax import ops
 from fpa_jax.configs import ATTENTIONS, DTYPES, Config, ModelConfig
 from fpa_jax.gates import Gate, field_level
+from fpa_jax.ops.budget import budgeted_attention
 from fpa_jax.sharding import BT, BTD, BTF, BTH, BTHK, EMBED, HEAD_DIM, HEADS, MLP, constrain, shard_local
 
 F32 = jnp.float32
@@ -381,10 +382,14 @@ class FirstPassageAttention(nnx.Module):
     cache=None,
     attend=None,
     return_gates: bool = False,
+    budget=None,
   ):
     """Parallel: x [B, T, D] -> y [B, T, D]; return_gates=True -> (y, (field, level)), the gate's
     outputs that the attention used, each [B, T, KVH] fp32 (zeros without a gate), from the same
-    forward pass (`fpa_jax.losses`). Cached mode: see the class docstring."""
+    forward pass (`fpa_jax.losses`). budget=(capacity, recent) int scalars: attend only over the keys
+    an `fpa_budget` cache of that size would hold (`ops.budget.budgeted_attention`, quadratic
+    whatever `attn_impl` says; training with budget in the loop). Cached mode: see the class
+    docstring."""
     cfg = self.cfg
     b, t, _ = x.shape
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
@@ -393,6 +398,13 @@ class FirstPassageAttention(nnx.Module):
       field, level, cum = self.field_level(x, cache.carry)
       o, cache = attend(cache, q, k, v, field, level, cum)
       return self.output(o, x), cache
+    if budget is not None:
+      if self.gate is None:
+        raise ValueError(f"a cache budget in the loop needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
+      field, level = self.field_level(x)[:2]  # FoX too: field = level = its cumulative log forget
+      o = budgeted_attention(q, k, v, field, level, capacity=budget[0], recent=budget[1], segment_ids=segment_ids)
+      y = self.output(o, x)
+      return (y, (field, level)) if return_gates else y
     if self.gate is None:
       # softmax / nope: the same tiled kernel with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost).

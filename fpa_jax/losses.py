@@ -30,6 +30,12 @@ segment with a penalty > 0 (active) and > FORGOTTEN nats (weight below e^-5 of a
 key's), and the mean penalty, each averaged over sequences and kv heads: whether a gate learns to
 forget, as training goes.
 
+Budget in the loop (`TrainConfig.budget_loop_*`, off when budget_loop_prob = 0): on a share
+budget_loop_prob of the steps (drawn from `key`) the model runs through the cache an `fpa_budget`
+decode of round(rho * T) keys would hold, rho ~ U[budget_loop_min, budget_loop_max]
+(`fpa_jax.ops.budget`; the mask is not differentiated, the LM loss over what is kept is). Metric:
+budget_kept (capacity / T of the step; 1 = no budget). Both terms can be on together.
+
 The model must have a gate (`ModelConfig.attention` in `configs.GATED`; `Config.validate` checks).
 Shapes: B batch, T sequence, V vocab, L layers, KVH kv heads, Q sampled queries.
 """
@@ -40,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fpa_jax.ops import budget as BL
 from fpa_jax.ops import evictability as E
 from fpa_jax.ops.penalty import first_passage_penalty
 
@@ -103,18 +110,29 @@ def evict_terms(gates: tuple[jax.Array, jax.Array], segment_ids, cfg, step, key)
 def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """-> (value to differentiate, aux): aux holds lm_sum (sum of CEs), count (target tokens) and, with
   the objective on, its metrics (see the module docstring). `cfg`: anything with the TrainConfig
-  evict_* fields (a run Config); `step`: the optimizer step (the target's ramp); `key`: a PRNG key
-  for the query positions (needed when evict_weight > 0)."""
-  if not cfg.evict_weight:
+  evict_* and budget_loop_* fields (a run Config); `step`: the optimizer step (the target's ramp);
+  `key`: a PRNG key for the query positions and the step's budget (needed when either is on)."""
+  budget_on = bool(getattr(cfg, "budget_loop_prob", 0.0))
+  if not cfg.evict_weight and not budget_on:
     s, n = lm_loss(model, batch)
     return s, {"lm_sum": s, "count": n}
   if key is None:
-    raise ValueError("objective with evict_weight > 0 needs a PRNG `key` for the sampled queries")
-  logits, gates = model(batch["inputs"], batch["segment_ids"], return_gates=True)
+    raise ValueError("objective with evict_weight > 0 or budget_loop_prob > 0 needs a PRNG `key`")
+  k_evict, k_budget = key, jax.random.fold_in(key, 1)  # the evict queries' stream as before budgets
+  metrics, budget = {}, None
+  if budget_on:
+    t = batch["inputs"].shape[1]
+    budget = BL.draw_capacity(k_budget, t, cfg.budget_loop_prob, cfg.budget_loop_min, cfg.budget_loop_max)
+    metrics["budget_kept"] = budget[0].astype(jnp.float32) / t
+  if not cfg.evict_weight:
+    logits = model(batch["inputs"], batch["segment_ids"], budget=budget)
+    s, n = _ce_sum(logits, batch)
+    return s, {"lm_sum": s, "count": n, **metrics}
+  logits, gates = model(batch["inputs"], batch["segment_ids"], return_gates=True, budget=budget)
   s, n = _ce_sum(logits, batch)
-  hinge, metrics = evict_terms(gates, batch["segment_ids"], cfg, step, key)
+  hinge, ev = evict_terms(gates, batch["segment_ids"], cfg, step, k_evict)
   total = s + jax.lax.stop_gradient(n) * (cfg.evict_weight * hinge)
-  return total, {"lm_sum": s, "count": n, **metrics}
+  return total, {"lm_sum": s, "count": n, **metrics, **ev}
 
 
 def gate_stats(gates: tuple[jax.Array, jax.Array], segment_ids: jax.Array | None) -> dict[str, jax.Array]:

@@ -99,12 +99,16 @@ class Block(nnx.Module):
     cache=None,
     attend=None,
     return_gates: bool = False,
+    budget=None,
   ):
     """x [B, T, D] -> [B, T, D]; with a cache (see `FirstPassageAttention`) -> (x, cache);
-    return_gates=True (parallel mode) -> (x, (field, level)), each [B, T, KVH] fp32."""
+    return_gates=True (parallel mode) -> (x, (field, level)), each [B, T, KVH] fp32; budget: see
+    `FirstPassageAttention`."""
     x = constrain(x, BTD)  # block boundary: batch over `data` under the trainer's mesh
     if return_gates:
-      h, gates = self.attn(self.attn_norm(x), segment_ids, positions, return_gates=True)
+      h, gates = self.attn(self.attn_norm(x), segment_ids, positions, return_gates=True, budget=budget)
+    elif budget is not None:
+      h = self.attn(self.attn_norm(x), segment_ids, positions, budget=budget)
     else:
       h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, attend=attend)
     if cache is not None:
@@ -145,6 +149,7 @@ class DecoderLM(nnx.Module):
     caches=None,
     attend=None,
     return_gates: bool = False,
+    budget=None,
   ):
     """tokens int [B, T] (+ segment_ids int [B, T]) -> logits fp32 [B, T, V].
 
@@ -157,14 +162,19 @@ class DecoderLM(nnx.Module):
     scan's output; zeros for a layer without a gate), from the same forward pass (the evictability
     objective, `fpa_jax.losses`). Parallel mode only.
 
+    budget=(capacity, recent) int32 scalars (parallel mode, gated attention): every layer attends
+    only over the keys an `fpa_budget` cache of `capacity` keys per (row, kv head), with `recent`
+    protected, would hold (`fpa_jax.ops.budget`): the logits equal `cached_logits(policy=
+    "fpa_budget", budget=capacity, recent=recent)`'s. Training with budget in the loop.
+
     Cached mode (`fpa_jax.inference`): `caches` is a sequence of per-layer caches, `attend` the
     function that attends against one (see `FirstPassageAttention`), `positions` [B, T] the tokens'
     positions; returns (logits, new caches). A layer's cache with a `follow(prev)` method is
     replaced by `cache.follow(previous layer's new cache)` before the layer runs (state shared
     across layers, threaded through the loop: `fpa_jax.inference.pool.PoolView`).
     """
-    if return_gates and caches is not None:
-      raise ValueError("return_gates is for the parallel (training) forward; cached mode does not return gates")
+    if (return_gates or budget is not None) and caches is not None:
+      raise ValueError("return_gates and budget are for the parallel (training) forward, not cached mode")
     tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete
     x = constrain(embed_tokens(self.embed[...], tokens).astype(self.dtype), BTD)  # [B, T, D]
     if caches is not None:
@@ -180,15 +190,15 @@ class DecoderLM(nnx.Module):
         new.append(cache)
       return self.logits(x), tuple(new)
 
-    def apply(block, x, segment_ids, positions):
-      return block(x, segment_ids, positions, return_gates=return_gates)
+    def apply(block, x, segment_ids, positions, budget):
+      return block(x, segment_ids, positions, return_gates=return_gates, budget=budget)
 
     if self.cfg.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.cfg.remat])
     if not self.cfg.scan_layers:
       per_layer = []
       for block in self.blocks:
-        x = apply(block, x, segment_ids, positions)
+        x = apply(block, x, segment_ids, positions, budget)
         if return_gates:
           x, g = x
           per_layer.append(g)
@@ -201,14 +211,14 @@ class DecoderLM(nnx.Module):
     # (field, level) are the scan's stacked output [L, ...].
     out_axes = (nnx.Carry, 0) if return_gates else nnx.Carry
 
-    @nnx.scan(in_axes=(nnx.Carry, 0, None, None), out_axes=out_axes, transform_metadata=_LAYER_AXIS)
-    def scan(x, block, segment_ids, positions):
-      return apply(block, x, segment_ids, positions)
+    @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None), out_axes=out_axes, transform_metadata=_LAYER_AXIS)
+    def scan(x, block, segment_ids, positions, budget):
+      return apply(block, x, segment_ids, positions, budget)
 
     if return_gates:
-      x, gates = scan(x, self.blocks, segment_ids, positions)
+      x, gates = scan(x, self.blocks, segment_ids, positions, budget)
       return self.logits(x), gates
-    return self.logits(scan(x, self.blocks, segment_ids, positions))
+    return self.logits(scan(x, self.blocks, segment_ids, positions, budget))
 
   def layer_blocks(self) -> list[Block]:
     """The L per-layer Blocks: the list itself, or (scan_layers) views sliced out of the stack.

@@ -15,7 +15,8 @@ skipped (logged, moved to checkpoints.corrupt/) in favour of the newest one that
 (`Checkpointer.restore_newest`); if none does, the run stops with one error naming the fix.
 
 Outputs in the workdir: metrics.jsonl (one JSON object per logged step: step, loss, tokens_per_s,
-lr, grad_norm, ...; evict_* with the evictability objective on, eval_loss and gate_* statistics of a
+lr, grad_norm, ...; evict_* with the evictability objective on, budget_kept with budget in the loop
+(whose steps' loss is the loss through that step's cache), eval_loss and gate_* statistics of a
 gated model at each periodic eval, `fpa_jax.losses`), TensorBoard events
 under tb/, checkpoints/ (orbax), config.json.
 
@@ -185,7 +186,8 @@ class TrainStep:
 
     # The objective (`fpa_jax.losses`): the LM loss, plus the evictability hinge when evict_weight > 0
     # (its query positions drawn from a key of (seed, step, micro-batch)).
-    step_key = jax.random.fold_in(jax.random.key(cfg.seed), opt.step[...]) if cfg.evict_weight else None
+    randomised = cfg.evict_weight or cfg.budget_loop_prob  # sampled queries / the step's cache budget
+    step_key = jax.random.fold_in(jax.random.key(cfg.seed), opt.step[...]) if randomised else None
 
     def loss_fn(p, mb, k=0):
       key = None if step_key is None else jax.random.fold_in(step_key, k)
@@ -230,7 +232,7 @@ class TrainStep:
       "lr": lr,
       "tokens": count,
       "nonfinite": jnp.logical_not(ok).astype(jnp.int32),
-      **aux,  # evict_* (objective on): hinge, target, live fractions per layer
+      **aux,  # evict_* (objective on): hinge, target, live fractions per layer; budget_kept
     }
     return new_state, metrics
 
@@ -400,7 +402,7 @@ def train(
           "lr": last["lr"],
           "grad_norm": last["grad_norm"],
           "loss_tokens": last["tokens"],
-          **{k: v for k, v in last.items() if k.startswith("evict_")},
+          **{k: v for k, v in last.items() if k.startswith(("evict_", "budget_"))},
         }
         if cfg.eval_every and done % cfg.eval_every == 0:
           with jax.transfer_guard_device_to_host("allow"):

@@ -93,3 +93,19 @@ class GlobalSynthetic:
   def set_state(self, state):
     for p, s in zip(self.parts, state["parts"]):
       p.set_state(s)
+
+
+def train_fixed(cfg, workdir: str) -> dict:
+  """`train.train` of `cfg` on a FixedBatch of its shape, on one device, quietly -> its summary."""
+  import jax
+
+  from fpa_jax import sharding, train
+
+  return train.train(
+    cfg,
+    workdir=workdir,
+    data=FixedBatch(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size),
+    mesh=sharding.make_mesh("data=1,model=1", devices=jax.devices()[:1]),
+    progress=False,
+    log=lambda s: None,
+  )

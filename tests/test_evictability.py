@@ -12,13 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers_train import FixedBatch
+from _helpers_train import FixedBatch, train_fixed
 from _tol import assert_bitwise, assert_close
 from flax import nnx
 
 from fpa_jax import configs as C
 from fpa_jax import losses, train
-from fpa_jax import sharding as S
 from fpa_jax.models import build_model
 from fpa_jax.ops import evictability as E
 
@@ -250,14 +249,7 @@ def test_target_ramp_is_dms():
 
 def test_train_logs_evict_metrics(tmp_path):
   cfg = tiny(evict_weight=0.5, evict_window=4, steps=2, grad_accum=2, ckpt_every=100, evict_ramp_steps=1)
-  out = train.train(
-    cfg,
-    workdir=str(tmp_path),
-    data=FixedBatch(vocab_size=64, seq_len=16, batch_size=4),
-    mesh=S.make_mesh("data=1,model=1", devices=jax.devices()[:1]),
-    progress=False,
-    log=lambda s: None,
-  )
+  out = train_fixed(cfg, str(tmp_path))
   rec = out["history"][-1]
   for k in ("evict_loss", "evict_target", "evict_live", "evict_live_hard", "evict_live_l0", "evict_live_l1"):
     assert k in rec and math.isfinite(rec[k]), k

@@ -101,15 +101,26 @@ def test_report_claims_table_reads_results(tmp_path):
   (tmp_path / "results" / "kv_compression_n100" / "kv_compression.json").write_text(json.dumps(more))
   assert "not run yet (`python -m experiments.bindings_lm`)" in md
   summary = {"multiple": 4, "fpa_full": 0.9, "fpa_rule": 0.895, "fpa_window": 0.5, "fpa_h2o": 0.85, "fox_full": 0.7}
+  summary |= {"fpa_seeds": 3, "fpa_evict_full": 0.8, "fpa_evict_rule": 0.7, "fpa_evict_window": 0.4}
+  summary |= {"fpa_evict_h2o": 0.5, "fpa_evict_seeds": 1}
   blm = {"fpa": {"evals": [{}, {}, {}]}, "fox": {"evals": [{}]}, "summary": summary, "meta": {}}
   (tmp_path / "results" / "bindings_lm.json").write_text(json.dumps(blm))
   md = report.claims_table(tmp_path)
-  assert "(seeds: fpa 3, fox 1): FPA's learned rule at 12.5% of the cache, 4x: 89.5 vs its full cache 90.0" in md
   assert (
-    "(0.5 points below; target: at most 1 below, holds)" in md
-    and "h2o at 12.5% on the same FPA models, 4x: 85.0, 4.5 points below" in md
+    "(seeds: fpa 3, fox 1): `fpa` (3 seeds): the learned rule at 12.5% of the cache, 4x: 89.5 vs its full cache 90.0"
+    in md
   )
-  assert "(target >= 10: NOT met)" in md and "FPA ahead by 20.0 points" in md
+  assert (
+    "(0.5 points below; target: at most 1 below, holds); window 50.0, 39.5 points below the rule (target >= 10: holds)"
+    in md
+  )
+  assert (
+    "h2o 85.0, 4.5 points below the rule (target >= 10: NOT met); full cache vs FoX 70.0: ahead by 20.0 points" in md
+  )
+  assert (
+    "`fpa_evict` (1 seeds): the learned rule at 12.5% of the cache, 4x: 70.0 vs its full cache 80.0 (10.0 points below"
+    in md
+  )
   assert (
     "with 100 prompts per cell (95% intervals): exact match at 8x (prefill parallel; budgets 25% / 12.5%): **fpa**: fpa_budget 0.99 [0.95, 1.00] / —"
     in md

@@ -168,7 +168,7 @@ def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
   assert "| fpa_fox5_evict | 4 |" in open(out + ".md").read()
 
 
-def test_perplexity_script_tiny_run(tmp_path, data_dir):
+def test_perplexity_script_tiny_run(tmp_path, data_dir, monkeypatch):
   argv = [
     "--methods",
     "fox",
@@ -211,6 +211,20 @@ def test_perplexity_script_tiny_run(tmp_path, data_dir):
   md = (tmp_path / "out" / "ppl_other.md").read_text()
   assert "are in ppl_other.json" in md and "(`fpa_lm`): mean bpb" in md and "logged steps" in md
   assert res["fox"]["bpb"] == perplexity.main(argv)["fox"]["bpb"]  # the first file is untouched
+  # the text Pareto study on these models: full cache and each policy's budgets, resumable per cell
+  from experiments import text_pareto
+
+  targv = ["--models", str(tmp_path / "out" / "ppl_other.json"), "--methods", "fox", "fpa_lm", "--seeds", "0"]
+  targv += ["--multiples", "1", "--budgets", "0.25", "--rows", "2", "--out-dir", str(tmp_path / "out")]
+  tp = text_pareto.main(targv)
+  cells = tp["runs"]["fpa_lm"]["0"]["1"]
+  assert list(cells) == ["full", "fpa_budget 25%", "window 25%"] and all(0 < c["bpb"] < 10 for c in cells.values())
+  assert cells["window 25%"]["cache_fraction"] <= 0.25 and cells["full"]["cache_fraction"] == 1.0
+  fox = tp["runs"]["fox"]["0"]["1"]  # FoX's penalty grows with age: its own rule is a window
+  assert fox["fpa_budget 25%"]["bpb"] == fox["window 25%"]["bpb"]
+  assert "| FPA | window 25% | 1 |" in (tmp_path / "out" / "text_pareto.md").read_text()
+  monkeypatch.setattr(text_pareto, "score", lambda *a, **k: pytest.fail("re-scored a cell"))
+  assert text_pareto.main(targv)["runs"] == tp["runs"]
 
 
 def test_base110m_recipes_only_print(capsys, tmp_path):
@@ -254,7 +268,7 @@ def test_bindings_lm_script_tiny_run_resumes_and_reuses_its_scores(tmp_path, mon
   assert all(0 <= c["acc"] <= 1 and c["n"] > 0 for c in cells.values())
   assert cells["window 12.5%"]["cache_fraction"] <= 0.125 + 1 / 128
   md = (tmp_path / "out" / "bindings_lm.md").read_text()
-  assert "| fpa | fpa_budget 12.5% | 1 |" in md and "FPA's learned rule at 12.5%" in md
+  assert "| fpa | fpa_budget 12.5% | 1 |" in md and "`fpa` (1 seeds): the learned rule at 12.5%" in md
   monkeypatch.setattr(bindings_lm, "evaluate", lambda *a, **k: pytest.fail("re-scored an unchanged run"))
   again = bindings_lm.main(argv)
   assert again["fpa"]["evals"] == res["fpa"]["evals"] and again["fpa"]["steps"] == [2]

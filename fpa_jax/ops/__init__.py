@@ -1,6 +1,7 @@
 """Pure-function attention ops (no Flax). See `attention.py` for the public API."""
 
 from fpa_jax.ops.attention import IMPLS, Implementation, fox_attention, fpa_attention, softmax_attention
+from fpa_jax.ops.budget import budget_keep, budgeted_attention
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.recurrent import FPACache, cache_penalty, decode_step, init_cache
 
@@ -11,6 +12,8 @@ __all__ = [
   "fox_attention",
   "softmax_attention",
   "first_passage_penalty",
+  "budget_keep",
+  "budgeted_attention",
   "FPACache",
   "init_cache",
   "decode_step",

@@ -33,17 +33,8 @@ returned beside it for logging: it is what a threshold-tau policy would keep.
 Cost: per sampled query a reverse running min of the field over (j, i] (`lax.cummin`, reverse):
 O(B * Q * T * H) time and memory for Q sampled queries, never the [T, T] penalty matrix.
 
-Budget in the loop (not implemented). The second form of the issue's objective -- a random budget
-rho per batch, and in the forward pass each query i masks the keys past rank rho * #eligible(i)
-by penalty -- needs an attention-side mask: a per-query threshold theta_i [B, T, KVH] (the
-rho-quantile of pen_ij over eligible j) passed into the attention ops, which would add
-`-inf where pen_ij > theta_i and i - j >= W` in each tile (one compare beside the existing
-penalty). theta_i needs the quantile of a row of the penalty matrix, O(T) per query with a
-selection, O(T^2) for all queries; a cheap form takes it on the Q sampled queries only and holds it
-per segment of queries between them (the penalty row is monotone in i, so a held threshold is
-conservative for the next queries). Gradients would flow through the unmasked logits as usual
-(the mask itself is not differentiated, as in Expire-Span's hard cut); the LM loss then teaches the
-gate what survives truncation. None of that exists yet: `fpa_jax.ops` has no masking hook.
+Budget in the loop, the issue's second form (a random cache per step, masked in the forward pass),
+is `fpa_jax.ops.budget`: the same eviction as the `fpa_budget` decode, simulated for every query.
 
 Shapes: B batch, T sequence, H heads (one gate per kv head; any trailing head axis works, the loss
 module folds layers into it), Q sampled queries per sequence.

@@ -1,0 +1,142 @@
+"""Budget in the loop: train through the cache an `fpa_budget` decode would keep (pure math, no Flax).
+
+Issue 21's second form of the evictability objective (Expire-Span's random caps, with FPA's own
+rule): in a training step, every (row, kv head) gets a KV cache of `capacity` keys managed exactly as
+`fpa_jax.inference` manages `policy="fpa_budget"` while decoding token by token:
+
+    at query i: advance every held key's running min of the field with field_i; if the cache holds
+    `capacity` keys, evict the one with the largest penalty (ties: the oldest) among the keys at
+    positions <= i - recent (all held keys if none is); insert key i; attend over what is held.
+
+(a new segment starts with an empty cache, as `generate` resets a row.) `budget_keep` simulates that
+for every query of a training sequence at once (a scan over positions, O(B H T^2) time, O(B H T)
+carry) and returns which keys query i sees; `budgeted_attention` is the quadratic attention over
+exactly those keys, with the exact penalty on the logits. Its outputs equal the decode's
+(`tests/test_budget.py` checks the logits of a model against `cached_logits(policy="fpa_budget")`).
+
+The keep mask is not differentiated (as Expire-Span's hard cut): the LM loss flows through the kept
+keys' logits and penalties as usual, so the gate learns what survives the cut and the rest of the
+model learns to work with the cache it will have at inference. A capacity >= T never evicts (the
+step is the plain loss, computed by this quadratic path). Memory O(B H T^2): a training-time op for
+the lengths at which the quadratic reference is affordable, not a kernel.
+
+Shapes: B batch, T sequence, H kv heads, K head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fpa_jax.ops.common import STATS_DTYPE, dip
+from fpa_jax.ops.penalty import first_passage_penalty
+from fpa_jax.ops.quadratic import masked_softmax_attention
+
+F32 = STATS_DTYPE
+
+
+def budget_keep(
+  field: jax.Array,
+  level: jax.Array,
+  capacity: jax.Array | int,
+  recent: jax.Array | int,
+  segment_ids: jax.Array | None = None,
+) -> jax.Array:
+  """Which keys each query sees through an `fpa_budget` cache of `capacity` keys.
+
+  Args:
+    field, level: [B, T, H] (fp32 inside).
+    capacity: int (scalar, may be traced) >= 1: keys held per (row, head), the new one included.
+    recent: int (scalar, may be traced), 0 <= recent < capacity: the protected window W (the keys at
+      positions > i - W are never the victim at query i).
+    segment_ids: optional int [B, T]; the cache empties where a new segment starts.
+  Returns:
+    keep: bool [B, H, T(query i), T(key j)], True where key j is held when query i attends (always
+    on the diagonal; never above it). No gradient (computed from stopped inputs).
+  """
+  if field.shape != level.shape or field.ndim != 3:
+    raise ValueError(f"field and level must both be [B, T, H], got {field.shape} and {level.shape}")
+  b, t, h = field.shape
+  if segment_ids is not None and segment_ids.shape != (b, t):
+    raise ValueError(f"segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
+  f = jnp.moveaxis(jax.lax.stop_gradient(field).astype(F32), 1, 0)  # [T, B, H]
+  lvl = jnp.swapaxes(jax.lax.stop_gradient(level).astype(F32), 1, 2)  # [B, H, T]
+  if segment_ids is None:
+    new_seg = jnp.zeros((t, b), bool)
+  else:
+    s = segment_ids.astype(jnp.int32)
+    new_seg = jnp.concatenate([jnp.zeros((b, 1), bool), s[:, 1:] != s[:, :-1]], axis=1).T  # [T, B]
+  pos = jnp.arange(t, dtype=jnp.int32)  # key positions j (slot j holds key j)
+  cap = jnp.asarray(capacity, jnp.int32)
+  w = jnp.asarray(recent, jnp.int32)
+
+  def step(carry, xs):
+    alive, run_min = carry  # [B, H, T] bool / fp32 (run min over (j, i] of the held keys; +inf: none)
+    i, f_i, reset = xs
+    alive = alive & ~reset[:, None, None]
+    run_min = jnp.where(pos < i, jnp.minimum(run_min, f_i[:, :, None]), jnp.inf)
+    pen = dip(lvl, run_min)  # [B, H, T]; 0 where the range is empty
+    full = jnp.sum(alive, axis=-1) >= cap  # [B, H]
+    cand = alive & (pos <= i - w)
+    cand = jnp.where(jnp.any(cand, -1, keepdims=True), cand, alive)
+    # largest penalty, ties: the oldest (the smallest position), as `inference.cache.victim`
+    p = jnp.where(cand, pen, -jnp.inf)
+    tied = cand & (p == jnp.max(p, -1, keepdims=True))
+    out = jnp.argmax(tied, axis=-1)  # first True: the oldest of the tied
+    alive = alive & ~(full[:, :, None] & (pos == out[:, :, None]))
+    alive = alive | (pos == i)
+    return (alive, run_min), alive
+
+  init = (jnp.zeros((b, h, t), bool), jnp.full((b, h, t), jnp.inf, F32))
+  _, keep = jax.lax.scan(step, init, (pos, f, new_seg))  # [T(i), B, H, T(j)]
+  return jnp.transpose(keep, (1, 2, 0, 3))
+
+
+def budgeted_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  field: jax.Array,
+  level: jax.Array,
+  *,
+  capacity: jax.Array | int,
+  recent: jax.Array | int,
+  scale: float | None = None,
+  segment_ids: jax.Array | None = None,
+) -> jax.Array:
+  """First Passage Attention over the keys an `fpa_budget` cache of `capacity` keys holds.
+
+      out_i = sum_{j kept at i} softmax_j(scale * q_i.k_j - penalty[i, j]) v_j
+
+  Args: q [B, T, H, K], k [B, T, KVH, K], v [B, T, KVH, Kv]; field, level [B, T, KVH]; capacity,
+  recent, segment_ids as in `budget_keep`; scale default K ** -0.5.
+  Returns: [B, T, H, Kv] in q's dtype. Differentiable in every input but the keep mask.
+  """
+  from fpa_jax.ops import validate as _v  # the public op's checks (validate imports ops modules)
+
+  b, t, _, kvh, d = _v.check_qkv(q, k, v)
+  _v.check_gate("field", field, (b, t, kvh))
+  _v.check_gate("level", level, (b, t, kvh))
+  _v.check_segment_ids(segment_ids, (b, t))
+  if isinstance(capacity, int) and capacity < 1:
+    raise ValueError(f"capacity must be >= 1 key, got {capacity}")
+  if isinstance(capacity, int) and isinstance(recent, int) and not 0 <= recent < capacity:
+    raise ValueError(f"recent must be in [0, capacity) = [0, {capacity}), got {recent}")
+  scale = _v.default_scale(scale, d)
+  fb, lb = (jnp.swapaxes(a, 1, 2).astype(F32) for a in (field, level))  # [B, KVH, T]
+  keep = budget_keep(field, level, capacity, recent, segment_ids)  # [B, KVH, T, T]
+  pen = first_passage_penalty(fb, lb)  # [B, KVH, T, T]; +inf above the diagonal
+  # Evicted keys get -inf (no weight, no gradient); the causal / segment mask is the attention's.
+  bias = jnp.where(keep, -jnp.where(keep, pen, 0.0), -jnp.inf)
+  return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
+
+
+def draw_capacity(key: jax.Array, seq: int, prob: float, low: float, high: float) -> tuple[jax.Array, jax.Array]:
+  """A random cache for one training step: with probability `prob` a capacity of round(rho * seq)
+  keys, rho ~ U[low, high] (at least 2), else seq (no eviction). -> (capacity, recent) int32
+  scalars, recent = capacity // 8 (the decode default, `inference.policies`)."""
+  k_on, k_rho = jax.random.split(key)
+  rho = jax.random.uniform(k_rho, (), F32, low, high)
+  cap = jnp.maximum(jnp.round(rho * seq).astype(jnp.int32), 2)
+  cap = jnp.where(jax.random.uniform(k_on, ()) < prob, jnp.minimum(cap, seq), jnp.int32(seq))
+  return cap, cap // 8

@@ -1,0 +1,271 @@
+"""Budget in the loop (`fpa_jax.ops.budget`): the keep mask against a loop simulation of the
+`fpa_budget` decode cache, the budgeted attention against a float64 loop reference (values and
+gradients), a model's budgeted forward against `cached_logits(policy="fpa_budget")` itself, and the
+training objective's settings."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers_train import FixedBatch, train_fixed
+from _tol import assert_close
+from flax import nnx
+
+from fpa_jax import configs as C
+from fpa_jax import losses
+from fpa_jax.models import build_model
+from fpa_jax.ops import budget as BL
+
+# ------------------------------------------------------------------------------------------------
+# Loop references
+# ------------------------------------------------------------------------------------------------
+
+
+def keep_np(field, level, capacity, recent, segment_ids=None):
+  """The fpa_budget cache, token by token (`inference.cache.decode_attend`): bool [B, H, T, T]."""
+  field, level = np.asarray(field, np.float64), np.asarray(level, np.float64)
+  b_, t, h_ = field.shape
+  out = np.zeros((b_, h_, t, t), bool)
+  for b in range(b_):
+    for h in range(h_):
+      held: list[int] = []
+      for i in range(t):
+        if segment_ids is not None and i > 0 and segment_ids[b, i] != segment_ids[b, i - 1]:
+          held = []  # a new sequence: an empty cache
+        if len(held) >= capacity:
+          pen = {j: max(0.0, level[b, j, h] - field[b, j + 1 : i + 1, h].min()) for j in held}
+          cand = [j for j in held if j <= i - recent] or held
+          top = max(pen[j] for j in cand)
+          held.remove(min(j for j in cand if pen[j] == top))  # largest penalty, ties: the oldest
+        held.append(i)
+        out[b, h, i, held] = True
+  return out
+
+
+def attention_np(q, k, v, field, level, keep, scale):
+  """float64 loops: softmax over the kept keys of scale q.k - penalty. q [B, T, H, K] (grouped)."""
+  q, k, v, field, level = (np.asarray(a, np.float64) for a in (q, k, v, field, level))
+  b_, t, h_, _ = q.shape
+  kvh = k.shape[2]
+  out = np.zeros((b_, t, h_, v.shape[-1]))
+  for b in range(b_):
+    for h in range(h_):
+      g = h // (h_ // kvh)
+      for i in range(t):
+        js = [j for j in range(i + 1) if keep[b, g, i, j]]
+        logit = np.array(
+          [
+            scale * q[b, i, h] @ k[b, j, g]
+            - (max(0.0, level[b, j, g] - field[b, j + 1 : i + 1, g].min()) if j < i else 0.0)
+            for j in js
+          ]
+        )
+        p = np.exp(logit - logit.max())
+        p /= p.sum()
+        out[b, i, h] = sum(pj * v[b, j, g] for pj, j in zip(p, js))
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The keep mask
+# ------------------------------------------------------------------------------------------------
+
+
+# (B, T, H, capacity, recent, integer fields (many exact ties), segments)
+KEEP_CASES = [
+  (2, 12, 2, 4, 0, False, False),
+  (2, 12, 2, 4, 1, True, False),
+  (1, 16, 3, 5, 2, True, True),
+  (2, 9, 1, 1, 0, False, False),  # capacity 1: only the query itself
+  (1, 10, 2, 10, 3, False, False),  # capacity = T: nothing is ever evicted
+  (1, 10, 2, 3, 2, True, True),
+]
+
+
+@pytest.mark.parametrize("b,t,h,cap,w,ties,seg", KEEP_CASES)
+def test_keep_matches_the_decode_loop(b, t, h, cap, w, ties, seg):
+  rng = np.random.default_rng(10 * t + cap)
+  if ties:  # small integers: many penalties exactly 0 or equal, the tie rule decides
+    field, level = rng.integers(-2, 3, size=(b, t, h)) * 1.0, rng.integers(-2, 3, size=(b, t, h)) * 1.0
+  else:
+    field, level = rng.normal(size=(b, t, h)), rng.normal(size=(b, t, h))
+  segs = np.sort(rng.integers(1, 3, size=(b, t)), axis=1) if seg else None
+  got = np.asarray(
+    jax.jit(BL.budget_keep)(
+      jnp.asarray(field, jnp.float32),
+      jnp.asarray(level, jnp.float32),
+      cap,
+      w,
+      None if segs is None else jnp.asarray(segs),
+    )
+  )
+  want = keep_np(field, level, cap, w, segs)
+  np.testing.assert_array_equal(got, want)
+  assert got[:, :, np.arange(t), np.arange(t)].all()  # the query's own key
+  assert not np.triu(got, 1).any()  # never a later key
+  assert (got.sum(-1) <= cap).all()
+  if cap >= t:
+    assert (got == np.tril(np.ones((t, t), bool))).all()
+
+
+def test_keep_with_flat_field_is_a_window_with_a_protected_tail():
+  """Penalties all 0 (no forgetting yet): ties go to the oldest, so the cache is the last C keys."""
+  z = jnp.zeros((1, 10, 1))
+  keep = np.asarray(BL.budget_keep(z, z, 4, 1))[0, 0]
+  for i in range(10):
+    assert keep[i].nonzero()[0].tolist() == list(range(max(0, i - 3), i + 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# The attention
+# ------------------------------------------------------------------------------------------------
+
+
+def kink_free(rng, b, t, h):
+  """Distinct fields 1/4 apart, levels at odd multiples of 1/8: no relu / min kink (and no change of
+  the keep mask's ranking) within a finite-difference step."""
+  field = np.stack([np.stack([rng.permutation(2 * t)[:t] - t for _ in range(h)], -1) for _ in range(b)]) * 0.25
+  level = (rng.integers(-t, t, size=(b, t, h)) + 0.5) * 0.25
+  return field, level
+
+
+@pytest.mark.parametrize("heads,kv_heads,cap,w", [(2, 2, 4, 1), (4, 2, 3, 0), (2, 1, 8, 2)])
+def test_budgeted_attention_matches_loop_reference_and_finite_differences(heads, kv_heads, cap, w):
+  b, t, d = 2, 8, 3
+  rng = np.random.default_rng(heads * 10 + cap)
+  q, k, v = (
+    rng.normal(size=(b, t, heads, d)),
+    rng.normal(size=(b, t, kv_heads, d)),
+    rng.normal(size=(b, t, kv_heads, d)),
+  )
+  field, level = kink_free(rng, b, t, kv_heads)
+  scale = d**-0.5
+  keep = keep_np(field, level, cap, w)
+  args32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v, field, level)]
+  f = jax.jit(lambda *a: BL.budgeted_attention(*a, capacity=cap, recent=w))
+  assert_close(np.asarray(f(*args32)), attention_np(q, k, v, field, level, keep, scale), dtype=np.float32, n=t * d)
+  ct = rng.normal(size=(b, t, heads, d))
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3, 4)))(*args32)
+  args = [q, k, v, field, level]
+  eps = 1e-6
+  for n, g in enumerate(grads):
+    fd = np.zeros_like(args[n])
+    for idx in np.ndindex(args[n].shape):
+      up, dn = [a.copy() for a in args], [a.copy() for a in args]
+      up[n][idx] += eps
+      dn[n][idx] -= eps
+      fd[idx] = (np.sum(attention_np(*up, keep, scale) * ct) - np.sum(attention_np(*dn, keep, scale) * ct)) / (2 * eps)
+    if n >= 3:
+      assert np.abs(fd).max() > 0  # the gate gets a gradient through the kept keys' penalties
+    assert_close(np.asarray(g), fd, dtype=np.float32, n=t * d, scale=max(np.abs(fd).max(), 1.0))
+
+
+def test_budgeted_attention_bad_arguments():
+  x = jnp.zeros((1, 4, 2, 3))
+  g = jnp.zeros((1, 4, 2))
+  with pytest.raises(ValueError, match="capacity"):
+    BL.budgeted_attention(x, x, x, g, g, capacity=0, recent=0)
+  with pytest.raises(ValueError, match="recent"):
+    BL.budgeted_attention(x, x, x, g, g, capacity=3, recent=3)
+  with pytest.raises(ValueError, match="field"):
+    BL.budgeted_attention(x, x, x, g[:, :3], g, capacity=3, recent=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# A model: the budgeted training forward is the fpa_budget decode
+# ------------------------------------------------------------------------------------------------
+
+
+def tiny(**kw):
+  return C.get_config("tiny", **{"task": "synthetic", "seq_len": 16, "batch_size": 4, "attn_impl": "quadratic", **kw})
+
+
+@pytest.mark.parametrize(
+  "attention,scan,kv", [("fpa", False, None), ("fpa", True, 1), ("fox", False, None), ("stack", True, None)]
+)
+def test_model_budget_forward_equals_fpa_budget_decode(attention, scan, kv):
+  from fpa_jax.inference import cached_logits
+
+  extra = {} if kv is None else {"n_kv_heads": kv}
+  model = build_model(tiny(attention=attention, scan_layers=scan, vocab_size=32, **extra), seed=1)
+  toks = np.random.default_rng(0).integers(0, 32, (2, 20))
+  for cap, w in [(5, 0), (6, 2), (20, 2)]:
+    got = model(jnp.asarray(toks), budget=(jnp.int32(cap), jnp.int32(w)))
+    want, _ = cached_logits(model, toks, policy="fpa_budget", budget=cap, recent=w)
+    assert_close(np.asarray(got), np.asarray(want), dtype=np.float32, n=64 * 64)
+  full = np.asarray(model(jnp.asarray(toks)))
+  assert np.abs(np.asarray(model(jnp.asarray(toks), budget=(jnp.int32(5), jnp.int32(0)))) - full).max() > 1e-3
+
+
+def test_budget_needs_a_gate():
+  model = build_model(tiny(attention="softmax", vocab_size=32), seed=0)
+  with pytest.raises(ValueError, match="gated"):
+    model(jnp.zeros((1, 8), jnp.int32), budget=(jnp.int32(4), jnp.int32(0)))
+
+
+# ------------------------------------------------------------------------------------------------
+# The training objective
+# ------------------------------------------------------------------------------------------------
+
+
+def test_draw_capacity():
+  caps = [BL.draw_capacity(jax.random.key(s), 100, 1.0, 0.1, 0.3) for s in range(50)]
+  assert all(10 <= int(c) <= 30 and int(w) == int(c) // 8 for c, w in caps)
+  assert len({int(c) for c, _ in caps}) > 5
+  assert all(int(BL.draw_capacity(jax.random.key(s), 100, 0.0, 0.1, 0.3)[0]) == 100 for s in range(10))
+  on = np.mean([int(BL.draw_capacity(jax.random.key(s), 100, 0.5, 0.1, 0.3)[0]) < 100 for s in range(200)])
+  assert 0.35 < on < 0.65
+
+
+def _objective(cfg, batch, key=0):
+  model = build_model(cfg, seed=0)
+  gdef, params, rest = nnx.split(model, nnx.Param, ...)
+  f = lambda p: losses.objective(nnx.merge(gdef, p, rest), batch, cfg, 0, jax.random.key(key))  # noqa: E731
+  return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+
+@pytest.fixture(scope="module")
+def batch():
+  return {k: jnp.asarray(v) for k, v in FixedBatch(vocab_size=64, seq_len=16, batch_size=4).batch.items()}
+
+
+def test_budget_objective(batch):
+  (v, aux), g = _objective(tiny(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25), batch)
+  assert float(aux["budget_kept"]) == 0.25 and math.isfinite(float(v))
+  gate = [np.asarray(x) for p, x in nnx.to_flat_state(g) if "gate" in map(str, p)]
+  assert gate and all(np.isfinite(x).all() for x in gate) and max(np.abs(x).max() for x in gate) > 0
+  # a budget of the whole sequence evicts nothing: the LM loss
+  (v_full, aux_full), _ = _objective(tiny(budget_loop_prob=1.0, budget_loop_min=1.0, budget_loop_max=1.0), batch)
+  (v_lm, _), _ = _objective(tiny(), batch)
+  assert float(aux_full["budget_kept"]) == 1.0
+  assert_close(v_full, v_lm, n=64 * 64)
+  assert float(v) > float(v_lm)  # a quarter of the cache loses information
+  # with the evictability hinge as well: both terms' metrics
+  (_, aux2), _ = _objective(tiny(budget_loop_prob=1.0, evict_weight=1.0, evict_window=2), batch)
+  assert {"budget_kept", "evict_loss", "evict_live"} <= set(aux2)
+
+
+def test_train_logs_budget_kept(tmp_path):
+  cfg = tiny(budget_loop_prob=1.0, budget_loop_min=0.5, budget_loop_max=0.5, steps=2, ckpt_every=100, log_every=1)
+  out = train_fixed(cfg, str(tmp_path))
+  assert out["history"][-1]["budget_kept"] == 0.5 and out["traces"] == 1
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(budget_loop_prob=1.5), "budget_loop_prob"),
+    (dict(budget_loop_prob=-0.1), "budget_loop_prob"),
+    (dict(budget_loop_min=0.0), "budget_loop_min"),
+    (dict(budget_loop_max=1.2), "budget_loop_max"),
+    (dict(budget_loop_min=0.5, budget_loop_max=0.2), "min <= max"),
+    (dict(budget_loop_prob=0.5, attention="softmax"), "gated"),
+  ],
+)
+def test_bad_budget_settings_raise(kw, match):
+  with pytest.raises(ValueError, match=match):
+    tiny(**kw)
