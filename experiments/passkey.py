@@ -77,6 +77,17 @@ METHODS = {
   # the LM default gate (`configs.LM_GATE`: FoX's term plus read-outs at scale 1, issue 20) at
   # fox_b5's weak-decay bias: fpa_fox5 with its read-outs moving 10x slower.
   "fpa_lm5": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # issue 20's passkey ablation: fpa_lm5 with its read-outs started at exactly 0, i.e. exactly fox_b5 at
+  # step 0 (FPA free to move away from FoX): is it the random read-outs that delay retrieval?
+  "fpa_lm5_init0": {
+    **LM_GATE,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "step_init_std": 0.0,
+    "absolute_init_std": 0.0,
+    "offset_init_std": 0.0,
+  },
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
@@ -92,6 +103,7 @@ FAMILY = {
   "fpa_fox5_evict": "fpa",
   "fpa_fox5_cont": "fpa",
   "fpa_lm5": "fpa",
+  "fpa_lm5_init0": "fpa",
 }
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)

@@ -252,7 +252,22 @@ def markdown(res: dict) -> str:
     rows,
   )
   claim = "".join(_claim(res, m) for m in ("fpa_lm", "fpa") if m in s and "fox" in s)
-  return head + table + claim
+  return head + table + claim + _evict_cost(res)
+
+
+def _evict_cost(res: dict) -> str:
+  """Issue 21's target for the evictability objective: fpa_lm_evict vs fpa_lm, paired by seed, <= +1%."""
+  if "fpa_lm_evict" not in res or "fpa_lm" not in res:
+    return ""
+  base = dict(zip(res["fpa_lm"]["seeds"], res["fpa_lm"]["bpb"]))
+  pair = [b / base[sd] - 1.0 for sd, b in zip(res["fpa_lm_evict"]["seeds"], res["fpa_lm_evict"]["bpb"]) if sd in base]
+  if not pair:
+    return ""
+  d = float(np.mean(pair))
+  return (
+    f"\nClaim \"the evictability objective costs <= 1% bits per byte\" (`fpa_lm_evict` vs `fpa_lm`, paired per seed): "
+    f"{100 * d:+.2f}% ({', '.join(f'{100 * x:+.2f}%' for x in pair)}; {'holds' if d <= 0.01 else 'NOT met'}).\n"
+  )
 
 
 def _claim(res: dict, m: str) -> str:

@@ -160,13 +160,16 @@ def _bindings(doc) -> str:
   )
 
 
-def _text_pareto(doc) -> str:
+def _text_pareto(doc, ppl) -> str:
+  from experiments.perplexity import _evict_cost
+
+  cost = _evict_cost(ppl).strip() if ppl is not None else ""
   if doc is None:
-    return "not run yet (`python -m experiments.text_pareto`)"
+    return (cost + " " if cost else "") + "Pareto curves not run yet (`python -m experiments.text_pareto`)"
   from experiments.text_pareto import claims
 
-  return "held-out bits per byte of the byte LMs of `perplexity_T3000` under each cache: " + " ".join(
-    claims(doc["summary"])
+  return (cost + " " if cost else "") + (
+    "Held-out bits per byte of those byte LMs under each cache (`text_pareto`): " + " ".join(claims(doc["summary"]))
   )
 
 
@@ -263,7 +266,7 @@ def claims_table(root: Path = ROOT) -> str:
     ),
     (
       "On text, a model trained to forget gives up little for it, and its rule cuts the cache (issue 21)",
-      _text_pareto(_load(root, "text_pareto")),
+      _text_pareto(_load(root, "text_pareto"), _load(root, "perplexity_T3000")),
     ),
   ]
   lines = ["| claim (paper) | measured here (CPU scale; see each study's table) |", "|---|---|"]

@@ -89,7 +89,7 @@ def claims(s: dict) -> list[str]:
   if "evict_cost" in s:
     c = s["evict_cost"]
     out.append(
-      f"The objective's cost at 1x with the full cache: {100 * c:+.2f}% bits per byte vs FPA without it (paired per seed "
+      f"On these rows, the objective's cost at 1x with the full cache: {100 * c:+.2f}% bits per byte vs FPA without it (paired per seed "
       + ", ".join(f"{100 * x:+.2f}%" for x in s["evict_cost_paired"])
       + f"; target <= +1%: {'holds' if c <= 0.01 else 'NOT met'})."
     )

@@ -175,6 +175,8 @@ class DecoderLM(nnx.Module):
     """
     if (return_gates or budget is not None) and caches is not None:
       raise ValueError("return_gates and budget are for the parallel (training) forward, not cached mode")
+    if budget is not None and (not isinstance(budget, (tuple, list)) or len(budget) != 2):
+      raise ValueError(f"budget must be a (capacity, recent) pair of int scalars, got {budget!r}")
     tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete
     x = constrain(embed_tokens(self.embed[...], tokens).astype(self.dtype), BTD)  # [B, T, D]
     if caches is not None:

@@ -201,10 +201,12 @@ def test_model_budget_forward_equals_fpa_budget_decode(attention, scan, kv):
   assert np.abs(np.asarray(model(jnp.asarray(toks), budget=(jnp.int32(5), jnp.int32(0)))) - full).max() > 1e-3
 
 
-def test_budget_needs_a_gate():
+def test_budget_needs_a_gate_and_a_pair():
   model = build_model(tiny(attention="softmax", vocab_size=32), seed=0)
   with pytest.raises(ValueError, match="gated"):
     model(jnp.zeros((1, 8), jnp.int32), budget=(jnp.int32(4), jnp.int32(0)))
+  with pytest.raises(ValueError, match="capacity, recent"):
+    build_model(tiny(vocab_size=32), seed=0)(jnp.zeros((1, 8), jnp.int32), budget=4)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -175,11 +175,12 @@ def test_studies_keep_the_gate_their_committed_runs_were_trained_with():
   from experiments import lm_ablations, passkey, perplexity
 
   scales = ("step_scale", "absolute_scale", "offset_scale")
-  old = [(m, o) for m, o in passkey.METHODS.items() if m != "fpa_lm5"]
+  old = [(m, o) for m, o in passkey.METHODS.items() if not m.startswith("fpa_lm5")]
   old += [(m, o) for m, o in perplexity.METHODS.items() if not m.startswith("fpa_lm")]
   old += [(m, o) for m, (o, _) in lm_ablations.ROWS.items() if "scale1" not in m]
   for m, over in old:
     assert set(C.LM_GATE) <= set(over), m  # pinned, not left to the preset
     assert all(over[k] == C.SINGLE_HEAD_GATE[k] for k in scales), m
-  for over in (passkey.METHODS["fpa_lm5"], perplexity.METHODS["fpa_lm"], perplexity.METHODS["fpa_lm_evict"]):
+  new = ("fpa_lm5", "fpa_lm5_init0")
+  for over in [passkey.METHODS[m] for m in new] + [perplexity.METHODS[m] for m in ("fpa_lm", "fpa_lm_evict")]:
     assert {k: over[k] for k in C.LM_GATE} == C.LM_GATE

@@ -239,3 +239,13 @@ def test_dips_limits_table_collects_the_variant_runs(tmp_path):
     d64[m]["successes"] = d64[m]["successes_coverage"]
   (tmp_path / "results" / "dips_limits" / "d64" / "dips.json").write_text(json.dumps(d64))
   assert "; with head dim 64 and 1500 steps (`d64`): fpa 1/2, fox 0/2 |" in report.claims_table(tmp_path)
+
+
+def test_perplexity_evict_cost_claim_is_paired_by_seed():
+  from experiments.perplexity import _evict_cost
+
+  res = {"fpa_lm": {"seeds": [0, 1, 2], "bpb": [2.0, 2.0, 1.0]}, "fpa_lm_evict": {"seeds": [2, 0], "bpb": [1.01, 2.0]}}
+  assert "+0.50% (+1.00%, +0.00%; holds)" in _evict_cost(res)  # seed 2 against seed 2, seed 0 against seed 0
+  res["fpa_lm_evict"]["bpb"] = [1.03, 2.02]
+  assert "+2.00% (+3.00%, +1.00%; NOT met)" in _evict_cost(res)
+  assert _evict_cost({"fpa_lm": res["fpa_lm"]}) == ""

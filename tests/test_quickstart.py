@@ -39,5 +39,8 @@ def test_quickstart_smoke(tmp_path):
   full = summary["decode"][0]
   assert full["cache_fraction"] == 1.0 and full["lost_mass_max"] == 0.0
   assert (out / "live_sets.md").exists() and (out / "decode.md").exists()
-  assert (tmp_path / "runs" / "fpa_bindings_lm" / "metrics.jsonl").exists()
+  assert (tmp_path / "runs" / f"{quickstart.LM_METHOD}_bindings_lm" / "metrics.jsonl").exists()
+  from experiments.bindings_lm import FPA_ROWS
+
+  assert quickstart.FPA_ROWS == FPA_ROWS and quickstart.LM_METHOD in FPA_ROWS
   assert all(0.0 <= r["far_accuracy"] <= 1.0 for r in summary["decode"])
