@@ -86,28 +86,27 @@ def smallest_within(s: dict, meth: str, m: int, policy: str, tol: float = 0.01) 
 
 def claims(s: dict) -> list[str]:
   out = []
-  if "evict_cost" in s:
-    c = s["evict_cost"]
-    out.append(
-      f"On these rows, the objective's cost at 1x with the full cache: {100 * c:+.2f}% bits per byte vs FPA without it (paired per seed "
-      + ", ".join(f"{100 * x:+.2f}%" for x in s["evict_cost_paired"])
-      + f"; target <= +1%: {'holds' if c <= 0.01 else 'NOT met'})."
-    )
-  k, low = max(s["multiples"]), min(s["budgets"])
+  # The objective's cost at 1x with the full cache is claimed from the perplexity study's 512 held-out
+  # windows (`perplexity._evict_cost`); these few rows' paired difference (summary `evict_cost`) is noisier.
+  low = min(s["budgets"])
   pct = lambda b: f"{100 * b:g}%"  # noqa: E731
   for meth in ("fpa_lm_evict", "fpa_lm", "fox"):
-    full = s.get(f"{meth}/{k}/full")
-    if full is None:
-      continue
-    rule, win = s.get(f"{meth}/{k}/fpa_budget {pct(low)}"), s.get(f"{meth}/{k}/window {pct(low)}")
-    sr, sw = smallest_within(s, meth, k, "fpa_budget"), smallest_within(s, meth, k, "window")
-    line = (
-      f"{LABELS.get(meth, meth)} ({s[f'{meth}/seeds']} seeds) at {k}x: smallest cache within 1% of the full cache's "
-      f"{full:.3f} bits/byte: learned rule {pct(sr) if sr else 'none'}, window {pct(sw) if sw else 'none'}"
-    )
-    if rule is not None and win is not None:
-      line += f"; at {pct(low)}: rule {100 * (rule / full - 1):+.1f}%, window {100 * (win / full - 1):+.1f}%"
-    out.append(line + ".")
+    parts = []
+    for k in s["multiples"]:
+      full = s.get(f"{meth}/{k}/full")
+      if full is None:
+        continue
+      rule, win = s.get(f"{meth}/{k}/fpa_budget {pct(low)}"), s.get(f"{meth}/{k}/window {pct(low)}")
+      sr, sw = smallest_within(s, meth, k, "fpa_budget"), smallest_within(s, meth, k, "window")
+      part = (
+        f"at {k}x the smallest cache within 1% of the full cache's {full:.3f} bits/byte is "
+        f"{pct(sr) if sr else 'none tried'} with the learned rule, {pct(sw) if sw else 'none tried'} with a window"
+      )
+      if rule is not None and win is not None:
+        part += f" (at {pct(low)}: rule {100 * (rule / full - 1):+.1f}%, window {100 * (win / full - 1):+.1f}%)"
+      parts.append(part)
+    if parts:
+      out.append(f"{LABELS.get(meth, meth)} ({s[f'{meth}/seeds']} seeds): " + "; ".join(parts) + ".")
   return out
 
 
