@@ -93,7 +93,7 @@ def _passkey_seed(doc) -> str:
   return f". Seed {seed} (competent: validation exact match >= 0.99): " + ", ".join(parts)
 
 
-def _kv(doc, decode=None, more=None) -> str:
+def _kv(doc, decode=None, more=None, decode_more=None) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.kv_compression`)"
   text = _kv_cells(doc) + _kv_stale(doc)
@@ -104,6 +104,9 @@ def _kv(doc, decode=None, more=None) -> str:
   if decode is not None and decode.get("cells"):
     text += f"; with every prompt token decoded under the policy ({decode['n_prompts']} prompts per cell): "
     text += _kv_cells(decode) + _kv_stale(decode)
+  if decode_more is not None and decode_more.get("cells"):
+    text += f"; decoded so, with {decode_more['n_prompts']} prompts per cell (95% intervals): "
+    text += _kv_cells(decode_more, ci=True) + _kv_stale(decode_more)
   return text
 
 
@@ -268,6 +271,7 @@ def claims_table(root: Path = ROOT) -> str:
         _load(root, "kv_compression"),
         _load(root, "kv_compression_decode/kv_compression"),
         _load(root, "kv_compression_n100/kv_compression"),
+        _load(root, "kv_compression_decode_n100/kv_compression"),
       ),
     ),
     (
