@@ -88,7 +88,7 @@ def _passkey_seed(doc) -> str:
     parts.append(
       f"{m} competent at {e['steps']} steps"
       if e.get("competent_1x")
-      else f"{m} not competent in {e['steps']} ({last:.2f})"
+      else f"{m} not competent in {e['steps']}" + ("" if last is None else f" ({last:.2f})")
     )
   return f". Seed {seed} (competent: validation exact match >= 0.99): " + ", ".join(parts)
 
