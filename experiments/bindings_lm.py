@@ -13,6 +13,8 @@ from `runs/bindings_lm/...`), then decoded token by token (`fpa_jax.inference.ca
 `--n-eval` held-out programs per length at 1x..8x: answer accuracy on all queries and on the far
 ones (answer more than length / 8 back), with the full cache and with 25% / 12.5% of it under
 fpa_budget (the learned rule: largest penalty first; FoX's own decay for fox), window and h2o.
+FPA is trained three ways (`FPA_ROWS`, issue 21's ablation of the training objectives): the LM loss
+alone (`fpa`), plus the evictability hinge (`fpa_evict`), and with budget in the loop (`fpa_bloop`).
 The evaluation of a trained run is kept in the results file and reused while its step is unchanged.
 Writes results/bindings_lm.{json,md,png}.
 """

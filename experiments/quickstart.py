@@ -7,10 +7,10 @@
    its attention on the live keys of nested scopes; mean attention mass on the target set at 1x and
    2x the training length (2 seeds; the full study is `python -m experiments.live_sets`).
 3. The learned KV-cache rule: an FPA language model (`experiments.bindings_lm`'s `fpa_evict` recipe,
-   seed 0: the LM loss plus the evictability objective) trained on nested named bindings (`fpa_jax.data.bindings`), then decoded token by token at 4x its
-   training length with the cache under each policy: how many keys each keeps and how often it
-   still answers the queries right, the far ones (a binding made before long closed inner scopes)
-   apart. The full study with FoX, stack and softmax and 3 seeds is `python -m experiments.bindings_lm`.
+   seed 0: the LM loss plus the evictability objective) trained on nested named bindings
+   (`fpa_jax.data.bindings`), then decoded token by token at 4x its training length with the cache
+   under each policy: how many keys each keeps and how often it still answers the queries right, the
+   far ones (a binding made before long closed inner scopes) apart. The full study with FoX, stack and softmax and 3 seeds is `python -m experiments.bindings_lm`.
 Writes results/quickstart/{summary.json, live_sets.md, decode.md}; ends with the full study commands.
 """
 
