@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
+from experiments.bindings_lm import FPA_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "x(a(bc)d(e)f)y"
@@ -33,7 +34,6 @@ LM_LEN = 128  # step 3's training length
 # step 3's recipe: the bindings study's FPA row that met the issue-21 targets over its 3 seeds
 # (results/bindings_lm.md): the evictability objective on top of the LM loss
 LM_METHOD = "fpa_evict"
-FPA_ROWS = ("fpa", "fpa_evict", "fpa_bloop")  # = experiments.bindings_lm.FPA_ROWS (imported lazily there)
 
 
 def live_keys_demo(text: str = DEMO) -> list[str]:

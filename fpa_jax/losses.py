@@ -112,7 +112,7 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
   the objective on, its metrics (see the module docstring). `cfg`: anything with the TrainConfig
   evict_* and budget_loop_* fields (a run Config); `step`: the optimizer step (the target's ramp);
   `key`: a PRNG key for the query positions and the step's budget (needed when either is on)."""
-  budget_on = bool(getattr(cfg, "budget_loop_prob", 0.0))
+  budget_on = bool(cfg.budget_loop_prob)
   if not cfg.evict_weight and not budget_on:
     s, n = lm_loss(model, batch)
     return s, {"lm_sum": s, "count": n}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fpa_jax.ops import validate as _v
 from fpa_jax.ops.common import STATS_DTYPE, dip
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.quadratic import masked_softmax_attention
@@ -112,8 +113,6 @@ def budgeted_attention(
   recent, segment_ids as in `budget_keep`; scale default K ** -0.5.
   Returns: [B, T, H, Kv] in q's dtype. Differentiable in every input but the keep mask.
   """
-  from fpa_jax.ops import validate as _v  # the public op's checks (validate imports ops modules)
-
   b, t, _, kvh, d = _v.check_qkv(q, k, v)
   _v.check_gate("field", field, (b, t, kvh))
   _v.check_gate("level", level, (b, t, kvh))
