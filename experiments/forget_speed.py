@@ -1,17 +1,22 @@
-"""Forgetting turned into speed (issue 21 §2): on a trained model's own fields, the share of tiles
-dead-tile skipping (`skip_tolerance`) drops, and the prefill time with it on and off.
+"""Forgetting turned into speed (issue 21 §2): on a trained model's own fields, what the two ways of
+skipping under the sound bound (`skip_tolerance` eps; each row loses <= eps of its attention) drop,
+and the attention and prefill time with each on and off.
 
-    python -m experiments.forget_speed                              # fpa_fox5_evict and fpa_fox5
+    python -m experiments.forget_speed                      # fpa_fox5_evict, fpa_fox5, fox_b5
     python -m experiments.forget_speed --models fpa_fox5_evict --tolerances 1e-3 1e-1
 
 The passkey study's models (their workdirs are in results/passkey.json) read `--batch` passkey test
 prompts at `--multiple` x their training length (depths spread over 0-100%). For each tolerance eps:
-  * tiles dropped: `ops.chunked.skipped_tile_fraction` on every layer's own q, k, field and level
-    (recorded from one forward pass), per (batch, kv head) and for all of them at once (only
-    then is a tile's compute skipped), averaged over the layers;
-  * prefill time: the jitted forward pass of the whole model over the prompts, skipping on (eps)
-    and off (None), median of `--repeats` after a compile and a warm-up;
-  * answers: greedy exact match of the passkey answers with skipping on (teacher-forced, as the
+  * tiles (`skip="tiles"`, forward and backward): `ops.chunked.skipped_tile_fraction` on every
+    layer's own q, k, field and level (recorded from one forward pass), per (batch, kv head) and for
+    all of them at once (only then is a tile's compute skipped), averaged over the layers;
+  * keys (`skip="keys"`, forward only, `ops.sparse`): the share of keys before each query block
+    that are kept per (batch, kv head), and the share the shared chunk loop reads (the densest head
+    of each block sets it), averaged over the layers;
+  * time, median of `--repeats` after a compile and a warm-up: the attention ops alone on the
+    recorded inputs (summed over layers; forward for both ways, forward + backward for tiles) and
+    the jitted forward pass of the whole model (prefill), each against the exact kernel;
+  * answers: greedy exact match of the passkey answers with each way on (teacher-forced, as the
     passkey study scores them), which the bound says cannot change beyond eps per row.
 Writes results/forget_speed.{json,md}.
 """
@@ -31,7 +36,7 @@ MODULE = "experiments.forget_speed"
 
 
 def record_attention_inputs(model, tokens):
-  """[(q, k, gates, layer cfg)] of every attention layer, from one jitted forward pass over tokens [B, T]."""
+  """[(q, k, v, gates, layer cfg)] of every attention layer, from one jitted forward pass over tokens [B, T]."""
   import jax
   from flax import nnx
 
@@ -40,7 +45,7 @@ def record_attention_inputs(model, tokens):
   seen, cfgs, orig = [], [], layers.FirstPassageAttention.parallel_attention
 
   def rec(self, op, q, k, v, gates, segment_ids):
-    seen.append((q, k, tuple(gates)))
+    seen.append((q, k, v, tuple(gates)))
     cfgs.append(self.cfg)
     return orig(self, op, q, k, v, gates, segment_ids)
 
@@ -56,56 +61,157 @@ def record_attention_inputs(model, tokens):
     out = jax.jit(forward)(state, tokens)
   finally:
     layers.FirstPassageAttention.parallel_attention = orig
-  return [(q, k, g, c) for (q, k, g), c in zip(out, cfgs)]
+  return [(q, k, v, g, c) for (q, k, v, g), c in zip(out, cfgs)]
 
 
-def tiles_dropped(recorded, eps: float) -> tuple[float, float]:
-  """(per (batch, kv head), for all at once) fraction of off-diagonal tiles dropped, mean over layers."""
+def _gate(gates):
   import jax.numpy as jnp
 
   from fpa_jax.ops import chunked
 
+  if len(gates) == 2:
+    return chunked.FPAGate(*gates)
+  return chunked.FoXGate(jnp.cumsum(gates[0], axis=1))  # FoX: the kernels tile c = cumsum(log forget)
+
+
+def tiles_dropped(recorded, eps: float) -> tuple[float, float]:
+  """(per (batch, kv head), for all at once) fraction of off-diagonal tiles dropped, mean over layers."""
+  from fpa_jax.ops import chunked
+
   per, every = [], []
-  for q, k, gates, cfg in recorded:
-    if len(gates) == 2:
-      gate = chunked.FPAGate(*gates)
-    else:  # FoX: the kernel tiles c = cumsum(log forget)
-      gate = chunked.FoXGate(jnp.cumsum(gates[0], axis=1))
+  for q, k, _, gates, cfg in recorded:
     a, b = chunked.skipped_tile_fraction(
-      q, k, gate, skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
+      q, k, _gate(gates), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
     )
     per.append(a)
     every.append(b)
   return float(np.mean(per)), float(np.mean(every))
 
 
-def prefill_seconds(model, tokens, repeats: int) -> float:
-  fwd = U.forward_fn(model)
-  fwd(tokens).block_until_ready()  # compile
-  fwd(tokens).block_until_ready()  # warm up
+def keys_kept(recorded, eps: float) -> tuple[float, float]:
+  """(kept per (batch, kv head), read by the shared chunk loop) share of the off-diagonal keys, mean over layers."""
+  from fpa_jax.ops import sparse
+
+  st = [
+    sparse.live_key_stats(
+      q, k, _gate(gates), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
+    )
+    for q, k, _, gates, cfg in recorded
+  ]
+  return float(np.mean([x["kept_per_head"] for x in st])), float(np.mean([x["read"] for x in st]))
+
+
+def _median_s(fn, args, repeats: int) -> float:
+  import jax
+
+  jax.block_until_ready(fn(*args))  # compile
+  jax.block_until_ready(fn(*args))  # warm up
   times = []
   for _ in range(repeats):
     t = time.perf_counter()
-    fwd(tokens).block_until_ready()
+    jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t)
   return statistics.median(times)
 
 
-def with_skip(model, eps):
-  """The same parameters in a model whose layers skip dead tiles at eps (None: exact)."""
+def attention_seconds(recorded, eps, skip: str, repeats: int, grad: bool = False) -> float:
+  """Median time of every layer's attention op on its recorded inputs, summed over layers; grad:
+  forward + backward (d sum(out * ct) / d every input)."""
+  import jax
+  import jax.numpy as jnp
+
+  from fpa_jax import ops
+
+  total = 0.0
+  for q, k, v, gates, cfg in recorded:
+    op = ops.fpa_attention if len(gates) == 2 else ops.fox_attention
+    kw = dict(block_size=cfg.block_size or None, scale=cfg.head_dim**-0.5)
+    if eps is not None:
+      kw.update(skip_tolerance=eps, skip=skip)
+    fwd = lambda q, k, v, *g: op(q, k, v, *g, **kw)  # noqa: B023 (used within this iteration)
+    if grad:
+      ct = jax.random.normal(jax.random.key(0), q.shape[:3] + v.shape[-1:], q.dtype)
+      loss = lambda *a: jnp.sum(fwd(*a) * ct)  # noqa: B023
+      fn = jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(gates)))))
+    else:
+      fn = jax.jit(fwd)
+    total += _median_s(fn, (q, k, v, *gates), repeats)
+  return total
+
+
+def prefill_seconds(model, tokens, repeats: int) -> float:
+  return _median_s(U.forward_fn(model), (tokens,), repeats)
+
+
+def with_skip(model, eps, skip: str = "tiles"):
+  """The same parameters in a model whose layers skip dead tiles or keys at eps (None: exact)."""
   from flax import nnx
 
   from fpa_jax import configs as C
   from fpa_jax.models import build_model
 
-  other = build_model(C.replace(model.cfg, skip_tolerance=eps, attn_impl="chunked"), seed=0)
+  skip = "tiles" if eps is None else skip
+  other = build_model(C.replace(model.cfg, skip_tolerance=eps, skip=skip, attn_impl="chunked"), seed=0)
   nnx.update(other, nnx.state(model))
   return other
 
 
+COLUMNS = [
+  "model",
+  "eps",
+  "tiles dropped (per head / all)",
+  "keys kept (per head / read)",
+  "attention s: exact",
+  "tiles",
+  "keys",
+  "attention fwd+bwd s: exact",
+  "tiles",
+  "prefill s: exact",
+  "keys",
+  "exact match: tiles / keys",
+]
+
+
+def markdown(res: dict) -> str:
+  meta = res["meta"]
+  md = (
+    f"`{meta['command']}`: passkey models of Study 2 reading {meta['batch']} test prompts of "
+    f"{meta['prompt_tokens']} tokens ({res['multiple']}x their training length {res['train_length']}), "
+    f"{meta['machine']['backend']}, {meta['machine']['cpu_count']} cores. Dropped under the bound that puts "
+    "every weight skipped below eps / T (each row loses <= eps of its attention): whole tiles "
+    "(`skip='tiles'`; per (batch row, kv head), and for all of them at once, the only tiles whose "
+    "compute the kernel skips), or single keys per query block (`skip='keys'`, forward only; kept per "
+    "(row, kv head), and read: what the chunk loop shared by all rows and heads reads), shares of the "
+    "off-diagonal keys / tiles, mean over layers. Attention: the ops alone on the recorded inputs, summed "
+    "over layers; prefill: the jitted forward pass of the whole model. Times are medians (speed-up "
+    "against exact in brackets).\n\n"
+  )
+  sp = lambda base, t: f"{t:.3f} ({base / t:.2f}x)"
+  rows = []
+  for m, r in res["rows"].items():
+    for e, v in r["tolerances"].items():
+      rows.append(
+        [
+          m,
+          e,
+          f"{v['tiles_dropped_per_head']:.3f} / {v['tiles_dropped_all_heads']:.3f}",
+          f"{v['keys_kept_per_head']:.3f} / {v['keys_read']:.3f}",
+          f"{r['attention_s']:.3f}",
+          sp(r["attention_s"], v["attention_s_tiles"]),
+          sp(r["attention_s"], v["attention_s_keys"]),
+          f"{r['attention_grad_s']:.3f}",
+          sp(r["attention_grad_s"], v["attention_grad_s_tiles"]),
+          f"{r['prefill_s']:.3f}",
+          sp(r["prefill_s"], v["prefill_s_keys"]),
+          f"{v['exact_match_tiles']:.2f} / {v['exact_match_keys']:.2f}",
+        ]
+      )
+  return md + U.md_table(COLUMNS, rows)
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--models", nargs="+", default=["fpa_fox5_evict", "fpa_fox5"])
+  ap.add_argument("--models", nargs="+", default=["fpa_fox5_evict", "fpa_fox5", "fox_b5"])
   ap.add_argument("--passkey-results", default=str(U.ROOT / "results" / "passkey.json"))
   ap.add_argument("--multiple", type=int, default=8)
   ap.add_argument("--batch", type=int, default=4)
@@ -131,61 +237,41 @@ def main(argv=None) -> dict:
     model, _ = load_model(U.ROOT / pk[m]["workdir"])
     exact = with_skip(model, None)
     recorded = record_attention_inputs(exact, tokens)
-    base = prefill_seconds(exact, tokens, a.repeats)
-    rows[m] = {"exact_prefill_s": base, "tolerances": {}}
+    r = rows[m] = {
+      "attention_s": attention_seconds(recorded, None, "tiles", a.repeats),
+      "attention_grad_s": attention_seconds(recorded, None, "tiles", a.repeats, grad=True),
+      "prefill_s": prefill_seconds(exact, tokens, a.repeats),
+      "tolerances": {},
+    }
     for eps in a.tolerances:
       per, every = tiles_dropped(recorded, eps)
-      skipping = with_skip(model, eps)
-      t = prefill_seconds(skipping, tokens, a.repeats)
-      acc = passkey_cell(skipping, exs, batch_size=a.batch)["accuracy"]
-      rows[m]["tolerances"][f"{eps:g}"] = {
+      kept, read = keys_kept(recorded, eps)
+      cell = {
         "tiles_dropped_per_head": per,
         "tiles_dropped_all_heads": every,
-        "prefill_s": t,
-        "speedup": base / t,
-        "exact_match": float(acc),
+        "keys_kept_per_head": kept,
+        "keys_read": read,
+        "attention_s_tiles": attention_seconds(recorded, eps, "tiles", a.repeats),
+        "attention_s_keys": attention_seconds(recorded, eps, "keys", a.repeats),
+        "attention_grad_s_tiles": attention_seconds(recorded, eps, "tiles", a.repeats, grad=True),
       }
+      for skip in ("tiles", "keys"):
+        skipping = with_skip(model, eps, skip)
+        cell[f"prefill_s_{skip}"] = prefill_seconds(skipping, tokens, a.repeats)
+        cell[f"exact_match_{skip}"] = float(passkey_cell(skipping, exs, batch_size=a.batch)["accuracy"])
+      r["tolerances"][f"{eps:g}"] = cell
       print(
-        f"[forget_speed] {m} eps={eps:g}: tiles dropped {per:.3f} ({every:.3f} for all heads), "
-        f"prefill {base:.3f} s -> {t:.3f} s ({base / t:.2f}x), exact match {acc:.2f}",
+        f"[forget_speed] {m} eps={eps:g}: tiles dropped {per:.3f} ({every:.3f} for all heads), keys kept "
+        f"{kept:.3f} (read {read:.3f}); attention {r['attention_s']:.3f} s -> tiles {cell['attention_s_tiles']:.3f}, "
+        f"keys {cell['attention_s_keys']:.3f} ({r['attention_s'] / cell['attention_s_keys']:.2f}x); prefill "
+        f"{r['prefill_s']:.3f} s -> keys {cell['prefill_s_keys']:.3f}; exact match {cell['exact_match_tiles']:.2f} / "
+        f"{cell['exact_match_keys']:.2f}",
         file=sys.stderr,
       )
   meta = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, prompt_tokens=cut, batch=a.batch)
   res = {"rows": rows, "train_length": train_len, "multiple": a.multiple, "meta": meta}
   U.write_json(a.out + ".json", res)
-  md = (
-    f"`{meta['command']}`: passkey models of Study 2 reading {a.batch} test prompts of {cut} tokens "
-    f"({a.multiple}x their training length {train_len}) in one jitted forward pass (prefill), {meta['machine']['backend']}, "
-    f"{meta['machine']['cpu_count']} cores. Tiles: the share of off-diagonal attention tiles whose every weight is "
-    "provably <= eps / T on the model's own fields (per batch row and kv head; for all at once, the share whose "
-    "compute is skipped), mean over layers.\n\n"
-  )
-  md += U.md_table(
-    [
-      "model",
-      "eps",
-      "tiles dropped",
-      "for all heads",
-      "prefill s (exact)",
-      "prefill s (skipping)",
-      "speed-up",
-      "exact match",
-    ],
-    [
-      [
-        m,
-        e,
-        f"{v['tiles_dropped_per_head']:.3f}",
-        f"{v['tiles_dropped_all_heads']:.3f}",
-        f"{r['exact_prefill_s']:.3f}",
-        f"{v['prefill_s']:.3f}",
-        f"{v['speedup']:.2f}",
-        f"{v['exact_match']:.2f}",
-      ]
-      for m, r in rows.items()
-      for e, v in r["tolerances"].items()
-    ],
-  )
+  md = markdown(res)
   with open(a.out + ".md", "w") as f:
     f.write(md + "\n")
   print(md)

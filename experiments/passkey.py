@@ -88,6 +88,9 @@ METHODS = {
     "absolute_init_std": 0.0,
     "offset_init_std": 0.0,
   },
+  # issue 20's next passkey ablation: fpa_lm5 with its read-outs at a tenth of the learning rate
+  # (`gate_lr_scale`): closer to FoX for longer, is it the read-outs' speed that delays retrieval?
+  "fpa_lm5_slow": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0, "gate_lr_scale": 0.1},
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
@@ -104,6 +107,7 @@ FAMILY = {
   "fpa_fox5_cont": "fpa",
   "fpa_lm5": "fpa",
   "fpa_lm5_init0": "fpa",
+  "fpa_lm5_slow": "fpa",
 }
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)

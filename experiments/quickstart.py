@@ -8,9 +8,9 @@
    2x the training length (2 seeds; the full study is `python -m experiments.live_sets`).
 3. The learned KV-cache rule: an FPA language model (`experiments.bindings_lm`'s `fpa_evict` recipe,
    seed 0: the LM loss plus the evictability objective) trained on nested named bindings
-   (`fpa_jax.data.bindings`), then decoded token by token at 4x its training length with the cache
-   under each policy: how many keys each keeps and how often it still answers the queries right, the
-   far ones (a binding made before long closed inner scopes) apart. The full study with FoX, stack and softmax and 3 seeds is `python -m experiments.bindings_lm`.
+   (`fpa_jax.data.bindings`), then decoded token by token at 2x and 4x its training length with the
+   cache under each policy: how many keys each keeps and how often it still answers the queries
+   right, the far ones (a binding made before long closed inner scopes) apart. The full study with FoX, stack and softmax and 3 seeds is `python -m experiments.bindings_lm`.
 Writes results/quickstart/{summary.json, live_sets.md, decode.md}; ends with the full study commands.
 """
 
@@ -55,7 +55,7 @@ def live_keys_demo(text: str = DEMO) -> list[str]:
 def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tuple[list[dict], str]:
   """Decode held-out `bindings` programs of `seq_len` tokens under each cache policy: answer accuracy
   on all queries and on the far ones (answer > seq_len / 8 back), keys held and (where measurable)
-  the attention mass lost to eviction."""
+  the attention mass lost to eviction. Rows carry `multiple` = seq_len / LM_LEN."""
   from experiments._common import md_table
   from experiments.bindings_lm import eval_programs, score
 
@@ -74,6 +74,7 @@ def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tu
     cell, st = score(model, toks, is_q, far, **kw)
     rows.append(
       {
+        "multiple": seq_len / LM_LEN,
         "policy": name,
         "query_accuracy": cell["acc"],
         "far_accuracy": cell["far"],
@@ -98,7 +99,7 @@ def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tu
   )
   acc = {r["policy"]: r["query_accuracy"] for r in rows}
   md += (
-    f"\n\nAt 12.5% of the cache the learned rule keeps {100 * acc['fpa_budget 12.5%']:.1f}% of the queries right "
+    f"\n\nAt {seq_len // LM_LEN}x ({seq_len} tokens) and 12.5% of the cache the learned rule keeps {100 * acc['fpa_budget 12.5%']:.1f}% of the queries right "
     f"(full cache {100 * acc['full']:.1f}%), window {100 * acc['window 12.5%']:.1f}%, h2o {100 * acc['h2o 12.5%']:.1f}%: "
     + ", ".join(
       f"{100 * (acc['fpa_budget 12.5%'] - acc[f'{p} 12.5%']):+.1f} points over {p}" for p in ("window", "h2o")
@@ -154,9 +155,9 @@ def main(argv=None) -> int:
 
   print(
     f"3) The learned KV-cache rule: an FPA LM (recipe `{a.lm_method}`) trained on nested named bindings\n"
-    f"   ({a.lm_steps} steps at {LM_LEN} tokens; `fpa_jax.data.bindings`), decoded token by token at 4x its\n"
-    "   training length with each cache policy: far queries ask for a binding made before long, closed\n"
-    "   inner scopes."
+    f"   ({a.lm_steps} steps at {LM_LEN} tokens; `fpa_jax.data.bindings`), decoded token by token at 2x and\n"
+    "   4x its training length with each cache policy: far queries ask for a binding made before long,\n"
+    "   closed inner scopes."
   )
   from experiments import bindings_lm
   from fpa_jax.data.bindings import BindingsLM
@@ -171,7 +172,12 @@ def main(argv=None) -> int:
     data,
   )
   model = run["model"]
-  rows, md_cache = cached_decode_table(model, 4 * LM_LEN, n=4 if a.small else 16)
+  rows, parts = [], []
+  for mult in (2, 4):
+    r, md = cached_decode_table(model, mult * LM_LEN, n=4 if a.small else 16)
+    rows += r
+    parts.append(f"At {mult}x its training length ({mult * LM_LEN} tokens):\n\n{md}")
+  md_cache = "\n".join(parts)
   print(md_cache)
   (out / "decode.md").write_text(md_cache)
   summary = {

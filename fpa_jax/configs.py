@@ -174,6 +174,9 @@ class ModelConfig(_Part):
   # None: exact. eps in (0, 1): the chunked kernel drops tiles whose every weight is <= eps / T
   # (each row loses <= eps of its attention, `fpa_jax.ops.chunked`); attn_impl chunked (or auto) only.
   skip_tolerance: float | None = None
+  # what skip_tolerance drops: "tiles" (forward and backward) or "keys" (per query block, each key the
+  # bound rules out; forward only: prefill and evaluation, `fpa_jax.ops.sparse`; training refuses it)
+  skip: str = "tiles"
   precision: str = "default"  # one of PRECISIONS: fp32 matmul passes (TPU: default = bf16 passes)
   rope: bool | None = None  # None -> RoPE for softmax only (FoX/FPA gates give position info)
   rope_theta: float = 10000.0
@@ -291,6 +294,10 @@ class ModelConfig(_Part):
           f"skip_tolerance only applies to the chunked kernel, got attn_impl={self.attn_impl!r}; "
           "set attn_impl='chunked' or skip_tolerance=None"
         )
+    if self.skip not in _ops_validate.SKIPS:
+      raise ValueError(f"skip={self.skip!r}: use one of {_ops_validate.SKIPS}")
+    if self.skip == "keys" and self.skip_tolerance is None:
+      raise ValueError("skip='keys' drops keys under a tolerance: set skip_tolerance (e.g. 1e-3) or skip='tiles'")
     if self.precision not in PRECISIONS:
       raise ValueError(f"unknown precision {self.precision!r}; use one of {PRECISIONS}")
     return self
@@ -305,6 +312,7 @@ FREE_ON_RESUME = frozenset(
     "attn_impl",
     "block_size",
     "skip_tolerance",
+    "skip",
     "precision",
     "dtype",
     "remat",

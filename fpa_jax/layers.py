@@ -185,7 +185,7 @@ class FirstPassageAttention(nnx.Module):
   Grouped-query (`n_kv_heads` < `n_heads`): k, v and the gate have KVH heads; query head h reads
   kv head h // (H / KVH) inside the ops, which never repeat k / v.
 
-  `cfg.skip_tolerance` (the chunked kernel's dead-tile skipping) and `cfg.precision` apply to the
+  `cfg.skip_tolerance` / `cfg.skip` (dead tiles or keys skipped) and `cfg.precision` apply to the
   parallel mode; the cached mode runs under the precision too, and its attention is `attend`'s.
 
   Build it from a ModelConfig, or from plain arguments with `FirstPassageAttention.from_args(d_model,
@@ -232,6 +232,7 @@ class FirstPassageAttention(nnx.Module):
     attn_impl: str = "auto",
     block_size: int | None = None,
     skip_tolerance: float | None = None,
+    skip: str = "tiles",
     precision: str = "default",
     init_std: float = 0.02,
     out_init_std: float | None = None,
@@ -251,7 +252,8 @@ class FirstPassageAttention(nnx.Module):
     rope: None = RoPE for softmax only (the gates give position); rope_theta its base.
     attn_impl, block_size: the ops impl ("auto", "chunked", "pallas", "quadratic", "recurrent")
       and tile size (None = the ops default). skip_tolerance: None (exact) or eps in (0, 1),
-      chunked only: each row loses at most eps of its attention (`fpa_jax.ops.chunked`).
+      chunked only: each row loses at most eps of its attention (`fpa_jax.ops.chunked`); skip:
+      "tiles" drops whole tiles, "keys" single keys per query block (forward only, `ops.sparse`).
     precision: matmul precision, "default" | "high" | "highest" (`configs.PRECISIONS`).
     init_std: std of the q, k, v (and output-gate) projections' init; out_init_std that of W_o
       (None = init_std; for a stack of L blocks init_std / sqrt(2 L) is GPT-2's depth scaling).
@@ -299,6 +301,7 @@ class FirstPassageAttention(nnx.Module):
       attn_impl=attn_impl,
       block_size=block_size or 0,
       skip_tolerance=skip_tolerance,
+      skip=skip,
       precision=precision,
       rope=rope,
       rope_theta=rope_theta,
@@ -358,6 +361,8 @@ class FirstPassageAttention(nnx.Module):
     kw = dict(impl=impl, block_size=(cfg.block_size or None) if cfg.attn_impl in ops.validate.BLOCKED else None)
     if cfg.skip_tolerance is not None:  # the op raises a clear error where impl is not chunked
       kw["skip_tolerance"] = float(cfg.skip_tolerance)
+    if cfg.skip != "tiles":  # config validation has already required a tolerance with it
+      kw["skip"] = cfg.skip
     op = with_precision(op, cfg.precision)
     if impl != "pallas":
       return op(q, k, v, *gates, segment_ids=segment_ids, **kw)

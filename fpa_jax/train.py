@@ -315,6 +315,8 @@ def train(
   """
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   cfg = config.validate()
+  if cfg.skip == "keys":
+    raise ValueError("skip='keys' is forward only (prefill, evaluation): train with skip='tiles' (the default)")
   mesh = mesh if mesh is not None else S.make_mesh(cfg.mesh or None)
   cfg.validate_mesh(dict(mesh.shape))
   os.makedirs(workdir, exist_ok=True)

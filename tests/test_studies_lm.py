@@ -151,10 +151,12 @@ def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
   out = str(tmp_path / "out" / "forget_speed")
   fs = forget_speed.main(
     ["--passkey-results", str(tmp_path / "out" / "passkey.json"), "--multiple", "1", "--batch", "2"]
+    + ["--models", "fpa_fox5_evict", "fpa_fox5"]
     + ["--tolerances", "0.5", "--repeats", "1", "--out", out]
   )
   cell = fs["rows"]["fpa_fox5_evict"]["tolerances"]["0.5"]
-  assert 0 <= cell["tiles_dropped_all_heads"] <= cell["tiles_dropped_per_head"] <= 1 and cell["prefill_s"] > 0
+  assert 0 <= cell["tiles_dropped_all_heads"] <= cell["tiles_dropped_per_head"] <= 1 and cell["prefill_s_keys"] > 0
+  assert 0 <= cell["keys_kept_per_head"] <= cell["keys_read"] <= 1 and cell["exact_match_keys"] >= 0
   assert "| fpa_fox5 | 0.5 |" in open(out + ".md").read()
   # ... and the text-cost study
   from experiments import evict_cost

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from fpa_jax.ops import chunked as _chunked
 from fpa_jax.ops import pallas as _pallas
+from fpa_jax.ops import sparse as _sparse
 from fpa_jax.ops import validate as _v
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.quadratic import masked_softmax_attention
@@ -40,6 +41,7 @@ from fpa_jax.ops.recurrent import recurrent_attention
 
 Implementation = _v.Implementation  # Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
 IMPLS = _v.IMPLS  # the same names as a tuple (typing.get_args(Implementation))
+Skip = _v.Skip  # Literal["tiles", "keys"]: what skip_tolerance drops
 
 
 def _bht(x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, H, T] fp32
@@ -58,6 +60,7 @@ def fpa_attention(
   segment_ids: jax.Array | None = None,
   block_size: int | None = None,
   skip_tolerance: float | None = None,
+  skip: Skip = "tiles",
 ) -> jax.Array:
   """First Passage Attention.
 
@@ -83,6 +86,11 @@ def fpa_attention(
       impls, and "auto" where it picks "pallas", raise ValueError). Drops the tiles whose every
       weight is provably <= eps / seq (bound in `fpa_jax.ops.chunked`), forward and backward:
       each row loses total weight <= eps, each output component moves by <= 2 eps max|v|.
+    skip: what skip_tolerance drops: "tiles" (the default above) or "keys": per query block, each
+      key whose weights the bound puts below eps / seq, the live keys gathered into dense chunks
+      (`fpa_jax.ops.sparse`; the same guarantee per row). It turns a head that keeps a sparse set
+      of keys alive into fewer reads where no tile is wholly dead. Forward only (prefill, eval): a
+      gradient raises ValueError.
   Returns:
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
     Infinite levels and empty inputs: see the module docstring.
@@ -96,18 +104,29 @@ def fpa_attention(
   scale = _v.default_scale(scale, d)
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
+  _v.check_skip(skip, skip_tolerance)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   return _fpa_core(
-    q, k, v, field, level, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance
+    q,
+    k,
+    v,
+    field,
+    level,
+    segment_ids,
+    impl=impl,
+    scale=scale,
+    block_size=block_size,
+    skip_tolerance=skip_tolerance,
+    skip=skip,
   )
 
 
 # The computation after validation, one jitted program per (impl, scale, tiles, tolerance, shapes):
 # an eager call (a notebook, a test) compiles the kernel once instead of dispatching it op by op;
 # under an outer jit it is inlined.
-@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance"))
-def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance):
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance", "skip"))
+def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
   if impl == "pallas":
     return _pallas.pallas_attention(
       q, k, v, _chunked.FPAGate(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
@@ -118,6 +137,17 @@ def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
   if impl == "recurrent":
     return recurrent_attention(
       q, k, v, field.astype(_v.STATS_DTYPE), level.astype(_v.STATS_DTYPE), scale=scale, segment_ids=segment_ids
+    )
+  if skip == "keys":
+    return _sparse.key_sparse_attention(
+      q,
+      k,
+      v,
+      _chunked.FPAGate(field, level),
+      scale=scale,
+      segment_ids=segment_ids,
+      block_size=block_size,
+      skip_tolerance=skip_tolerance,
     )
   return _chunked.chunked_attention(
     q,
@@ -142,6 +172,7 @@ def fox_attention(
   segment_ids: jax.Array | None = None,
   block_size: int | None = None,
   skip_tolerance: float | None = None,
+  skip: Skip = "tiles",
 ) -> jax.Array:
   """Forgetting Attention (FoX): logit_ij = scale * q_i.k_j + sum_{s=j+1..i} log_fgate_s.
 
@@ -154,7 +185,8 @@ def fox_attention(
       concrete array with a positive entry raises ValueError; under jit (a tracer) positive
       entries are clamped to 0 (forget gate 1, gradient 0 there) before any impl sees them, so
       every impl computes the same, defined result.
-    skip_tolerance: as in `fpa_attention` (chunked only); the tile floor is min_J c - max_I c.
+    skip_tolerance, skip: as in `fpa_attention` (chunked only); the tile floor is min_J c - max_I c,
+      a key's floor for query block I is c_j - max_I c.
     Others as in `fpa_attention`.
   """
   _v.check_impl(impl, block_size)
@@ -164,23 +196,44 @@ def fox_attention(
   _v.check_segment_ids(segment_ids, (b, t))
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
+  _v.check_skip(skip, skip_tolerance)
   _v.check_log_fgate(log_fgate)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   scale = _v.default_scale(scale, d)
   return _fox_core(
-    q, k, v, log_fgate, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance
+    q,
+    k,
+    v,
+    log_fgate,
+    segment_ids,
+    impl=impl,
+    scale=scale,
+    block_size=block_size,
+    skip_tolerance=skip_tolerance,
+    skip=skip,
   )
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance"))
-def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_tolerance):
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance", "skip"))
+def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
   # The one place all impls share: chunked / pallas tile c_i - c_j, the others the FPA special
   # case, which agree only for a monotone c.
   c = jnp.cumsum(_v.clamp_log_fgate(log_fgate), axis=1)
   if impl == "pallas":
     return _pallas.pallas_attention(
       q, k, v, _chunked.FoXGate(c), scale=scale, segment_ids=segment_ids, block_sizes=block_size
+    )
+  if impl == "chunked" and skip == "keys":
+    return _sparse.key_sparse_attention(
+      q,
+      k,
+      v,
+      _chunked.FoXGate(c),
+      scale=scale,
+      segment_ids=segment_ids,
+      block_size=block_size,
+      skip_tolerance=skip_tolerance,
     )
   if impl == "chunked":
     return _chunked.chunked_attention(

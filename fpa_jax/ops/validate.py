@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # Re-exported: the names are defined once in `common` (imported by chunked / pallas as well).
-from fpa_jax.ops.common import BLOCKED, IMPLS, STATS_DTYPE, BlockSizes, Implementation
+from fpa_jax.ops.common import BLOCKED, IMPLS, SKIPS, STATS_DTYPE, BlockSizes, Implementation, Skip
 
-__all__ = ["BLOCKED", "IMPLS", "STATS_DTYPE", "BlockSizes", "Implementation"]
+__all__ = ["BLOCKED", "IMPLS", "SKIPS", "STATS_DTYPE", "BlockSizes", "Implementation", "Skip"]
 
 
 def _is_float(x) -> bool:
@@ -140,3 +140,11 @@ def check_skip_tolerance(skip_tolerance, impl: str) -> None:
     raise ValueError(f"skip_tolerance must be None or a float in (0, 1), got {skip_tolerance!r}")
   if impl != "chunked":
     raise ValueError(f"skip_tolerance only applies to impl='chunked', got impl={impl!r}")
+
+
+def check_skip(skip, skip_tolerance) -> None:
+  """skip: "tiles" (default) or "keys" (forward-only key-sparse prefill, which needs a tolerance)."""
+  if skip not in SKIPS:
+    raise ValueError(f"skip must be one of {SKIPS}, got {skip!r}")
+  if skip == "keys" and skip_tolerance is None:
+    raise ValueError("skip='keys' drops keys under a tolerance: pass skip_tolerance=eps in (0, 1), e.g. 1e-3")
