@@ -178,12 +178,17 @@ def main(argv=None) -> int:
     rows += r
     parts.append(f"At {mult}x its training length ({mult * LM_LEN} tokens):\n\n{md}")
   md_cache = "\n".join(parts)
+  md_cache += (
+    f"\nTraining this model took {run['train_wall_s'] / 60:.1f} min of the quickstart here "
+    f"({os.cpu_count()} cores; `{os.path.join(a.workdir, f'{a.lm_method}_bindings_lm', 'study_wall.json')}`).\n"
+  )
   print(md_cache)
   (out / "decode.md").write_text(md_cache)
   summary = {
     "live_sets": res,
     "decode": rows,
     "lm_loss": run["history"][-1]["loss"] if run["history"] else None,
+    "lm_train_wall_s": run["train_wall_s"],
     "wall_s": round(time.perf_counter() - t0, 1),
   }
   (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))

@@ -53,6 +53,15 @@ class LinearReadout(nnx.Module):
     return self.scale * (x.astype(F32) @ self.w[...].astype(F32) + self.b[...].astype(F32))
 
 
+_SIDE_TAG = 0x6A7E  # folded into the layer's next key: the FPA read-outs' own stream
+
+
+def _side_stream(rngs: nnx.Rngs) -> nnx.Rngs:
+  """A params stream derived from the layer's next key without drawing it (its count stays)."""
+  s = rngs.params
+  return nnx.Rngs(params=jax.random.fold_in(jax.random.fold_in(s.key[...], s.count[...]), _SIDE_TAG))
+
+
 class Gate(nnx.Module):
   """The gate of one attention layer; optional read-outs are None when the variant lacks them."""
 
@@ -60,19 +69,24 @@ class Gate(nnx.Module):
     terms = cfg.gate_terms
     # One read-out per kv head: a key's penalty is then shared by the query heads of its group.
     d, h, pdt = cfg.d_model, cfg.kv_heads, jnp.dtype(cfg.param_dtype)
-    mk = lambda scale, std, bias: LinearReadout(
-      d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt, rngs=rngs
+    mk = lambda scale, std, bias, r=rngs: LinearReadout(
+      d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt, rngs=r
     )
     self.n_heads = h
     self.forget: LinearReadout | None = mk(1.0, cfg.gate_init_std, cfg.gate_bias_init) if "forget" in terms else None
+    # The FPA read-outs draw from a side stream (the layer's stream does not advance for them), so
+    # every other parameter of an FPA model starts equal to the FoX (with `gate_forget`) or softmax
+    # model of the same seed: FPA started at FoX's init with zero read-outs is FoX exactly, and a
+    # comparison by seed measures the gate alone, not a different draw of the other weights.
+    side = _side_stream(rngs) if set(terms) - {"forget"} else None
     self.step: LinearReadout | None = (
-      mk(cfg.step_scale, cfg.step_init_std, cfg.step_bias_init) if "step" in terms else None
+      mk(cfg.step_scale, cfg.step_init_std, cfg.step_bias_init, side) if "step" in terms else None
     )
     self.absolute: LinearReadout | None = (
-      mk(cfg.absolute_scale, cfg.absolute_init_std, 0.0) if "absolute" in terms else None
+      mk(cfg.absolute_scale, cfg.absolute_init_std, 0.0, side) if "absolute" in terms else None
     )
     self.offset: LinearReadout | None = (
-      mk(cfg.offset_scale, cfg.offset_init_std, cfg.offset_bias_init) if "offset" in terms else None
+      mk(cfg.offset_scale, cfg.offset_init_std, cfg.offset_bias_init, side) if "offset" in terms else None
     )
 
   @property

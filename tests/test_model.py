@@ -102,6 +102,24 @@ def test_gated_variants_with_forget_term_start_at_fox(att):
   assert_close(fwd(model, tok), fwd(fox, tok), n=cfg.d_model * cfg.n_layers)
 
 
+@pytest.mark.parametrize("att, scan", [("fpa", False), ("stack", True)])
+def test_fpa_read_outs_leave_the_other_weights_of_the_seed(att, scan):
+  """The FPA read-outs draw from a side stream: every other parameter equals the FoX model's of the
+  same seed (with gate_forget) or the NoPE model's (without), so at FoX's init FPA is FoX itself and
+  a comparison by seed measures the gate alone."""
+  flat = lambda m: {"/".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+  for forget, other in ((True, "fox"), (False, "nope")):
+    cfg = C.get_config("tiny", attention=att, gate_forget=forget, scan_layers=scan, **FLAT_GATE)
+    mine, theirs = flat(build_model(cfg, seed=3)), flat(build_model(C.replace(cfg, attention=other), seed=3))
+    extra = [k for k in mine if k not in theirs]
+    assert extra and all(any(f"/{n}/" in k for n in ("step", "absolute", "offset")) for k in extra), extra
+    assert all(np.array_equal(theirs[k], mine[k]) for k in theirs), other
+  cfg = C.get_config("tiny", attention=att, gate_forget=True, scan_layers=scan, **FLAT_GATE)
+  tok = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
+  fox = build_model(C.replace(cfg, attention="fox"), seed=3)
+  assert_close(fwd(build_model(cfg, seed=3), tok), fwd(fox, tok), n=cfg.d_model * cfg.n_layers)
+
+
 def test_bf16_compute_fp32_params():
   cfg = C.get_config("tiny", dtype="bfloat16", attn_impl="quadratic")
   model = build_model(cfg)
