@@ -91,6 +91,18 @@ METHODS = {
   # issue 20's next passkey ablation: fpa_lm5 with its read-outs at a tenth of the learning rate
   # (`gate_lr_scale`): closer to FoX for longer, is it the read-outs' speed that delays retrieval?
   "fpa_lm5_slow": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0, "gate_lr_scale": 0.1},
+  # ... and FoX first: fpa_lm5_init0 (exactly fox_b5 at step 0, weights included since the read-outs'
+  # side stream) with the read-outs' lr ramped from 0 over 1200 steps (`gate_lr_warmup_steps`)
+  "fpa_lm5_warm": {
+    **LM_GATE,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "step_init_std": 0.0,
+    "absolute_init_std": 0.0,
+    "offset_init_std": 0.0,
+    "gate_lr_warmup_steps": 1200,
+  },
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
@@ -108,6 +120,7 @@ FAMILY = {
   "fpa_lm5": "fpa",
   "fpa_lm5_init0": "fpa",
   "fpa_lm5_slow": "fpa",
+  "fpa_lm5_warm": "fpa",
 }
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)

@@ -217,6 +217,8 @@ def _kv_length_docs(root: Path) -> list[tuple[int, str, dict]]:
 def kv_lengths_table(root: Path = ROOT) -> str | None:
   """Passkey exact match [95% interval] by length (columns) for every (model, policy, budget) of the
   100-prompt cache studies, both prefill modes (decode rows say so): results/kv_lengths.md."""
+  from experiments._common import md_table
+
   docs = _kv_length_docs(root)
   if not docs:
     return None
@@ -243,8 +245,6 @@ def kv_lengths_table(root: Path = ROOT) -> str | None:
     + ", ".join(cmds)
     + ".\n\n"
   )
-  from experiments._common import md_table
-
   return head + md_table(["model", "cache"] + [f"{m}x" for m in lengths], rows)
 
 

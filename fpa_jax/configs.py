@@ -384,6 +384,9 @@ class TrainConfig(_Part):
   # multiplies the lr of the FPA gate's step / absolute / offset read-outs (not FoX's forget term):
   # they are scale * (w.x + b) with scale 10, so Adam moves their output ~10x faster (issue 20)
   gate_lr_scale: float = 1.0
+  # the read-outs' lr multiplier ramps linearly from 0 to gate_lr_scale over these steps; 0 = none.
+  # With read-outs started at 0 (FoX's init) the model is FoX until the read-outs move (issue 20)
+  gate_lr_warmup_steps: int = 0
   grad_accum: int = 1  # micro-batches per step (batch_size must divide)
   seed: int = 0  # parameter init and data order
   # ---- loop ----
@@ -429,6 +432,10 @@ class TrainConfig(_Part):
     _number(self, "weight_decay", 0, why="AdamW's decoupled weight decay; 0 disables")
     _number(self, "clip_norm", 0, why="global-norm gradient clipping; 0 disables")
     _number(self, "gate_lr_scale", 0, lo_open=True, why="the gate read-outs' lr multiplier; 1 = the same lr")
+    if isinstance(self.gate_lr_warmup_steps, bool) or not isinstance(self.gate_lr_warmup_steps, int):
+      raise ValueError(f"gate_lr_warmup_steps={self.gate_lr_warmup_steps!r}: use an int >= 0 (0 = no ramp)")
+    if self.gate_lr_warmup_steps < 0:
+      raise ValueError(f"gate_lr_warmup_steps={self.gate_lr_warmup_steps}: use an int >= 0 (0 = no ramp)")
     if self.warmup_steps > self.decay_steps:
       horizon = "lr_decay_steps" if self.lr_decay_steps else "steps"
       raise ValueError(

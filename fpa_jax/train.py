@@ -109,7 +109,10 @@ def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
   )
   parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
   parts.append(adamw)
-  if cfg.gate_lr_scale != 1.0:  # the whole AdamW update of those leaves (decay included) scaled: their lr
+  if cfg.gate_lr_warmup_steps:  # the read-outs' multiplier ramps from 0: FoX first, then FPA
+    ramp = optax.linear_schedule(0.0, cfg.gate_lr_scale, cfg.gate_lr_warmup_steps)
+    parts.append(optax.masked(optax.scale_by_schedule(ramp), gate_readout_mask))
+  elif cfg.gate_lr_scale != 1.0:  # the whole AdamW update of those leaves (decay included) scaled: their lr
     parts.append(optax.masked(optax.scale(cfg.gate_lr_scale), gate_readout_mask))
   return optax.chain(*parts) if len(parts) > 1 else adamw
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import bench_attention, report
 
 
@@ -249,3 +251,19 @@ def test_perplexity_evict_cost_claim_is_paired_by_seed():
   res["fpa_lm_evict"]["bpb"] = [1.03, 2.02]
   assert "+2.00% (+3.00%, +1.00%; NOT met)" in _evict_cost(res)
   assert _evict_cost({"fpa_lm": res["fpa_lm"]}) == ""
+
+
+@pytest.mark.parametrize("att", ["fpa", "fox"])
+def test_needle_penalty_reads_every_layer_and_head(att):
+  from experiments import needle_penalty as N
+  from fpa_jax import configs as C
+  from fpa_jax.data import passkey_eval_examples
+  from fpa_jax.models import build_model
+
+  m = build_model(C.get_config("tiny", attention=att, block_size=16, vocab_size=259), seed=0)
+  exs = passkey_eval_examples(320, 1, 50, n=1, seed=0)
+  stats = N.needle_stats(m, exs)
+  assert [(s["layer"], s["head"]) for s in stats] == [
+    (li, h) for li in range(m.cfg.n_layers) for h in range(m.cfg.kv_heads)
+  ]
+  assert all(0.0 <= s["needle_penalty"] and 0.0 <= s["needle_mass"] <= 1.0 for s in stats)

@@ -378,3 +378,17 @@ def test_gate_lr_scale_scales_only_the_gate_readouts():
   assert n_gate == 6  # (w, b) of step, absolute, offset; forget's read-out is not scaled
   with pytest.raises(ValueError, match="gate_lr_scale"):
     C.get_config("tiny", gate_lr_scale=0.0).validate()
+  # gate_lr_warmup_steps: the read-outs' multiplier ramps 0 -> gate_lr_scale over 4 steps (0 at the
+  # first update); the scale acts after AdamW, so each update is the constant-scale one times the ramp
+  ramped = make_optimizer(C.get_config("tiny", gate_lr_scale=0.5, gate_lr_warmup_steps=4, **kw))
+  const = make_optimizer(C.get_config("tiny", gate_lr_scale=0.5, **kw))
+  sr, sc = ramped.init(params), const.init(params)
+  for step in range(6):
+    ur, sr = ramped.update(grads, sr, params)
+    uc, sc = const.update(grads, sc, params)
+    for (path, a), (_, b), (_, m) in zip(flat(uc), flat(ur), flat(mask)):
+      f = min(step, 4) / 4 if m else 1.0
+      np.testing.assert_allclose(np.asarray(b), f * np.asarray(a), rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="gate_lr_warmup_steps"):
+      C.get_config("tiny", gate_lr_warmup_steps=bad).validate()

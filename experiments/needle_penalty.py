@@ -1,0 +1,104 @@
+"""Where retrieval stands in a passkey model's gates (issue 20): per layer and head, the penalty the
+gate puts on the needle at the question, the median penalty over the prompt, and the attention mass
+the question gives the needle.
+
+    python -m experiments.needle_penalty                                  # results/passkey_seed1 models
+    python -m experiments.needle_penalty --passkey-results results/passkey_shared_init_seed1/passkey.json \\
+        --models fpa_lm5 fpa_lm5_init0 --out results/needle_penalty_shared_init_seed1
+
+Each model is loaded from its workdir's last checkpoint (the step is in the table) and reads
+`--prompts` validation-style prompts at 1x (needle depths spread over 0-75%). Query: the position
+that predicts the answer's first digit; needle: the 60 tokens from the needle sentence's start.
+Cells are means over the prompts. FoX models' penalties are their summed decays (field = level =
+cumsum of the log forget gate). Writes <out>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from experiments import _common as U
+
+MODULE = "experiments.needle_penalty"
+NEEDLE_SPAN = 60  # tokens from the needle sentence's start: its digits and the sentence around them
+
+
+def needle_stats(model, examples) -> list[dict]:
+  """[{layer, head, needle_penalty, median_penalty, needle_mass}] averaged over `examples`."""
+  import jax.numpy as jnp
+
+  from experiments.forget_speed import record_attention_inputs
+  from fpa_jax.ops.penalty import first_passage_penalty
+
+  acc: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
+  for e in examples:
+    tokens = jnp.asarray(np.asarray(e["tokens"])[None].astype(np.int32))
+    qpos = e["answer_start"] - 1
+    needle = np.arange(e["needle_start"], min(e["needle_start"] + NEEDLE_SPAN, qpos))
+    for li, (q, k, _, gates, cfg) in enumerate(record_attention_inputs(model, tokens)):
+      field, level = gates if len(gates) == 2 else (jnp.cumsum(gates[0], axis=1),) * 2
+      for h in range(field.shape[-1]):  # kv heads; the first query head of each group reads it
+        pen = np.asarray(first_passage_penalty(field[0, : qpos + 1, h], level[0, : qpos + 1, h]))[qpos]
+        grp = q.shape[2] // k.shape[2]
+        s = np.asarray(q[0, qpos, h * grp] @ k[0, : qpos + 1, h].T) * cfg.head_dim**-0.5 - pen
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        acc.setdefault((li, h), []).append((float(pen[needle].min()), float(np.median(pen)), float(p[needle].sum())))
+  return [
+    {"layer": li, "head": h, **dict(zip(("needle_penalty", "median_penalty", "needle_mass"), np.mean(v, 0).tolist()))}
+    for (li, h), v in sorted(acc.items())
+  ]
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--passkey-results", default=str(U.ROOT / "results" / "passkey_seed1" / "passkey.json"))
+  ap.add_argument("--models", nargs="+", default=["fox_b5", "fpa_lm5", "fpa_lm5_init0"])
+  ap.add_argument("--prompts", type=int, default=4)
+  ap.add_argument("--out", default=str(U.ROOT / "results" / "needle_penalty"))
+  a = ap.parse_args(argv)
+  from fpa_jax.data import passkey_eval_examples
+  from fpa_jax.inference import load_model
+
+  t0 = time.perf_counter()
+  pk = U.passkey_models(a.passkey_results, a.models)
+  depths = np.linspace(0, 75, a.prompts).round().astype(int).tolist()
+  exs = [passkey_eval_examples(pk["train_length"], 1, d, n=1, seed=i)[0] for i, d in enumerate(depths)]
+  rows = {}
+  for m in a.models:
+    model, cfg = load_model(U.ROOT / pk[m]["workdir"])
+    rows[m] = {
+      "steps": pk[m].get("steps"),
+      "competent_1x": pk[m].get("competent_1x"),
+      "heads": needle_stats(model, exs),
+    }
+    print(f"[needle_penalty] {m}: done", file=sys.stderr)
+  meta = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, prompts=a.prompts)
+  res = {"rows": rows, "meta": meta, "passkey_results": a.passkey_results}
+  U.write_json(a.out + ".json", res)
+  md = (
+    f"`{meta['command']}`: per layer and kv head, at the position predicting the answer's first digit of "
+    f"{a.prompts} prompts at 1x: the smallest penalty over the needle's {NEEDLE_SPAN} tokens, the median "
+    "penalty over the prompt, and the attention mass on the needle (means over prompts).\n\n"
+  )
+  md += U.md_table(
+    ["model", "steps (competent)", "layer", "head", "needle penalty", "median penalty", "needle mass"],
+    [
+      [m, f"{r['steps']} ({'yes' if r['competent_1x'] else 'no'})", x["layer"], x["head"]]
+      + [f"{x['needle_penalty']:.2f}", f"{x['median_penalty']:.2f}", f"{x['needle_mass']:.3f}"]
+      for m, r in rows.items()
+      for x in r["heads"]
+    ],
+  )
+  with open(a.out + ".md", "w") as f:
+    f.write(md + "\n")
+  print(md)
+  return res
+
+
+if __name__ == "__main__":
+  main()
