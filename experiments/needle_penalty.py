@@ -2,9 +2,9 @@
 gate puts on the needle at the question, the median penalty over the prompt, and the attention mass
 the question gives the needle.
 
-    python -m experiments.needle_penalty                                  # results/passkey_seed1 models
-    python -m experiments.needle_penalty --passkey-results results/passkey_shared_init_seed1/passkey.json \\
-        --models fpa_lm5 fpa_lm5_init0 --out results/needle_penalty_shared_init_seed1
+    python -m experiments.needle_penalty       # seed 1: fox_b5 and the FPA gates on FoX's other weights
+
+--passkey-results takes several passkey results files; each model comes from the first that has it.
 
 Each model is loaded from its workdir's last checkpoint (the step is in the table) and reads
 `--prompts` validation-style prompts at 1x (needle depths spread over 0-75%). Query: the position
@@ -56,8 +56,12 @@ def needle_stats(model, examples) -> list[dict]:
 
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--passkey-results", default=str(U.ROOT / "results" / "passkey_seed1" / "passkey.json"))
-  ap.add_argument("--models", nargs="+", default=["fox_b5", "fpa_lm5", "fpa_lm5_init0"])
+  ap.add_argument(
+    "--passkey-results",
+    nargs="+",
+    default=["results/passkey_shared_init_seed1/passkey.json", "results/passkey_seed1/passkey.json"],
+  )
+  ap.add_argument("--models", nargs="+", default=["fox_b5", "fpa_lm5", "fpa_lm5_init0", "fpa_lm5_warm"])
   ap.add_argument("--prompts", type=int, default=4)
   ap.add_argument("--out", default=str(U.ROOT / "results" / "needle_penalty"))
   a = ap.parse_args(argv)
@@ -65,7 +69,16 @@ def main(argv=None) -> dict:
   from fpa_jax.inference import load_model
 
   t0 = time.perf_counter()
-  pk = U.passkey_models(a.passkey_results, a.models)
+  files = [U.read_json(U.ROOT / p, {}) for p in a.passkey_results]
+  src = {m: next((p for p, f in zip(a.passkey_results, files) if m in f), None) for m in a.models}
+  pk = {m: files[a.passkey_results.index(p)][m] if p else None for m, p in src.items()}
+  missing = [m for m, e in pk.items() if e is None]
+  if missing:
+    raise SystemExit(f"{missing} not in {a.passkey_results}: train them first (python -m experiments.passkey)")
+  lengths = {f["train_length"] for f in files if any(m in f for m in a.models)}
+  if len(lengths) != 1:
+    raise SystemExit(f"the models were trained at different lengths {sorted(lengths)}: compare one length at a time")
+  pk["train_length"] = lengths.pop()
   depths = np.linspace(0, 75, a.prompts).round().astype(int).tolist()
   exs = [passkey_eval_examples(pk["train_length"], 1, d, n=1, seed=i)[0] for i, d in enumerate(depths)]
   rows = {}
@@ -74,6 +87,7 @@ def main(argv=None) -> dict:
     rows[m] = {
       "steps": pk[m].get("steps"),
       "competent_1x": pk[m].get("competent_1x"),
+      "source": src[m],
       "heads": needle_stats(model, exs),
     }
     print(f"[needle_penalty] {m}: done", file=sys.stderr)
@@ -83,7 +97,9 @@ def main(argv=None) -> dict:
   md = (
     f"`{meta['command']}`: per layer and kv head, at the position predicting the answer's first digit of "
     f"{a.prompts} prompts at 1x: the smallest penalty over the needle's {NEEDLE_SPAN} tokens, the median "
-    "penalty over the prompt, and the attention mass on the needle (means over prompts).\n\n"
+    "penalty over the prompt, and the attention mass on the needle (means over prompts). Models from: "
+    + ", ".join(f"{m} `{r['source']}`" for m, r in rows.items())
+    + ".\n\n"
   )
   md += U.md_table(
     ["model", "steps (competent)", "layer", "head", "needle penalty", "median penalty", "needle mass"],
