@@ -70,6 +70,10 @@ scale-10 read-outs at a tenth of the learning rate, `gate_lr_scale`) closes the 
 read-out init (relu's kink) does not (one row per hypothesis in the ablation table). The base defaults (and
 `tiny`) stay the single-head ones (`SINGLE_HEAD_GATE`): hard forgetting within a few hundred steps
 is what the synthetic live-set tasks need. Either set is a plain dict of overrides.
+Those ablations predate the read-outs' side stream (`fpa_jax.gates`): an FPA model's other weights
+then differed from the FoX model's of the same seed. On passkey, read-outs started at 0 with their
+learning rate ramped up from 0 (`gate_lr_warmup_steps`) learn retrieval closest to FoX's pace
+(README, Study 2). That is not a default: its bits per byte have not been measured.
 
 Depth (`scan_layers`, `remat`; same logits and gradients either way, `tests/test_scan.py`):
 - scan_layers=True stores the blocks as one Block whose parameters have a leading [n_layers] axis

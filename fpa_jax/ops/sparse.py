@@ -3,9 +3,9 @@ skip bound cannot rule out (`skip="keys"`); forward only.
 
 Why keys, not tiles. Tile skipping (`chunked`, `skip="tiles"`) drops a [blk x blk] tile only when
 every one of its weights is negligible. A head trained to forget keeps a sparse set of keys alive
-all over the sequence (a retrieval head keeps 10-15% of its keys, Study 2's passkey models), so
-almost every tile holds one live key and none is dropped, while 85-90% of the key reads are wasted.
-Here the live keys of each query block are gathered into dense chunks instead.
+all over the sequence (a retrieval head of Study 2's passkey models), so almost every tile holds
+one live key and none is dropped, while most key reads are wasted (`experiments.forget_speed`
+measures both shares). Here the live keys of each query block are gathered into dense chunks.
 
 The bound, per query block I (starting at i0) and key j < i0. Every penalty of the pair is at least
 a floor that depends on I through i0 only (a penalty never decreases as the query moves on):
