@@ -48,6 +48,16 @@ METHODS = {
   # ... trained with the evictability objective (issue 21: its cost in bits per byte, paired with
   # fpa_lm by seed; `U.EVICT_FROM_SCRATCH`)
   "fpa_lm_evict": {**LM_GATE, "attention": "fpa", **U.EVICT_FROM_SCRATCH},
+  # ... FoX first (issue 20, passkey's fpa_lm5_warm): read-outs started at 0 (with the read-outs' side
+  # stream, exactly the fox row's model at step 0) and their lr ramped up from 0 over 1200 steps
+  "fpa_lm_warm": {
+    **LM_GATE,
+    "attention": "fpa",
+    "step_init_std": 0.0,
+    "absolute_init_std": 0.0,
+    "offset_init_std": 0.0,
+    "gate_lr_warmup_steps": 1200,
+  },
 }
 LN2 = math.log(2.0)
 
