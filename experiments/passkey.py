@@ -42,7 +42,7 @@ from flax import nnx
 from experiments import _common as U
 
 # Scoring lives in fpa_jax.eval; its names stay importable from here (tests, notebooks).
-from fpa_jax.configs import LM_GATE, SINGLE_HEAD_GATE
+from fpa_jax.configs import LM_GATE, LM_WARM, SINGLE_HEAD_GATE
 from fpa_jax.eval import answer_span, argmax_fn, eval_batch, teacher_forced_exact_match  # noqa: F401
 
 MODULE = "experiments.passkey"
@@ -93,16 +93,7 @@ METHODS = {
   "fpa_lm5_slow": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0, "gate_lr_scale": 0.1},
   # ... and FoX first: fpa_lm5_init0 (exactly fox_b5 at step 0, weights included since the read-outs'
   # side stream) with the read-outs' lr ramped from 0 over 1200 steps (`gate_lr_warmup_steps`)
-  "fpa_lm5_warm": {
-    **LM_GATE,
-    "attention": "fpa",
-    "gate_bias_init": 5.0,
-    "step_bias_init": 0.0,
-    "step_init_std": 0.0,
-    "absolute_init_std": 0.0,
-    "offset_init_std": 0.0,
-    "gate_lr_warmup_steps": 1200,
-  },
+  "fpa_lm5_warm": {**LM_WARM, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from fpa_jax.configs import LM_GATE, SINGLE_HEAD_GATE
+from fpa_jax.configs import LM_GATE, LM_WARM, SINGLE_HEAD_GATE
 
 MODULE = "experiments.perplexity"
 # Methods trained before the LM gate (issue 20) keep the single-head gate they were trained with.
@@ -50,14 +50,7 @@ METHODS = {
   "fpa_lm_evict": {**LM_GATE, "attention": "fpa", **U.EVICT_FROM_SCRATCH},
   # ... FoX first (issue 20, passkey's fpa_lm5_warm): read-outs started at 0 (with the read-outs' side
   # stream, exactly the fox row's model at step 0) and their lr ramped up from 0 over 1200 steps
-  "fpa_lm_warm": {
-    **LM_GATE,
-    "attention": "fpa",
-    "step_init_std": 0.0,
-    "absolute_init_std": 0.0,
-    "offset_init_std": 0.0,
-    "gate_lr_warmup_steps": 1200,
-  },
+  "fpa_lm_warm": {**LM_WARM, "attention": "fpa"},
 }
 LN2 = math.log(2.0)
 

@@ -182,5 +182,7 @@ def test_studies_keep_the_gate_their_committed_runs_were_trained_with():
     assert set(C.LM_GATE) <= set(over), m  # pinned, not left to the preset
     assert all(over[k] == C.SINGLE_HEAD_GATE[k] for k in scales), m
   new = ("fpa_lm5", "fpa_lm5_init0", "fpa_lm5_slow", "fpa_lm5_warm")
-  for over in [passkey.METHODS[m] for m in new] + [perplexity.METHODS[m] for m in ("fpa_lm", "fpa_lm_evict", "fpa_lm_warm")]:
+  for over in [passkey.METHODS[m] for m in new] + [
+    perplexity.METHODS[m] for m in ("fpa_lm", "fpa_lm_evict", "fpa_lm_warm")
+  ]:
     assert {k: over[k] for k in C.LM_GATE} == C.LM_GATE
