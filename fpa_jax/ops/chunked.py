@@ -416,6 +416,28 @@ def _visit(dead, i, j, body, skip, *operands):
   return jax.lax.cond(keep.any(), lambda *o: body(keep, *o), skip, *operands)
 
 
+def _diag_start(gate, scale, blk, q, k, v, kst, qst, seg, i):
+  """Query block i's diagonal tile, the first step of its online softmax: (q tile, its query stats,
+  (m, l, acc)) with m, l [B, KVH, G, bq] and acc [B, KVH, G, bq, Kv] fp32. Shared with `sparse`."""
+  qi, qsti = _tile(q, i, blk), _takes(qst, i)
+  s = _logits(qi, _tile(k, i, blk), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
+  m = s.max(-1)  # the diagonal entry is always unmasked, so m is finite
+  p = jnp.exp(s - m[..., None])
+  acc = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
+  return qi, qsti, (m, p.sum(-1), acc)
+
+
+def _online_step(state, s, vt, v_layout: str):
+  """One more key tile into the online softmax state (m, l, acc): masked logits s [B, KVH, G, bq, bk]
+  and their values vt, laid out "bkhd" (a tile of v) or "bhkd" (keys gathered per head)."""
+  m, l, acc = state
+  m_new = jnp.maximum(m, s.max(-1))
+  corr = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new[..., None])
+  pv = jnp.einsum(f"bhgqk,{v_layout}->bhgqd", p.astype(vt.dtype), vt, preferred_element_type=F32)
+  return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
 def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
   """q: [B, Tp, KVH, G, K], k: [B, Tp, KVH, K], v: [B, Tp, KVH, Kv] -> (o [B, Tp, KVH, G, Kv],
   logsumexp [B, KVH, G, nb, blk])."""
@@ -424,25 +446,13 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
 
   def q_block(i, carry):
     o_buf, lse_buf = carry
-    qi, qsti = _tile(q, i, blk), _takes(qst, i)
-    s = _logits(qi, _tile(k, i, blk), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
-    m = s.max(-1)  # [B, KVH, G, bq]; the diagonal entry is always unmasked, so m is finite
-    p = jnp.exp(s - m[..., None])
-    l = p.sum(-1)
-    acc = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
+    qi, qsti, (m, l, acc) = _diag_start(gate, scale, blk, q, k, v, kst, qst, seg, i)
 
     def kv_block(j, c):
-      def tile(keep, m, l, acc):
+      def tile(keep, *state):
         bias = gate.off_bias(_takes(kst, j), qsti, _pair(pst, i, j))
         s = _logits(qi, _tile(k, j, blk), bias, scale, seg, i, j, False, keep)
-        m_new = jnp.maximum(m, s.max(-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum(
-          "bhgqk,bkhd->bhgqd", p.astype(v.dtype), _tile(v, j, blk), preferred_element_type=F32
-        )
-        return m_new, l, acc
+        return _online_step(state, s, _tile(v, j, blk), "bkhd")
 
       return _visit(dead, i, j, tile, lambda *c: c, *c)
 

@@ -40,7 +40,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.chunked import F32, FPAGate, _blocks, _logits, _take, _takes, _tile, block_for
+from fpa_jax.ops.chunked import (
+  F32,
+  NEG,
+  FPAGate,
+  _blocks,
+  _diag_start,
+  _online_step,
+  _take,
+  _takes,
+  block_for,
+)
 from fpa_jax.ops.common import dip
 
 FORWARD_ONLY = (
@@ -132,17 +142,11 @@ def _forward(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
   seg_k = None if seg is None else jnp.broadcast_to(seg.reshape(b, 1, tp), (b, kvh, tp))
 
   def q_block(i, o_buf):
-    qi, qsti = _tile(q, i, blk), _takes(qst, i)
-    s = _logits(qi, _tile(k, i, blk), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
-    m = s.max(-1)  # [B, KVH, G, bq]; the diagonal entry is always unmasked, so m is finite
-    p = jnp.exp(s - m[..., None])
-    l = p.sum(-1)
-    acc = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
+    qi, qsti, state = _diag_start(gate, scale, blk, q, k, v, kst, qst, seg, i)
     live, keys = live_of(i)
     idx, count = _compact(live)
 
-    def chunk(c, carry):
-      m, l, acc = carry
+    def chunk(c, state):
       ids = jax.lax.dynamic_slice_in_dim(idx, c * blk, blk, axis=-1)  # [B, KVH, blk]
       valid = (c * blk + jnp.arange(blk)) < count[..., None]
       bias = _bias(fpa, [jnp.take_along_axis(x, ids, -1) for x in keys], qsti)
@@ -151,16 +155,11 @@ def _forward(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
       if seg is not None:
         sq = _take(seg, i, 1)
         mask = mask & (sq[:, None, None, :, None] == jnp.take_along_axis(seg_k, ids, -1)[:, :, None, None, :])
-      s = jnp.where(mask, s + bias[:, :, None], -1e30)
-      m_new = jnp.maximum(m, s.max(-1))
-      corr = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new[..., None])
-      l = l * corr + p.sum(-1)
-      pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _gather(v_t, ids), preferred_element_type=F32)
-      return m_new, l, acc * corr[..., None] + pv
+      s = jnp.where(mask, s + bias[:, :, None], NEG)
+      return _online_step(state, s, _gather(v_t, ids), "bhkd")
 
     n_chunks = (count.max() + blk - 1) // blk
-    m, l, acc = jax.lax.fori_loop(0, n_chunks, chunk, (m, l, acc))
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, chunk, state)
     o_i = jnp.moveaxis(acc / l[..., None], 3, 1).astype(q.dtype)  # [B, bq, KVH, G, Kv]
     return jax.lax.dynamic_update_slice_in_dim(o_buf, o_i, i * blk, 1)
 
