@@ -42,7 +42,7 @@ from flax import nnx
 from experiments import _common as U
 
 # Scoring lives in fpa_jax.eval; its names stay importable from here (tests, notebooks).
-from fpa_jax.configs import LM_GATE, LM_WARM, SINGLE_HEAD_GATE
+from fpa_jax.configs import LM_FOX_FIRST, LM_GATE, LM_WARM, LM_WARM_CLIP, SINGLE_HEAD_GATE
 from fpa_jax.eval import answer_span, argmax_fn, eval_batch, teacher_forced_exact_match  # noqa: F401
 
 MODULE = "experiments.passkey"
@@ -94,6 +94,22 @@ METHODS = {
   # ... and FoX first: fpa_lm5_init0 (exactly fox_b5 at step 0, weights included since the read-outs'
   # side stream) with the read-outs' lr ramped from 0 over 1200 steps (`gate_lr_warmup_steps`)
   "fpa_lm5_warm": {**LM_WARM, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # ... with the read-outs' lr ramped to a tenth / a fiftieth instead (`gate_lr_scale`): at bias 5,
+  # FoX's own forget term moves sigma(-5) = 0.0067 as fast as a unit-scale read-out, so the read-outs
+  # outpace the term that learns FoX's retrieval by ~150x; is that what delays retrieval?
+  "fpa_lm5_warm10": {**LM_WARM, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0, "gate_lr_scale": 0.1},
+  "fpa_lm5_warm50": {
+    **LM_WARM,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "gate_lr_scale": 0.02,
+  },
+  # fpa_lm5_warm with the read-outs' gradient clipped apart (`gate_clip_apart`): under one global
+  # norm their gradient shrank every other weight's update, so FoX's weights trained another way
+  "fpa_lm5_warmc": {**LM_WARM_CLIP, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # ... and its read-outs' lr ramped to a tenth: retrieval reached 0.85-0.95 early, then wavered
+  "fpa_lm5_warmc10": {**LM_FOX_FIRST, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
@@ -112,7 +128,13 @@ FAMILY = {
   "fpa_lm5_init0": "fpa",
   "fpa_lm5_slow": "fpa",
   "fpa_lm5_warm": "fpa",
+  "fpa_lm5_warm10": "fpa",
+  "fpa_lm5_warm50": "fpa",
+  "fpa_lm5_warmc": "fpa",
+  "fpa_lm5_warmc10": "fpa",
 }
+# the method trained with the LM presets' gate (`configs.LM_DEFAULT`) at fox_b5's bias
+DEFAULT_METHOD = "fpa_lm5_warmc10"
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from fpa_jax.configs import LM_GATE, LM_WARM, SINGLE_HEAD_GATE
+from fpa_jax.configs import LM_FOX_FIRST, LM_GATE, LM_WARM, LM_WARM_CLIP, SINGLE_HEAD_GATE
 
 MODULE = "experiments.perplexity"
 # Methods trained before the LM gate (issue 20) keep the single-head gate they were trained with.
@@ -51,7 +51,17 @@ METHODS = {
   # ... FoX first (issue 20, passkey's fpa_lm5_warm): read-outs started at 0 (with the read-outs' side
   # stream, exactly the fox row's model at step 0) and their lr ramped up from 0 over 1200 steps
   "fpa_lm_warm": {**LM_WARM, "attention": "fpa"},
+  # ... with the read-outs' lr ramped to a tenth / a fiftieth of the lr (passkey's fpa_lm5_warm10 / 50)
+  "fpa_lm_warm10": {**LM_WARM, "attention": "fpa", "gate_lr_scale": 0.1},
+  "fpa_lm_warm50": {**LM_WARM, "attention": "fpa", "gate_lr_scale": 0.02},
+  # ... with the read-outs' gradient clipped apart from the other weights' (`gate_clip_apart`;
+  # passkey's fpa_lm5_warmc)
+  "fpa_lm_warmc": {**LM_WARM_CLIP, "attention": "fpa"},
+  # ... with the read-outs' lr ramped to a tenth (passkey's fpa_lm5_warmc10)
+  "fpa_lm_warmc10": {**LM_FOX_FIRST, "attention": "fpa"},
 }
+# the row trained with the LM presets' gate (`configs.LM_DEFAULT`; tests/test_configs.py checks it)
+DEFAULT_ROW = "fpa_lm_warmc10"
 LN2 = math.log(2.0)
 
 
@@ -254,7 +264,7 @@ def markdown(res: dict) -> str:
     ],
     rows,
   )
-  claim = "".join(_claim(res, m) for m in ("fpa_lm", "fpa") if m in s and "fox" in s)
+  claim = "".join(_claim(res, m) for m in (DEFAULT_ROW, "fpa_lm", "fpa") if m in s and "fox" in s)
   return head + table + claim + _evict_cost(res)
 
 

@@ -97,6 +97,121 @@ def _passkey_seed(doc, label: str = "") -> str:
   return f". Seed {seed}{label} (competent: validation exact match >= 0.99): " + ", ".join(parts)
 
 
+PACE_FOX = "fox_b5"  # FoX has no read-outs: its runs are the same model before and after the side stream
+
+
+def _passkey_pace_docs(root: Path) -> list[tuple[int, bool, dict]]:
+  """(seed, shared init, passkey.json) of every passkey run of the study's recipe: results/passkey
+  and passkey_seed1 (FPA rows there predate the read-outs' side stream), passkey_shared_init*."""
+  out = []
+  for d in sorted((root / "results").glob("passkey*/passkey.json")) + [root / "results" / "passkey.json"]:
+    doc = json.loads(d.read_text()) if d.exists() else None
+    if doc and doc.get("recipe", {}).get("tag", "").startswith("L512_l2d128_b8p6_w100_pw1_lr0.002_m1_s"):
+      out.append((int(doc["recipe"]["seed"]), "shared_init" in str(d.parent), doc))
+  return out
+
+
+def _first_competent(e: dict, threshold: float) -> tuple[int | None, int, float]:
+  """(first stage step with validation exact match >= threshold or None, last step, last exact)."""
+  hist = sorted(((int(k), v["exact"]) for k, v in (e.get("val_history") or {}).items()))
+  first = next((s for s, x in hist if x >= threshold), None)
+  return first, hist[-1][0], hist[-1][1]
+
+
+def passkey_pace(root: Path = ROOT) -> dict | None:
+  """Steps to passkey competence by seed (issue 20: does the LM default learn retrieval as fast as
+  FoX?): FoX from any of the study's runs, FPA methods from the shared-init runs only (their other
+  weights are FoX's of the same seed). {method: {seed: (first, last, last_exact, history)}}."""
+  runs: dict[str, dict[int, tuple]] = {}
+  for seed, shared, doc in _passkey_pace_docs(root):
+    thr = doc["recipe"]["competence"]
+    for m in _methods(doc):
+      if m != PACE_FOX and not (shared and m.startswith("fpa_lm5")):
+        continue
+      if "val_history" in doc[m]:
+        hist = sorted((int(k), v["exact"]) for k, v in doc[m]["val_history"].items())
+        runs.setdefault(m, {})[seed] = (*_first_competent(doc[m], thr), hist)
+  return runs if PACE_FOX in runs and len(runs) > 1 else None
+
+
+def passkey_pace_table(root: Path = ROOT) -> str | None:
+  """results/passkey_pace.md (+ .png): the steps each method took to passkey competence, per seed,
+  beside FoX's on the same seed."""
+  from experiments._common import md_table
+
+  runs = passkey_pace(root)
+  if runs is None:
+    return None
+  seeds = sorted({s for r in runs.values() for s in r})
+  fox = runs[PACE_FOX]
+
+  def cell(r):
+    if r is None:
+      return "—"
+    best = max(r[3], key=lambda h: h[1])
+    return f"{r[0]}" if r[0] is not None else f"not in {r[1]} (best {best[1]:.3f} at {best[0]})"
+
+  rows = []
+  for m in [PACE_FOX] + sorted(m for m in runs if m != PACE_FOX):
+    paired = [s for s in runs[m] if s in fox]
+    if m == PACE_FOX:
+      verdict = "—"
+    else:  # a seed counts when FPA is competent no later than FoX on it (FoX not competent: FPA competent)
+      ok = [s for s in paired if runs[m][s][0] is not None and (fox[s][0] is None or runs[m][s][0] <= fox[s][0])]
+      verdict = f"{len(ok)}/{len(paired)}"
+    rows.append([f"`{m}`"] + [cell(runs[m].get(s)) for s in seeds] + [verdict])
+  head = (
+    "Passkey (`python -m experiments.passkey`, L=512): the first stage (every 300 steps) whose 1x validation "
+    "exact match (40 prompts) reaches the study's competence (0.99), per seed; not in N (best x at s): never "
+    "within the "
+    "N steps trained (its best validation x at step s). FPA rows come from the shared-init runs "
+    "(`results/passkey_shared_init*`, FPA's other weights are FoX's of the same seed); fox_b5 from every run "
+    "of the recipe. The last column counts the seeds where the method was competent no later than FoX. "
+    "Validation curves: `results/passkey_pace.png`.\n\n"
+  )
+  _pace_plot(runs, seeds, root / "results" / "passkey_pace.png")
+  return head + md_table(["method"] + [f"seed {s}" for s in seeds] + ["<= FoX's steps"], rows)
+
+
+def _pace_claim(root: Path) -> str:
+  """The claim's part from `passkey_pace`: steps to 1x competence by seed, FoX beside each FPA recipe."""
+  runs = passkey_pace(root)
+  if runs is None:
+    return ""
+  seeds = sorted({s for r in runs.values() for s in r})
+  step = lambda m, s: "—" if s not in runs[m] else str(runs[m][s][0] or "no")  # noqa: E731
+  parts = [f"{m} {'/'.join(step(m, s) for s in seeds)}" for m in [PACE_FOX] + sorted(set(runs) - {PACE_FOX})]
+  return (
+    f". Steps to 1x competence by seed {'/'.join(map(str, seeds))}{SHARED_INIT} (no: not within the steps trained; "
+    f"`results/passkey_pace.md`): " + ", ".join(parts)
+  )
+
+
+def _pace_plot(runs: dict, seeds: list[int], path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, len(seeds), figsize=(3.2 * len(seeds) + 1.6, 2.8), sharey=True, squeeze=False)
+  methods = [PACE_FOX] + sorted(m for m in runs if m != PACE_FOX)
+  colors = {m: "k" if m == PACE_FOX else plt.cm.tab10(i % 10) for i, m in enumerate(methods)}  # one per method
+  for ax, s in zip(axes[0], seeds):
+    for m in (m for m in methods if s in runs[m]):
+      hist = runs[m][s][3]
+      lw = 2.2 if m == PACE_FOX else 1.2
+      ax.plot([h[0] for h in hist], [h[1] for h in hist], marker=".", color=colors[m], lw=lw, label=m)
+    ax.axhline(0.99, color="grey", ls=":", lw=0.8)
+    ax.set_title(f"seed {s}", fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+  axes[0][0].set_ylabel("1x validation exact match", fontsize=8)
+  handles = [plt.Line2D([], [], color=colors[m], lw=2.2 if m == PACE_FOX else 1.2, marker=".") for m in methods]
+  fig.legend(handles, methods, fontsize=7, loc="center right")
+  fig.tight_layout(rect=(0, 0, 1 - 1.6 / (3.2 * len(seeds) + 1.6), 1))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def _kv(doc, decode=None, more=None, decode_more=None) -> str:
   if doc is None:
     return "not run yet (`python -m experiments.kv_compression`)"
@@ -353,11 +468,7 @@ def claims_table(root: Path = ROOT) -> str:
     ),
     (
       "A 110M model retrieves a passkey perfectly at 8x its training length, the only one of the methods",
-      _passkey(_load(root, "passkey"))
-      + _passkey_seed(_load(root, "passkey_seed1/passkey"))
-      + "".join(
-        _passkey_seed(_load(root, f"passkey_shared_init{tail}/passkey"), SHARED_INIT) for tail in ("", "_seed1")
-      ),
+      _passkey(_load(root, "passkey")) + _passkey_seed(_load(root, "passkey_seed1/passkey")) + _pace_claim(root),
     ),
     (
       "... and keeps that with the KV cache compressed to ~25%",
@@ -401,6 +512,9 @@ def main(argv=None) -> int:
   dips = dips_limits_table()
   if dips is not None:
     (ROOT / "results" / "dips_limits.md").write_text(dips)
+  pace = passkey_pace_table()
+  if pace is not None:
+    (ROOT / "results" / "passkey_pace.md").write_text(pace)
   lengths = kv_lengths_table()
   if lengths is not None:
     (ROOT / "results" / "kv_lengths.md").write_text(lengths + "\n")

@@ -60,7 +60,7 @@ Why these defaults (issue 11's single-head studies, reproduced by `experiments.l
   0.74 / 0.62 (1x / 2x) on scopes; random weights: 5/5 (`results/scopes.md`; both inits side by
   side in `results/ablations_live_sets.md`).
 
-The language-model gate (`LM_GATE`, the default of the LM presets `small` and `base110m`; issue 20,
+The language-model gate (`LM_GATE`, the basis of the LM presets `small` and `base110m`; issue 20,
 `results/lm_ablations.md`): FoX's log-sigmoid term in the increment (`gate_forget`: the gate starts
 as FoX at FoX's init) and the step / absolute / offset read-outs at scale 1. Byte LMs with the
 single-head defaults above trained several percent worse than FoX, also when started at FoX's
@@ -73,9 +73,15 @@ is what the synthetic live-set tasks need. Either set is a plain dict of overrid
 Those ablations predate the read-outs' side stream (`fpa_jax.gates`): an FPA model's other weights
 then differed from the FoX model's of the same seed. `LM_WARM` is LM_GATE started as FoX exactly, with
 the read-outs' learning rate ramped up from 0 (`gate_lr_warmup_steps`). On 3 seeds it trains to at or
-below FoX's bits per byte, paired by seed (`perplexity`'s fpa_lm_warm). On passkey it learns retrieval
-closest to FoX's pace, yet not within FoX's steps (README, Study 2). It is not the presets' default
-yet: the studies that spread LM_GATE would change with it.
+below FoX's bits per byte, paired by seed (`perplexity`'s fpa_lm_warm), but on passkey it learned
+retrieval well behind FoX. Part of the reason was the optimizer, not the gate: global-norm clipping
+over all weights lets the read-outs' gradient (large from step 0, even at zero read-outs) shrink every
+other weight's update, so FPA with still read-outs trained another trajectory than FoX
+(`experiments.clip_coupling`). `LM_WARM_CLIP` clips the read-outs by their own norm
+(`gate_clip_apart`), and `LM_FOX_FIRST`, the LM presets' default (`LM_DEFAULT`), also ramps their lr
+to a tenth of the lr, not all of it: on passkey its retrieval follows FoX's pace, and as a language
+model it trains to FoX's bits per byte (README: Study 2's passkey pace, Study 4). Every gate preset is a dict of all of `GATE_PRESET_FIELDS`, so the study rows that
+spread one keep the gate they were trained with when the presets' defaults change.
 
 Depth (`scan_layers`, `remat`; same logits and gradients either way, `tests/test_scan.py`):
 - scan_layers=True stores the blocks as one Block whose parameters have a leading [n_layers] axis
@@ -393,6 +399,9 @@ class TrainConfig(_Part):
   # the read-outs' lr multiplier ramps linearly from 0 to gate_lr_scale over these steps; 0 = none.
   # With read-outs started at 0 (FoX's init) the model is FoX until the read-outs move (issue 20)
   gate_lr_warmup_steps: int = 0
+  # clip the read-outs' gradient by its own global norm, apart from the other weights': with one
+  # norm their gradient shrinks every other update, so even frozen read-outs change the run (issue 20)
+  gate_clip_apart: bool = False
   grad_accum: int = 1  # micro-batches per step (batch_size must divide)
   seed: int = 0  # parameter init and data order
   # ---- loop ----
@@ -442,6 +451,8 @@ class TrainConfig(_Part):
       raise ValueError(f"gate_lr_warmup_steps={self.gate_lr_warmup_steps!r}: use an int >= 0 (0 = no ramp)")
     if self.gate_lr_warmup_steps < 0:
       raise ValueError(f"gate_lr_warmup_steps={self.gate_lr_warmup_steps}: use an int >= 0 (0 = no ramp)")
+    if not isinstance(self.gate_clip_apart, bool):
+      raise ValueError(f"gate_clip_apart={self.gate_clip_apart!r}: use True or False")
     if self.warmup_steps > self.decay_steps:
       horizon = "lr_decay_steps" if self.lr_decay_steps else "steps"
       raise ValueError(
@@ -539,12 +550,36 @@ def _divisor_hint(d: int, h: int) -> int:
   return min(divs, key=lambda k: abs(k - h))
 
 
-# The gate fields that differ between the single-head defaults and the LM presets (module docstring).
-LM_GATE: dict[str, Any] = {"gate_forget": True, "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0}
+# The fields a gate preset sets (module docstring): the gate's terms and scales, the read-outs' init
+# and their learning rate. Every preset below is a plain dict of all of them, so a study row that
+# spreads one is pinned whatever the presets' defaults become.
+GATE_PRESET_FIELDS = (
+  "gate_forget",
+  "step_scale",
+  "absolute_scale",
+  "offset_scale",
+  "step_init_std",
+  "absolute_init_std",
+  "offset_init_std",
+  "gate_lr_scale",
+  "gate_lr_warmup_steps",
+  "gate_clip_apart",
+)
+_BASE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+# the base defaults (and `tiny`'s): the single-head studies' gate
+SINGLE_HEAD_GATE: dict[str, Any] = {k: _BASE_DEFAULTS[k] for k in GATE_PRESET_FIELDS}
+# FoX's term + read-outs at scale 1 (small random read-outs, the full lr): the gate the lm_ablations
+# table led to, and every LM study row trained before LM_WARM (issue 20)
+LM_GATE: dict[str, Any] = {
+  **SINGLE_HEAD_GATE,
+  "gate_forget": True,
+  "step_scale": 1.0,
+  "absolute_scale": 1.0,
+  "offset_scale": 1.0,
+}
 # LM_GATE started as FoX exactly (zero read-outs; the other weights are FoX's since the read-outs'
-# side stream) with the read-outs' learning rate ramped up from 0 over 1200 steps: FoX first. The
-# candidate LM default of issue 20 (`perplexity`'s fpa_lm_warm, `passkey`'s fpa_lm5_warm); not the
-# default yet (module docstring).
+# side stream) with the read-outs' learning rate ramped up from 0 over 1200 steps: FoX first
+# (`perplexity`'s fpa_lm_warm, `passkey`'s fpa_lm5_warm).
 LM_WARM: dict[str, Any] = {
   **LM_GATE,
   "step_init_std": 0.0,
@@ -552,7 +587,30 @@ LM_WARM: dict[str, Any] = {
   "offset_init_std": 0.0,
   "gate_lr_warmup_steps": 1200,
 }
-SINGLE_HEAD_GATE: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in LM_GATE}
+# ... with the read-outs' gradient clipped by its own norm (`gate_clip_apart`): under one global norm
+# it shrank every other weight's update, so even FPA with still read-outs trained unlike FoX.
+LM_WARM_CLIP: dict[str, Any] = {**LM_WARM, "gate_clip_apart": True}
+# ... and the read-outs' lr ramped to a tenth of the lr, not all of it: FoX first, the extremum
+# read-outs after and slower. The LM presets' default (module docstring).
+LM_FOX_FIRST: dict[str, Any] = {**LM_WARM_CLIP, "gate_lr_scale": 0.1}
+# The LM presets' default (`small`, `base110m`; module docstring).
+LM_DEFAULT: dict[str, Any] = LM_FOX_FIRST
+
+
+@dataclasses.dataclass(frozen=True)
+class _LMPreset(Config):
+  """The LM presets' gate: LM_DEFAULT (module docstring)."""
+
+  gate_forget: bool = LM_DEFAULT["gate_forget"]
+  step_scale: float = LM_DEFAULT["step_scale"]
+  absolute_scale: float = LM_DEFAULT["absolute_scale"]
+  offset_scale: float = LM_DEFAULT["offset_scale"]
+  step_init_std: float = LM_DEFAULT["step_init_std"]
+  absolute_init_std: float = LM_DEFAULT["absolute_init_std"]
+  offset_init_std: float = LM_DEFAULT["offset_init_std"]
+  gate_lr_scale: float = LM_DEFAULT["gate_lr_scale"]
+  gate_lr_warmup_steps: int = LM_DEFAULT["gate_lr_warmup_steps"]
+  gate_clip_apart: bool = LM_DEFAULT["gate_clip_apart"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -580,7 +638,7 @@ class Tiny(Config):
 
 
 @dataclasses.dataclass(frozen=True)
-class Small(Config):
+class Small(_LMPreset):
   """python -m fpa_jax.train --config small --attention fpa --task text --steps 2000 --workdir runs/small_fpa
 
   CPU studies: 4 layers, d_model 128, 4 heads, 256-token sequences, batch 16 (~1M params);
@@ -591,10 +649,6 @@ class Small(Config):
   """
 
   name: str = "small"
-  gate_forget: bool = LM_GATE["gate_forget"]  # LM_GATE (module docstring)
-  step_scale: float = LM_GATE["step_scale"]
-  absolute_scale: float = LM_GATE["absolute_scale"]
-  offset_scale: float = LM_GATE["offset_scale"]
   vocab_size: int = 256
   d_model: int = 128
   n_layers: int = 4
@@ -611,7 +665,7 @@ class Small(Config):
 
 
 @dataclasses.dataclass(frozen=True)
-class Base110M(Config):
+class Base110M(_LMPreset):
   """python -m fpa_jax.train --config base110m --attention fpa --task text --steps 20000 --mesh data=8,model=1 --workdir runs/base_fpa
 
   The paper's scale: d_model 768, 12 layers, 12 heads, SwiGLU 2048, vocab 32000, tied embeddings
@@ -620,10 +674,6 @@ class Base110M(Config):
   """
 
   name: str = "base110m"
-  gate_forget: bool = LM_GATE["gate_forget"]  # LM_GATE (module docstring)
-  step_scale: float = LM_GATE["step_scale"]
-  absolute_scale: float = LM_GATE["absolute_scale"]
-  offset_scale: float = LM_GATE["offset_scale"]
   vocab_size: int = 32000
   d_model: int = 768
   n_layers: int = 12

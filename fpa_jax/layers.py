@@ -259,7 +259,11 @@ class FirstPassageAttention(nnx.Module):
       (None = init_std; for a stack of L blocks init_std / sqrt(2 L) is GPT-2's depth scaling).
     dtype, param_dtype: compute and parameter dtypes, float32 or bfloat16.
     gate_options: the gate's parameterisation and init, as the ModelConfig fields of that name
-      (step_scale, step_init_std, offset_scale, gate_forget, ...; `fpa_jax.configs`).
+      (step_scale, step_init_std, offset_scale, gate_forget, ...; `fpa_jax.configs`). The defaults
+      are the single-head studies' gate; for a language model take the model fields of
+      `configs.LM_DEFAULT` (`{k: v for k, v in LM_DEFAULT.items() if k in GATE_OPTIONS}`) and, in
+      your optimizer, its read-out lr and clipping (`fpa_jax.train.gate_readout_mask`,
+      `clip_by_global_norm_apart`).
 
     Equals `FirstPassageAttention(ModelConfig(...same fields...), out_init_std=..., rngs=...)`:
     the same parameters for the same `rngs`. Raises ValueError naming the argument to change.

@@ -107,7 +107,11 @@ def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
   adamw = optax.adamw(
     lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=weight_decay_mask(cfg.model)
   )
-  parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+  if cfg.clip_norm > 0:  # apart: the read-outs' gradient does not shrink the other weights' updates
+    clip = clip_by_global_norm_apart if cfg.gate_clip_apart else lambda c, _: optax.clip_by_global_norm(c)
+    parts = [clip(cfg.clip_norm, gate_readout_mask)]
+  else:
+    parts = []
   parts.append(adamw)
   if cfg.gate_lr_warmup_steps:  # the read-outs' multiplier ramps from 0: FoX first, then FPA
     ramp = optax.linear_schedule(0.0, cfg.gate_lr_scale, cfg.gate_lr_warmup_steps)
@@ -118,6 +122,32 @@ def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
 
 
 GATE_READOUTS = ("step", "absolute", "offset")
+
+
+def clip_by_global_norm_apart(max_norm: float, mask_fn: Callable) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm on two groups, each by its own norm: the leaves where `mask_fn(updates)`
+  is True (the gate read-outs) and the rest. With one global norm, the read-outs' gradient (large
+  from step 0 even at zero read-outs) shrinks every other weight's update: an FPA model whose
+  read-outs do not move would still train another trajectory than FoX (issue 20). Stateless, like
+  clip_by_global_norm, so either one restores the other's optimizer state."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    marks = treedef.flatten_up_to(mask_fn(updates))
+
+    def factor(group: bool):
+      sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x, m in zip(leaves, marks) if bool(m) == group]
+      if not sq:
+        return None
+      norm = jnp.sqrt(sum(sq))
+      return jnp.where(norm < max_norm, 1.0, max_norm / norm)
+
+    f = {g: factor(g) for g in (True, False)}
+    out = [(x * f[bool(m)]).astype(x.dtype) for x, m in zip(leaves, marks)]
+    return jax.tree_util.tree_unflatten(treedef, out), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def gate_readout_mask(params):

@@ -39,6 +39,7 @@ SLOW = {
   "test_studies_lm.py::test_lm_ablations_script_tiny_run",
   "test_studies_lm.py::test_passkey_script_tiny_run",
   "test_studies_lm.py::test_passkey_retrofit_continues_the_source_run",
+  "test_studies_lm.py::test_clip_coupling_tiny_run",  # the clip itself: test_train.py's clip_apart test
   "test_notebooks.py::test_notebook_runs[03_train_and_decode.ipynb]",
   "test_experiments.py::test_kv_compression_tiny_run",
   "test_experiments.py::test_forget_speed_records_every_layer_and_rebuilds_with_skipping",  # + the retrofit run's

@@ -154,35 +154,49 @@ def test_set_parses_every_part_with_its_type():
   }
 
 
-def test_lm_presets_use_the_lm_gate_and_the_base_the_single_head_gate():
-  """LM_GATE (issue 20: FoX's term + read-outs at scale 1) is the LM presets' default; the base
-  defaults and `tiny` keep the single-head gate, and SINGLE_HEAD_GATE is exactly those defaults."""
-  assert set(C.LM_GATE) == set(C.SINGLE_HEAD_GATE) and C.LM_GATE != C.SINGLE_HEAD_GATE
+def test_lm_presets_use_the_lm_default_and_the_base_the_single_head_gate():
+  """LM_DEFAULT (issue 20) is the LM presets' gate; the base defaults and `tiny` keep the single-head
+  gate, and SINGLE_HEAD_GATE is exactly those defaults. Every gate preset sets every gate field."""
+  for preset in (C.SINGLE_HEAD_GATE, C.LM_GATE, C.LM_WARM, C.LM_WARM_CLIP, C.LM_FOX_FIRST, C.LM_DEFAULT):
+    assert tuple(preset) == C.GATE_PRESET_FIELDS
+  assert C.LM_GATE != C.SINGLE_HEAD_GATE and C.LM_WARM != C.LM_GATE
   for name in ("small", "base110m"):
     cfg = C.get_config(name, attention="fpa")
-    assert {k: getattr(cfg, k) for k in C.LM_GATE} == C.LM_GATE, name
+    assert {k: getattr(cfg, k) for k in C.GATE_PRESET_FIELDS} == C.LM_DEFAULT, name
     assert cfg.gate_terms == ("forget", "step", "absolute", "offset")
-  for cfg in (C.ModelConfig(), C.get_config("tiny")):
-    assert {k: getattr(cfg, k) for k in C.SINGLE_HEAD_GATE} == C.SINGLE_HEAD_GATE
+  for cfg in (C.Config(), C.get_config("tiny")):
+    assert {k: getattr(cfg, k) for k in C.GATE_PRESET_FIELDS} == C.SINGLE_HEAD_GATE
   # either set is a plain override: small with the single-head gate is small's other fields + it
   cfg = C.get_config("small", attention="fpa", **C.SINGLE_HEAD_GATE)
   assert cfg.gate_terms == ("step", "absolute", "offset") and cfg.step_scale == 10.0
+  assert cfg.gate_lr_warmup_steps == 0 and cfg.step_init_std == C.SINGLE_HEAD_GATE["step_init_std"]
 
 
 def test_studies_keep_the_gate_their_committed_runs_were_trained_with():
-  """Rows trained before LM_GATE pin SINGLE_HEAD_GATE: rerunning one resumes its checkpoints
-  (the trainer refuses another model) and reproduces its committed numbers."""
-  from experiments import lm_ablations, passkey, perplexity
+  """Every study row pins every gate field (a preset's defaults can change without changing a
+  committed row: rerunning one resumes its checkpoints and reproduces its numbers). Rows trained
+  before LM_GATE pin SINGLE_HEAD_GATE's scales; the LM rows pin LM_GATE's."""
+  from experiments import bindings_lm, lm_ablations, passkey, perplexity
 
+  rows = [(f"passkey {m}", o) for m, o in passkey.METHODS.items()]
+  rows += [(f"perplexity {m}", o) for m, o in perplexity.METHODS.items()]
+  rows += [(f"lm_ablations {m}", o) for m, (o, _) in lm_ablations.ROWS.items()]
+  rows += [(f"bindings_lm {m}", o) for m, o in bindings_lm.METHODS.items()]
+  for name, over in rows:
+    assert set(C.GATE_PRESET_FIELDS) <= set(over), name  # pinned, not left to the preset
   scales = ("step_scale", "absolute_scale", "offset_scale")
-  old = [(m, o) for m, o in passkey.METHODS.items() if not m.startswith("fpa_lm5")]
-  old += [(m, o) for m, o in perplexity.METHODS.items() if not m.startswith("fpa_lm")]
-  old += [(m, o) for m, (o, _) in lm_ablations.ROWS.items() if "scale1" not in m]
-  for m, over in old:
-    assert set(C.LM_GATE) <= set(over), m  # pinned, not left to the preset
-    assert all(over[k] == C.SINGLE_HEAD_GATE[k] for k in scales), m
-  new = ("fpa_lm5", "fpa_lm5_init0", "fpa_lm5_slow", "fpa_lm5_warm")
-  for over in [passkey.METHODS[m] for m in new] + [
-    perplexity.METHODS[m] for m in ("fpa_lm", "fpa_lm_evict", "fpa_lm_warm")
-  ]:
-    assert {k: over[k] for k in C.LM_GATE} == C.LM_GATE
+  lm = lambda name: "fpa_lm" in name or name.startswith("bindings_lm") or "scale1" in name
+  for name, over in rows:
+    ref = C.LM_GATE if lm(name) else C.SINGLE_HEAD_GATE
+    assert all(over[k] == ref[k] for k in scales), name
+  # the studies' rows of the LM default are trained with it
+  for over in (passkey.METHODS[passkey.DEFAULT_METHOD], perplexity.METHODS[perplexity.DEFAULT_ROW]):
+    assert {k: over[k] for k in C.GATE_PRESET_FIELDS} == C.LM_DEFAULT
+  cold = ["passkey fpa_lm5", "perplexity fpa_lm", "perplexity fpa_lm_evict"] + [
+    f"bindings_lm {m}" for m in bindings_lm.METHODS
+  ]
+  for name, over in rows:
+    if name in cold:  # trained with LM_GATE as it was: random read-outs, no lr ramp
+      assert {k: over[k] for k in C.GATE_PRESET_FIELDS if k != "gate_forget"} == {
+        k: v for k, v in C.LM_GATE.items() if k != "gate_forget"
+      }, name

@@ -267,3 +267,31 @@ def test_needle_penalty_reads_every_layer_and_head(att):
     (li, h) for li in range(m.cfg.n_layers) for h in range(m.cfg.kv_heads)
   ]
   assert all(0.0 <= s["needle_penalty"] and 0.0 <= s["needle_mass"] <= 1.0 for s in stats)
+
+
+def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
+  """results/passkey_pace.md: each method's first competent stage per seed; FPA rows only from the
+  shared-init runs, FoX from any run of the recipe; a seed counts when FPA is no later than FoX."""
+  tag = lambda s: {"tag": f"L512_l2d128_b8p6_w100_pw1_lr0.002_m1_s{s}", "seed": s, "competence": 0.99}  # noqa: E731
+  hist = lambda *xs: {str(300 * (i + 1)): {"exact": x, "digits": x} for i, x in enumerate(xs)}  # noqa: E731
+  docs = {
+    "passkey": {"recipe": tag(0), "fox_b5": {"val_history": hist(0.5, 1.0)}, "fpa_lm5": {"val_history": hist(1.0)}},
+    "passkey_shared_init/passkey": {"recipe": tag(0), "fpa_lm5": {"val_history": hist(0.2, 0.99)}},
+    "passkey_shared_init_seed1/passkey": {
+      "recipe": tag(1),
+      "fox_b5": {"val_history": hist(0.1, 0.5, 0.98)},
+      "fpa_lm5": {"val_history": hist(0.9, 0.95, 0.9)},
+    },
+    "passkey_other/passkey": {"recipe": {**tag(0), "tag": "L64_other_s0"}, "fox_b5": {"val_history": hist(1.0)}},
+  }
+  (tmp_path / "results").mkdir()
+  assert report.passkey_pace_table(tmp_path) is None
+  for name, doc in docs.items():
+    (tmp_path / "results" / f"{name}.json").parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "results" / f"{name}.json").write_text(json.dumps(doc))
+  md = report.passkey_pace_table(tmp_path)
+  # fpa_lm5 of results/passkey (before the side stream) is left out; the other recipe's run too
+  assert "| `fox_b5` | 600 | not in 900 (best 0.980 at 900) | — |" in md
+  # seed 0: 600 <= 600; seed 1: FoX never competent, FPA neither: not counted
+  assert "| `fpa_lm5` | 600 | not in 900 (best 0.950 at 600) | 1/2 |" in md
+  assert (tmp_path / "results" / "passkey_pace.png").stat().st_size > 0

@@ -274,3 +274,20 @@ def test_bindings_lm_script_tiny_run_resumes_and_reuses_its_scores(tmp_path, mon
   monkeypatch.setattr(bindings_lm, "evaluate", lambda *a, **k: pytest.fail("re-scored an unchanged run"))
   again = bindings_lm.main(argv)
   assert again["fpa"]["evals"] == res["fpa"]["evals"] and again["fpa"]["steps"] == [2]
+
+
+def test_clip_coupling_tiny_run(tmp_path, data_dir):
+  """experiments.clip_coupling on a tiny passkey recipe: FPA with still read-outs, clipped apart, takes
+  FoX's steps (the same loss at every step); under one clip it does not."""
+  from experiments import clip_coupling
+
+  argv = ["--steps", "3", "--train-len", "288", *TINY, "--passkey-rows", "4", "--data-dir", data_dir, "--small-data"]
+  res = clip_coupling.main(argv + ["--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out")])
+  runs = res["runs"]
+  assert set(runs) == {"fox_b5", "fpa_still_one_clip", "fpa_still_clip_apart"} and res["steps"] == 3
+  assert runs["fpa_still_one_clip"]["grad_norm_step1"] > runs["fox_b5"]["grad_norm_step1"]
+  apart, one = runs["fpa_still_clip_apart"], runs["fpa_still_one_clip"]
+  assert apart["max_abs_loss_gap"] < 1e-4 and apart["max_rel_weight_diff"] < 1e-4
+  assert one["max_rel_weight_diff"] > 10 * apart["max_rel_weight_diff"]
+  assert "| `fpa_still_clip_apart` |" in (tmp_path / "out" / "clip_coupling.md").read_text()
+  assert (tmp_path / "out" / "clip_coupling.png").stat().st_size > 0

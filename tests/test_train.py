@@ -392,3 +392,60 @@ def test_gate_lr_scale_scales_only_the_gate_readouts():
   for bad in (-1, 1.5, True):
     with pytest.raises(ValueError, match="gate_lr_warmup_steps"):
       C.get_config("tiny", gate_lr_warmup_steps=bad).validate()
+
+
+def test_gate_clip_apart_keeps_the_other_weights_updates_foxs():
+  """gate_clip_apart clips the read-outs' gradient and the other weights' each by its own global norm
+  (checked against numpy), so at FoX's init (zero read-outs, the other weights FoX's) every other
+  weight's optimizer update is FoX's own. With one global norm the read-outs' gradient (nonzero at
+  zero read-outs) shrinks those updates: FPA with frozen read-outs would train another trajectory."""
+  import optax
+  from flax import nnx
+
+  from fpa_jax.models import build_model
+  from fpa_jax.train import clip_by_global_norm_apart, gate_readout_mask, make_optimizer
+
+  flat_gate = dict(step_init_std=0.0, absolute_init_std=0.0, offset_init_std=0.0, gate_bias_init=5.0)
+  kw = dict(n_layers=1, warmup_steps=0, clip_norm=0.1, gate_lr_warmup_steps=4, **flat_gate)
+  tok = jax.random.randint(jax.random.key(1), (2, 33), 0, 64)
+
+  def grads(cfg):
+    model = build_model(cfg, seed=2)
+    loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(tok[:, :-1]), tok[:, 1:]).mean()
+    return nnx.state(model, nnx.Param), nnx.grad(loss)(model)
+
+  flat = lambda t: {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+  fpa_cfg = C.get_config("tiny", attention="fpa", gate_forget=True, gate_clip_apart=True, **kw)
+  params, g = grads(fpa_cfg)
+  fox_params, fox_g = grads(C.replace(fpa_cfg, attention="fox", gate_clip_apart=False))
+  mask, gf = flat(gate_readout_mask(params)), flat(g)
+  assert sum(mask.values()) == 6 and all(np.any(gf[k] != 0) for k in mask if mask[k])  # a live read-out gradient
+  # the clip alone, against numpy: each group scaled by min(1, c / its norm)
+  clipped, _ = clip_by_global_norm_apart(0.1, gate_readout_mask).update(g, optax.EmptyState())
+  for group in (True, False):
+    norm = np.sqrt(sum(np.sum(gf[k].astype(np.float64) ** 2) for k in gf if mask[k] == group))
+    assert norm > 0.1  # both groups are clipped here
+    for k in (k for k in gf if mask[k] == group):
+      np.testing.assert_allclose(flat(clipped)[k], gf[k] * (0.1 / norm), rtol=1e-5, atol=1e-9, err_msg=k)
+  same, _ = clip_by_global_norm_apart(1e3, gate_readout_mask).update(g, optax.EmptyState())
+  assert all(np.array_equal(flat(same)[k], gf[k]) for k in gf)  # under the norm: untouched
+  # whole optimizer steps: apart, the shared weights' updates are FoX's; with one norm they are not
+  fox_tx = make_optimizer(C.replace(fpa_cfg, attention="fox", gate_clip_apart=False))
+  fox_u = flat(fox_tx.update(fox_g, fox_tx.init(fox_params), fox_params)[0])
+  for apart in (True, False):
+    tx = make_optimizer(C.replace(fpa_cfg, gate_clip_apart=apart))
+    state = tx.init(params)
+    # stateless like clip_by_global_norm: either optimizer restores the other's state
+    assert jax.tree.structure(state) == jax.tree.structure(
+      make_optimizer(C.replace(fpa_cfg, gate_clip_apart=not apart)).init(params)
+    )
+    u = flat(tx.update(g, state, params)[0])
+    shared = [k for k in fox_u]
+    assert set(shared) < set(u)
+    gaps = [np.max(np.abs(u[k] - fox_u[k])) / (np.max(np.abs(fox_u[k])) + 1e-30) for k in shared]
+    if apart:
+      assert max(gaps) < 1e-4, max(gaps)
+    else:
+      assert max(gaps) > 1e-2, max(gaps)
+  with pytest.raises(ValueError, match="gate_clip_apart"):
+    C.get_config("tiny", gate_clip_apart="yes").validate()
