@@ -74,7 +74,7 @@ METHODS = {
   },
   # its control: fpa_fox5 continued as long without the objective (the same extra steps and data)
   "fpa_fox5_cont": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # the LM default gate (`configs.LM_GATE`: FoX's term plus read-outs at scale 1, issue 20) at
+  # the LM presets' gate before LM_FOX_FIRST (`configs.LM_GATE`: FoX's term plus read-outs at scale 1) at
   # fox_b5's weak-decay bias: fpa_fox5 with its read-outs moving 10x slower.
   "fpa_lm5": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
   # issue 20's passkey ablation: fpa_lm5 with its read-outs started at exactly 0, i.e. exactly fox_b5 at
@@ -94,17 +94,6 @@ METHODS = {
   # ... and FoX first: fpa_lm5_init0 (exactly fox_b5 at step 0, weights included since the read-outs'
   # side stream) with the read-outs' lr ramped from 0 over 1200 steps (`gate_lr_warmup_steps`)
   "fpa_lm5_warm": {**LM_WARM, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # ... with the read-outs' lr ramped to a tenth / a fiftieth instead (`gate_lr_scale`): at bias 5,
-  # FoX's own forget term moves sigma(-5) = 0.0067 as fast as a unit-scale read-out, so the read-outs
-  # outpace the term that learns FoX's retrieval by ~150x; is that what delays retrieval?
-  "fpa_lm5_warm10": {**LM_WARM, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0, "gate_lr_scale": 0.1},
-  "fpa_lm5_warm50": {
-    **LM_WARM,
-    "attention": "fpa",
-    "gate_bias_init": 5.0,
-    "step_bias_init": 0.0,
-    "gate_lr_scale": 0.02,
-  },
   # fpa_lm5_warm with the read-outs' gradient clipped apart (`gate_clip_apart`): under one global
   # norm their gradient shrank every other weight's update, so FoX's weights trained another way
   "fpa_lm5_warmc": {**LM_WARM_CLIP, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
@@ -128,8 +117,6 @@ FAMILY = {
   "fpa_lm5_init0": "fpa",
   "fpa_lm5_slow": "fpa",
   "fpa_lm5_warm": "fpa",
-  "fpa_lm5_warm10": "fpa",
-  "fpa_lm5_warm50": "fpa",
   "fpa_lm5_warmc": "fpa",
   "fpa_lm5_warmc10": "fpa",
 }

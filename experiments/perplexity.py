@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from fpa_jax.configs import LM_FOX_FIRST, LM_GATE, LM_WARM, LM_WARM_CLIP, SINGLE_HEAD_GATE
+from fpa_jax.configs import LM_FOX_FIRST, LM_GATE, LM_WARM, SINGLE_HEAD_GATE
 
 MODULE = "experiments.perplexity"
 # Methods trained before the LM gate (issue 20) keep the single-head gate they were trained with.
@@ -43,7 +43,7 @@ METHODS = {
   "fpa_fox5": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0},
   # ... and at FoX's own init (bias 0: log sigmoid(0) = -0.69 per token, a strong recency prior at step 0)
   "fpa_fox0": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0},
-  # the LM default (`configs.LM_GATE`, the `small` preset's): FPA at FoX's init, read-outs at scale 1
+  # the LM presets' gate before LM_FOX_FIRST (`configs.LM_GATE`): FPA at FoX's init, read-outs at scale 1
   "fpa_lm": {**LM_GATE, "attention": "fpa"},
   # ... trained with the evictability objective (issue 21: its cost in bits per byte, paired with
   # fpa_lm by seed; `U.EVICT_FROM_SCRATCH`)
@@ -51,13 +51,9 @@ METHODS = {
   # ... FoX first (issue 20, passkey's fpa_lm5_warm): read-outs started at 0 (with the read-outs' side
   # stream, exactly the fox row's model at step 0) and their lr ramped up from 0 over 1200 steps
   "fpa_lm_warm": {**LM_WARM, "attention": "fpa"},
-  # ... with the read-outs' lr ramped to a tenth / a fiftieth of the lr (passkey's fpa_lm5_warm10 / 50)
-  "fpa_lm_warm10": {**LM_WARM, "attention": "fpa", "gate_lr_scale": 0.1},
-  "fpa_lm_warm50": {**LM_WARM, "attention": "fpa", "gate_lr_scale": 0.02},
-  # ... with the read-outs' gradient clipped apart from the other weights' (`gate_clip_apart`;
-  # passkey's fpa_lm5_warmc)
-  "fpa_lm_warmc": {**LM_WARM_CLIP, "attention": "fpa"},
-  # ... with the read-outs' lr ramped to a tenth (passkey's fpa_lm5_warmc10)
+  # the LM presets' default (`configs.LM_FOX_FIRST`): fpa_lm_warm with the read-outs' gradient clipped
+  # apart from the other weights' (`gate_clip_apart`) and their lr ramped to a tenth, not all of it
+  # (passkey's fpa_lm5_warmc10)
   "fpa_lm_warmc10": {**LM_FOX_FIRST, "attention": "fpa"},
 }
 # the row trained with the LM presets' gate (`configs.LM_DEFAULT`; tests/test_configs.py checks it)
