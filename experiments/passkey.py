@@ -97,7 +97,8 @@ METHODS = {
   # fpa_lm5_warm with the read-outs' gradient clipped apart (`gate_clip_apart`): under one global
   # norm their gradient shrank every other weight's update, so FoX's weights trained another way
   "fpa_lm5_warmc": {**LM_WARM_CLIP, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # ... and its read-outs' lr ramped to a tenth: retrieval reached 0.85-0.95 early, then wavered
+  # ... and its read-outs' lr ramped to a tenth (`configs.LM_FOX_FIRST`, the LM presets' default):
+  # fpa_lm5_warmc's retrieval reached 0.85-0.95 early, then wavered
   "fpa_lm5_warmc10": {**LM_FOX_FIRST, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever

@@ -163,8 +163,7 @@ def passkey_pace_table(root: Path = ROOT) -> str | None:
   head = (
     "Passkey (`python -m experiments.passkey`, L=512): the first stage (every 300 steps) whose 1x validation "
     "exact match (40 prompts) reaches the study's competence (0.99), per seed; not in N (best x at s): never "
-    "within the "
-    "N steps trained (its best validation x at step s). FPA rows come from the shared-init runs "
+    "within the N steps trained (its best validation x at step s). FPA rows come from the shared-init runs "
     "(`results/passkey_shared_init*`, FPA's other weights are FoX's of the same seed); fox_b5 from every run "
     "of the recipe. The last column counts the seeds where the method was competent no later than FoX. "
     "Validation curves: `results/passkey_pace.png`.\n\n"
