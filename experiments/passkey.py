@@ -100,6 +100,15 @@ METHODS = {
   # ... and its read-outs' lr ramped to a tenth (`configs.LM_FOX_FIRST`, the LM presets' default):
   # fpa_lm5_warmc's retrieval reached 0.85-0.95 early, then wavered
   "fpa_lm5_warmc10": {**LM_FOX_FIRST, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # ... with the read-outs' ramp 3000 steps long, not 1200: fpa_lm5_warmc10 lost retrieval on seeds 0
+  # and 3 once its ramp ended, and never found it on seed 2
+  "fpa_lm5_warmc10_r3000": {
+    **LM_FOX_FIRST,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "gate_lr_warmup_steps": 3000,
+  },
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
@@ -120,6 +129,7 @@ FAMILY = {
   "fpa_lm5_warm": "fpa",
   "fpa_lm5_warmc": "fpa",
   "fpa_lm5_warmc10": "fpa",
+  "fpa_lm5_warmc10_r3000": "fpa",
 }
 # the method trained with the LM presets' gate (`configs.LM_DEFAULT`) at fox_b5's bias
 DEFAULT_METHOD = "fpa_lm5_warmc10"
