@@ -111,17 +111,11 @@ def _passkey_pace_docs(root: Path) -> list[tuple[int, bool, dict]]:
   return out
 
 
-def _first_competent(e: dict, threshold: float) -> tuple[int | None, int, float]:
-  """(first stage step with validation exact match >= threshold or None, last step, last exact)."""
-  hist = sorted(((int(k), v["exact"]) for k, v in (e.get("val_history") or {}).items()))
-  first = next((s for s, x in hist if x >= threshold), None)
-  return first, hist[-1][0], hist[-1][1]
-
-
 def passkey_pace(root: Path = ROOT) -> dict | None:
   """Steps to passkey competence by seed (issue 20: does the LM default learn retrieval as fast as
   FoX?): FoX from any of the study's runs, FPA methods from the shared-init runs only (their other
-  weights are FoX's of the same seed). {method: {seed: (first, last, last_exact, history)}}."""
+  weights are FoX's of the same seed). {method: {seed: (first competent stage step or None,
+  [(step, validation exact match)])}}."""
   runs: dict[str, dict[int, tuple]] = {}
   for seed, shared, doc in _passkey_pace_docs(root):
     thr = doc["recipe"]["competence"]
@@ -130,13 +124,13 @@ def passkey_pace(root: Path = ROOT) -> dict | None:
         continue
       if "val_history" in doc[m]:
         hist = sorted((int(k), v["exact"]) for k, v in doc[m]["val_history"].items())
-        runs.setdefault(m, {})[seed] = (*_first_competent(doc[m], thr), hist)
+        runs.setdefault(m, {})[seed] = (next((s for s, x in hist if x >= thr), None), hist)
   return runs if PACE_FOX in runs and len(runs) > 1 else None
 
 
 def passkey_pace_table(root: Path = ROOT) -> str | None:
-  """results/passkey_pace.md (+ .png): the steps each method took to passkey competence, per seed,
-  beside FoX's on the same seed."""
+  """results/passkey_pace.md: the steps each method took to passkey competence, per seed, beside
+  FoX's on the same seed (the curves: `pace_plot`)."""
   from experiments._common import md_table
 
   runs = passkey_pace(root)
@@ -148,8 +142,8 @@ def passkey_pace_table(root: Path = ROOT) -> str | None:
   def cell(r):
     if r is None:
       return "—"
-    best = max(r[3], key=lambda h: h[1])
-    return f"{r[0]}" if r[0] is not None else f"not in {r[1]} (best {best[1]:.3f} at {best[0]})"
+    best = max(r[1], key=lambda h: h[1])
+    return f"{r[0]}" if r[0] is not None else f"not in {r[1][-1][0]} (best {best[1]:.3f} at {best[0]})"
 
   rows = []
   for m in [PACE_FOX] + sorted(m for m in runs if m != PACE_FOX):
@@ -168,7 +162,6 @@ def passkey_pace_table(root: Path = ROOT) -> str | None:
     "of the recipe. The last column counts the seeds where the method was competent no later than FoX. "
     "Validation curves: `results/passkey_pace.png`.\n\n"
   )
-  _pace_plot(runs, seeds, root / "results" / "passkey_pace.png")
   return head + md_table(["method"] + [f"seed {s}" for s in seeds] + ["<= FoX's steps"], rows)
 
 
@@ -186,7 +179,12 @@ def _pace_claim(root: Path) -> str:
   )
 
 
-def _pace_plot(runs: dict, seeds: list[int], path: Path) -> None:
+def pace_plot(path: Path, root: Path = ROOT) -> None:
+  """results/passkey_pace.png: 1x validation exact match by stage, one panel per seed."""
+  runs = passkey_pace(root)
+  if runs is None:
+    return
+  seeds = sorted({s for r in runs.values() for s in r})
   import matplotlib
 
   matplotlib.use("Agg")
@@ -197,7 +195,7 @@ def _pace_plot(runs: dict, seeds: list[int], path: Path) -> None:
   colors = {m: "k" if m == PACE_FOX else plt.cm.tab10(i % 10) for i, m in enumerate(methods)}  # one per method
   for ax, s in zip(axes[0], seeds):
     for m in (m for m in methods if s in runs[m]):
-      hist = runs[m][s][3]
+      hist = runs[m][s][1]
       lw = 2.2 if m == PACE_FOX else 1.2
       ax.plot([h[0] for h in hist], [h[1] for h in hist], marker=".", color=colors[m], lw=lw, label=m)
     ax.axhline(0.99, color="grey", ls=":", lw=0.8)
@@ -514,6 +512,7 @@ def main(argv=None) -> int:
   pace = passkey_pace_table()
   if pace is not None:
     (ROOT / "results" / "passkey_pace.md").write_text(pace)
+    pace_plot(ROOT / "results" / "passkey_pace.png")
   lengths = kv_lengths_table()
   if lengths is not None:
     (ROOT / "results" / "kv_lengths.md").write_text(lengths + "\n")

@@ -294,4 +294,5 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
   assert "| `fox_b5` | 600 | not in 900 (best 0.980 at 900) | — |" in md
   # seed 0: 600 <= 600; seed 1: FoX never competent, FPA neither: not counted
   assert "| `fpa_lm5` | 600 | not in 900 (best 0.950 at 600) | 1/2 |" in md
+  report.pace_plot(tmp_path / "results" / "passkey_pace.png", tmp_path)
   assert (tmp_path / "results" / "passkey_pace.png").stat().st_size > 0
