@@ -114,6 +114,13 @@ def write_study(out_dir: str | os.PathLike, name: str, res: dict, markdown, plot
     plot(res, out_dir / f"{name}.png")
 
 
+def write_prefixed(prefix: str | os.PathLike, res: dict, md: str) -> None:
+  """A study's results at a path prefix (`--out results/x`): x.json (res) and x.md (md), md printed too."""
+  write_json(f"{prefix}.json", res)
+  Path(f"{prefix}.md").write_text(md if md.endswith("\n") else md + "\n")
+  print(md)
+
+
 def study_parser(module: str, doc: str):
   """The argparse parser of `python -m module`: its docstring's first paragraph as the description."""
   import argparse

@@ -60,7 +60,6 @@ def main(argv=None) -> dict:
       cells[f"{m}/{k}x"] = {"nll_mean": res["nll_mean"], "tokens": res["tokens"], "steps": pk[m]["steps"]}
   meta = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0)
   out = {"cells": cells, "meta": meta, "models": a.models, "multiples": a.multiples}
-  U.write_json(a.out + ".json", out)
   rows = []
   for m in a.models:
     row = [m, pk[m]["steps"]]
@@ -76,9 +75,7 @@ def main(argv=None) -> dict:
     f"cache, on `fpa_text` validation windows ({a.rows} rows of the training length; the same tokens in fewer, "
     f"longer rows at larger multiples); per-run tables in `{Path(a.out).name}/`.\n\n" + U.md_table(head, rows)
   )
-  with open(a.out + ".md", "w") as f:
-    f.write(md + "\n")
-  print(md)
+  U.write_prefixed(a.out, out, md)
   return out
 
 

@@ -270,11 +270,7 @@ def main(argv=None) -> dict:
       )
   meta = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, prompt_tokens=cut, batch=a.batch)
   res = {"rows": rows, "train_length": train_len, "multiple": a.multiple, "meta": meta}
-  U.write_json(a.out + ".json", res)
-  md = markdown(res)
-  with open(a.out + ".md", "w") as f:
-    f.write(md + "\n")
-  print(md)
+  U.write_prefixed(a.out, res, markdown(res))
   return res
 
 

@@ -93,7 +93,6 @@ def main(argv=None) -> dict:
     print(f"[needle_penalty] {m}: done", file=sys.stderr)
   meta = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, prompts=a.prompts)
   res = {"rows": rows, "meta": meta, "passkey_results": a.passkey_results}
-  U.write_json(a.out + ".json", res)
   md = (
     f"`{meta['command']}`: per layer and kv head, at the position predicting the answer's first digit of "
     f"{a.prompts} prompts at 1x: the smallest penalty over the needle's {NEEDLE_SPAN} tokens, the median "
@@ -110,9 +109,7 @@ def main(argv=None) -> dict:
       for x in r["heads"]
     ],
   )
-  with open(a.out + ".md", "w") as f:
-    f.write(md + "\n")
-  print(md)
+  U.write_prefixed(a.out, res, md)
   return res
 
 

@@ -42,7 +42,7 @@ from flax import nnx
 from experiments import _common as U
 
 # Scoring lives in fpa_jax.eval; its names stay importable from here (tests, notebooks).
-from fpa_jax.configs import LM_FOX_FIRST, LM_GATE, LM_WARM, LM_WARM_CLIP, SINGLE_HEAD_GATE
+from fpa_jax.configs import LM_FOX_FIRST, LM_FOX_HEAD, LM_GATE, LM_WARM, LM_WARM_CLIP, SINGLE_HEAD_GATE
 from fpa_jax.eval import answer_span, argmax_fn, eval_batch, teacher_forced_exact_match  # noqa: F401
 
 MODULE = "experiments.passkey"
@@ -97,7 +97,7 @@ METHODS = {
   # fpa_lm5_warm with the read-outs' gradient clipped apart (`gate_clip_apart`): under one global
   # norm their gradient shrank every other weight's update, so FoX's weights trained another way
   "fpa_lm5_warmc": {**LM_WARM_CLIP, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # ... and its read-outs' lr ramped to a tenth (`configs.LM_FOX_FIRST`, the LM presets' default):
+  # ... and its read-outs' lr ramped to a tenth (`configs.LM_FOX_FIRST`):
   # fpa_lm5_warmc's retrieval reached 0.85-0.95 early, then wavered
   "fpa_lm5_warmc10": {**LM_FOX_FIRST, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
   # ... with the read-outs' ramp 3000 steps long, not 1200: fpa_lm5_warmc10 lost retrieval on seeds 0
@@ -108,6 +108,20 @@ METHODS = {
     "gate_bias_init": 5.0,
     "step_bias_init": 0.0,
     "gate_lr_warmup_steps": 3000,
+  },
+  # ... with one head per layer left without read-outs (`fox_heads=1`: a FoX head; `configs.LM_FOX_HEAD`,
+  # the LM presets' default): in fpa_lm5_warmc10 the read-outs turned the heads retrieval used into
+  # forgetting heads (needle_penalty_seed2)
+  "fpa_lm5_warmc10_fh1": {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # the pace's noise floor: fpa_lm5_warmc10 with its read-outs at a thousandth of the lr, so they
+  # barely move (FoX's model but for rounding and read-outs of ~1e-2): how far does that alone move
+  # the step where retrieval appears?
+  "fpa_lm5_still": {
+    **LM_FOX_FIRST,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "gate_lr_scale": 1e-3,
   },
 }
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
@@ -130,9 +144,11 @@ FAMILY = {
   "fpa_lm5_warmc": "fpa",
   "fpa_lm5_warmc10": "fpa",
   "fpa_lm5_warmc10_r3000": "fpa",
+  "fpa_lm5_warmc10_fh1": "fpa",
+  "fpa_lm5_still": "fpa",
 }
 # the method trained with the LM presets' gate (`configs.LM_DEFAULT`) at fox_b5's bias
-DEFAULT_METHOD = "fpa_lm5_warmc10"
+DEFAULT_METHOD = "fpa_lm5_warmc10_fh1"
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)
 

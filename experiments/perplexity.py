@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from fpa_jax.configs import LM_FOX_FIRST, LM_GATE, LM_WARM, SINGLE_HEAD_GATE
+from fpa_jax.configs import LM_FOX_FIRST, LM_FOX_HEAD, LM_GATE, LM_WARM, SINGLE_HEAD_GATE
 
 MODULE = "experiments.perplexity"
 # Methods trained before the LM gate (issue 20) keep the single-head gate they were trained with.
@@ -51,13 +51,16 @@ METHODS = {
   # ... FoX first (issue 20, passkey's fpa_lm5_warm): read-outs started at 0 (with the read-outs' side
   # stream, exactly the fox row's model at step 0) and their lr ramped up from 0 over 1200 steps
   "fpa_lm_warm": {**LM_WARM, "attention": "fpa"},
-  # the LM presets' default (`configs.LM_FOX_FIRST`): fpa_lm_warm with the read-outs' gradient clipped
+  # `configs.LM_FOX_FIRST`: fpa_lm_warm with the read-outs' gradient clipped
   # apart from the other weights' (`gate_clip_apart`) and their lr ramped to a tenth, not all of it
   # (passkey's fpa_lm5_warmc10)
   "fpa_lm_warmc10": {**LM_FOX_FIRST, "attention": "fpa"},
+  # ... with one head per layer left without read-outs (`configs.LM_FOX_HEAD`, the LM presets' default;
+  # passkey's fpa_lm5_warmc10_fh1)
+  "fpa_lm_warmc10_fh1": {**LM_FOX_HEAD, "attention": "fpa"},
 }
 # the row trained with the LM presets' gate (`configs.LM_DEFAULT`; tests/test_configs.py checks it)
-DEFAULT_ROW = "fpa_lm_warmc10"
+DEFAULT_ROW = "fpa_lm_warmc10_fh1"
 LN2 = math.log(2.0)
 
 
@@ -260,7 +263,7 @@ def markdown(res: dict) -> str:
     ],
     rows,
   )
-  claim = "".join(_claim(res, m) for m in (DEFAULT_ROW, "fpa_lm", "fpa") if m in s and "fox" in s)
+  claim = "".join(_claim(res, m) for m in (DEFAULT_ROW, "fpa_lm_warmc10", "fpa_lm", "fpa") if m in s and "fox" in s)
   return head + table + claim + _evict_cost(res)
 
 

@@ -73,6 +73,9 @@ class Gate(nnx.Module):
       d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt, rngs=r
     )
     self.n_heads = h
+    # heads [0, fox_heads) keep no extremum read-out: their terms are replaced by 0 (so their read-out
+    # weights get no gradient and stay at their init; `ModelConfig.fox_heads`)
+    self.fox_heads = int(cfg.fox_heads)
     self.forget: LinearReadout | None = mk(1.0, cfg.gate_init_std, cfg.gate_bias_init) if "forget" in terms else None
     # The FPA read-outs draw from a side stream (the layer's stream does not advance for them), so
     # every other parameter of an FPA model starts equal to the FoX (with `gate_forget`) or softmax
@@ -94,17 +97,26 @@ class Gate(nnx.Module):
     """Field == level == cumsum of a log forget gate: the monotone special case (FoX kernel)."""
     return self.step is None and self.absolute is None and self.offset is None
 
+  def _readout(self, r: LinearReadout | None, x: jax.Array) -> jax.Array | None:
+    """An extremum read-out's term [B, T, H], 0 on the fox heads; None if the gate lacks it."""
+    if r is None:
+      return None
+    out = r(x)
+    if self.fox_heads:  # a where, not a product: keeps out's dtype, and 0 * inf would be nan
+      out = jnp.where(jnp.arange(self.n_heads) >= self.fox_heads, out, jnp.zeros((), out.dtype))
+    return out
+
   def parts(self, x: jax.Array) -> GateParts:
     """x [B, T, D] -> per-token terms; pointwise in t, so decoding calls it on one token."""
     inc = jnp.zeros(x.shape[:2] + (self.n_heads,), F32)  # no accumulating term: a flat walk
     if self.forget is not None:
       inc = inc + jax.nn.log_sigmoid(self.forget(x))
     if self.step is not None:
-      inc = inc + self.step(x)
+      inc = inc + self._readout(self.step, x)
     return GateParts(
       increment=jnp.asarray(inc, F32),
-      absolute=None if self.absolute is None else self.absolute(x),
-      offset=None if self.offset is None else self.offset(x),
+      absolute=self._readout(self.absolute, x),
+      offset=self._readout(self.offset, x),
     )
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -42,6 +42,7 @@ GATE_OPTIONS = (
   "offset_scale",
   "offset_init_std",
   "offset_bias_init",
+  "fox_heads",
 )
 
 

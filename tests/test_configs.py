@@ -157,7 +157,7 @@ def test_set_parses_every_part_with_its_type():
 def test_lm_presets_use_the_lm_default_and_the_base_the_single_head_gate():
   """LM_DEFAULT (issue 20) is the LM presets' gate; the base defaults and `tiny` keep the single-head
   gate, and SINGLE_HEAD_GATE is exactly those defaults. Every gate preset sets every gate field."""
-  for preset in (C.SINGLE_HEAD_GATE, C.LM_GATE, C.LM_WARM, C.LM_WARM_CLIP, C.LM_FOX_FIRST, C.LM_DEFAULT):
+  for preset in (C.SINGLE_HEAD_GATE, C.LM_GATE, C.LM_WARM, C.LM_WARM_CLIP, C.LM_FOX_FIRST, C.LM_FOX_HEAD, C.LM_DEFAULT):
     assert tuple(preset) == C.GATE_PRESET_FIELDS
   assert C.LM_GATE != C.SINGLE_HEAD_GATE and C.LM_WARM != C.LM_GATE
   for name in ("small", "base110m"):

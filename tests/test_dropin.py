@@ -58,10 +58,11 @@ def test_readme_model_trains_and_gate_gets_gradient(readme_run):
   "kw",
   [
     dict(attention="fpa"),
+    dict(attention="fpa", gate_forget=True, fox_heads=1),
     dict(attention="fox", n_kv_heads=1, qk_norm=True),
     dict(attention="softmax", output_gate=True, step_scale=5.0),
   ],
-  ids=lambda kw: kw["attention"],
+  ids=lambda kw: kw["attention"] + ("_fox_heads" if "fox_heads" in kw else ""),
 )
 def test_from_args_equals_model_config(kw):
   """Same fields, same seed: the same parameters and (the same program) the same outputs, bit for bit."""
@@ -94,6 +95,7 @@ def test_from_args_equals_model_config(kw):
     (dict(d_model=30, n_heads=4), "not divisible by n_heads"),
     (dict(n_kv_heads=3), "must divide n_heads"),
     (dict(n_kv_heads=0), "n_kv_heads must be >= 1"),
+    (dict(n_kv_heads=1, fox_heads=1), "fox_heads=1 must be < kv_heads=1"),
     (dict(d_model=32.0), "d_model must be an int"),
     (dict(dtype="float16"), "dtype="),
     (dict(step_scal=1.0), "unknown argument"),

@@ -291,8 +291,27 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
     (tmp_path / "results" / f"{name}.json").write_text(json.dumps(doc))
   md = report.passkey_pace_table(tmp_path)
   # fpa_lm5 of results/passkey (before the side stream) is left out; the other recipe's run too
-  assert "| `fox_b5` | 600 | not in 900 (best 0.980 at 900) | — |" in md
+  # the last column: stages 300..900 (FoX's longest run), a run stopped at competence keeps its last
+  # value: FoX (.5, 1, 1) and (.1, .5, .98); fpa_lm5 (.2, .99, .99) and (.9, .95, .9)
+  fox0, fox1, fpa0, fpa1 = 2.5 / 3, 1.58 / 3, 2.18 / 3, 2.75 / 3
+  assert f"| `fox_b5` | 600 | not in 900 (best 0.980 at 900) | — | {(fox0 + fox1) / 2:.3f} |" in md
   # seed 0: 600 <= 600; seed 1: FoX never competent, FPA neither: not counted
-  assert "| `fpa_lm5` | 600 | not in 900 (best 0.950 at 600) | 1/2 |" in md
+  gap = (fpa0 - fox0 + fpa1 - fox1) / 2
+  assert f"| `fpa_lm5` | 600 | not in 900 (best 0.950 at 600) | 1/2 | {(fpa0 + fpa1) / 2:.3f} ({gap:+.3f}) |" in md
   report.pace_plot(tmp_path / "results" / "passkey_pace.png", tmp_path)
   assert (tmp_path / "results" / "passkey_pace.png").stat().st_size > 0
+
+
+def test_write_prefixed_and_write_study_write_every_file(tmp_path, capsys):
+  """`--out results/x` studies write x.json and x.md (one trailing newline) and print the markdown;
+  `write_study` writes name.json, name.md and name.png under a folder."""
+  from experiments import _common as U
+
+  U.write_prefixed(tmp_path / "x", {"a": 1.5}, "| t |")
+  assert json.loads((tmp_path / "x.json").read_text()) == {"a": 1.5}
+  assert (tmp_path / "x.md").read_text() == "| t |\n" and "| t |" in capsys.readouterr().out
+  U.write_prefixed(str(tmp_path / "y"), {}, "done\n")
+  assert (tmp_path / "y.md").read_text() == "done\n"
+  U.write_study(tmp_path, "s", {"v": [1]}, lambda r: f"v={r['v']}\n", lambda r, p: p.write_bytes(b"png"))
+  assert json.loads((tmp_path / "s.json").read_text()) == {"v": [1]}
+  assert (tmp_path / "s.md").read_text() == "v=[1]\n" and (tmp_path / "s.png").read_bytes() == b"png"

@@ -48,6 +48,15 @@ def test_full_cache_equals_parallel(att):
   assert_close(logits, forward(m, tok, seg), n=n)
 
 
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_full_cache_equals_parallel_with_fox_heads(n_kv_heads):
+  """`fox_heads`: decoding masks the read-outs of the same heads as the parallel path (GQA too)."""
+  m = _model("fpa", gate_forget=True, fox_heads=1, n_heads=4, n_kv_heads=n_kv_heads)
+  tok = _tokens(2, 17, m.cfg.vocab_size)
+  logits, _ = cached_logits(m, tok)
+  assert_close(logits, forward(m, tok), n=m.cfg.d_model * m.cfg.n_layers)
+
+
 @pytest.mark.parametrize(
   "policy,kw", [("fpa_budget", {}), ("window", {}), ("sink_window", {}), ("h2o", {}), ("full", {})]
 )

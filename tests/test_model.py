@@ -120,6 +120,38 @@ def test_fpa_read_outs_leave_the_other_weights_of_the_seed(att, scan):
   assert_close(fwd(build_model(cfg, seed=3), tok), fwd(fox, tok), n=cfg.d_model * cfg.n_layers)
 
 
+def test_fox_heads_hold_no_read_outs():
+  """`fox_heads=1`: head 0's gate terms are FoX's alone (the read-outs' terms are 0 there whatever
+  their weights, and their weights get no gradient); head 1 keeps its read-outs."""
+  big = dict(step_init_std=0.3, absolute_init_std=0.3, offset_init_std=0.3)
+  cfg = C.get_config("tiny", attention="fpa", gate_forget=True, fox_heads=1, **big)
+  model = build_model(cfg, seed=0)
+  gate = model.blocks[0].attn.gate
+  x = jax.random.normal(jax.random.key(1), (2, 12, cfg.d_model))
+  parts = gate.parts(x)
+  np.testing.assert_array_equal(parts.increment[..., 0], jax.nn.log_sigmoid(gate.forget(x))[..., 0])
+  assert not np.any(parts.absolute[..., 0]) and not np.any(parts.offset[..., 0])
+  assert np.all(np.abs(parts.offset[..., 1]) > 0) and np.all(np.abs(parts.absolute[..., 1]) > 0)
+  tok = jax.random.randint(jax.random.key(0), (2, 24), 0, cfg.vocab_size)
+  grads = nnx.grad(lambda m: jnp.mean(fwd(m, tok) ** 2))(model)
+  flat = {"/".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(grads))}
+  read_outs = {k: g for k, g in flat.items() if any(f"/{n}/" in k for n in ("step", "absolute", "offset"))}
+  assert len(read_outs) == 2 * 3 * cfg.n_layers
+  for k, g in read_outs.items():  # (absolute's bias shifts field and level alike: no gradient on any head)
+    assert not np.any(g[..., 0]) and (k.endswith("absolute/b") or np.any(g[..., 1])), k
+  before = fwd(model, tok)
+  for blk in model.blocks:  # head 0's read-out weights do not enter the model at all
+    for name in ("step", "absolute", "offset"):
+      r = getattr(blk.attn.gate, name)
+      r.w[...] = r.w[...].at[:, 0].set(3.0)
+      r.b[...] = r.b[...].at[0].set(-3.0)
+  np.testing.assert_array_equal(fwd(model, tok), before)
+  # a FoX model ignores the field (every head is a FoX head); at kv_heads it is refused for fpa
+  assert C.get_config("tiny", attention="fox", fox_heads=1).fox_heads == 1
+  with pytest.raises(ValueError, match="fox_heads=2 must be < kv_heads=2"):
+    C.get_config("tiny", attention="fpa", fox_heads=2)
+
+
 def test_bf16_compute_fp32_params():
   cfg = C.get_config("tiny", dtype="bfloat16", attn_impl="quadratic")
   model = build_model(cfg)

@@ -60,6 +60,8 @@ BAD = [
   ("steps", "100"),  # not an int (get_config takes Python values as they are)
   ("qk_norm", "false"),  # a non-empty string would be truthy
   ("rope", 1),
+  ("fox_heads", -1),
+  ("fox_heads", True),
 ]
 
 
