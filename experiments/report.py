@@ -210,7 +210,34 @@ def _pace_claim(root: Path) -> str:
   return (
     f". Steps to 1x competence by seed {'/'.join(map(str, seeds))}{SHARED_INIT} (no: not within the steps trained; "
     f"in brackets the 1x validation exact match averaged over the stages to step {horizon} and seeds, and its "
-    f"paired difference from FoX's; `results/passkey_pace.md`): " + ", ".join(parts)
+    f"paired difference from FoX's; `results/passkey_pace.md`): " + ", ".join(parts) + pace_target(root)
+  )
+
+
+def pace_target(root: Path = ROOT, method: str | None = None) -> str:
+  """Issue 20's passkey target, best seed against best seed: the LM default (`passkey.DEFAULT_METHOD`)
+  competent at 1x within FoX's best step budget, with >= 0.99 at 8x (test prompts) on that run."""
+  if method is None:
+    from experiments.passkey import DEFAULT_METHOD as method
+  fox = [
+    (doc[PACE_FOX]["steps"], s) for s, _, doc in _passkey_pace_docs(root) if doc.get(PACE_FOX, {}).get("competent_1x")
+  ]
+  ours = [
+    (doc[method]["steps"], s, doc[method].get("8"))
+    for s, shared, doc in _passkey_pace_docs(root)
+    if shared and doc.get(method, {}).get("competent_1x")
+  ]
+  if not fox:
+    return ""
+  budget, fox_seed = min(fox)
+  if not ours:
+    return f". Target (the LM default `{method}` competent within FoX's best budget, {budget} steps): NOT met (never competent)"
+  steps, seed, x8 = min(ours, key=lambda o: (o[0], -(o[2] or 0)))
+  met = steps <= budget and x8 is not None and x8 >= 0.99
+  return (
+    f". Target (the LM default `{method}` competent at 1x within FoX's best budget, {budget} steps on seed {fox_seed}, "
+    f"and >= 0.99 at 8x): its best seed {seed} at {steps} steps, 8x {x8 if x8 is None else f'{x8:.2f}'}: "
+    f"{'met' if met else 'NOT met'}, best seed against best seed"
   )
 
 

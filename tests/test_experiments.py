@@ -298,6 +298,26 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
   # seed 0: 600 <= 600; seed 1: FoX never competent, FPA neither: not counted
   gap = (fpa0 - fox0 + fpa1 - fox1) / 2
   assert f"| `fpa_lm5` | 600 | not in 900 (best 0.950 at 600) | 1/2 | {(fpa0 + fpa1) / 2:.3f} ({gap:+.3f}) |" in md
+  # issue 20's target, best seed against best seed; val histories alone record no competence
+  assert report.pace_target(tmp_path, "fpa_lm5") == ""
+
+  def write(**changes):
+    for name, kw in changes.items():
+      for m, fields in kw.items():
+        docs[name][m] |= fields
+      (tmp_path / "results" / f"{name}.json").write_text(json.dumps(docs[name]))
+
+  seed1 = "passkey_shared_init_seed1/passkey"
+  write(passkey={"fox_b5": {"competent_1x": True, "steps": 600}})  # FoX's best: 600 on seed 0
+  assert report.pace_target(tmp_path, "fpa_lm5").endswith("NOT met (never competent)")
+  write(**{seed1: {"fpa_lm5": {"competent_1x": True, "steps": 600, "8": 1.0}}})
+  assert report.pace_target(tmp_path, "fpa_lm5").endswith(
+    "600 steps on seed 0, and >= 0.99 at 8x): its best seed 1 at 600 steps, 8x 1.00: met, best seed against best seed"
+  )
+  write(**{seed1: {"fpa_lm5": {"8": 0.95}}})
+  assert "8x 0.95: NOT met" in report.pace_target(tmp_path, "fpa_lm5")
+  write(**{seed1: {"fpa_lm5": {"steps": 900, "8": 1.0}}})
+  assert "at 900 steps, 8x 1.00: NOT met" in report.pace_target(tmp_path, "fpa_lm5")
   report.pace_plot(tmp_path / "results" / "passkey_pace.png", tmp_path)
   assert (tmp_path / "results" / "passkey_pace.png").stat().st_size > 0
 
