@@ -83,7 +83,7 @@ a language model it trains below FoX's bits per byte on every seed; on passkey i
 FoX's pace until the read-outs learned to forget in the heads retrieval used (one seed of four
 never learned it). `LM_FOX_HEAD`, the LM presets' default (`LM_DEFAULT`), holds the first kv head of
 every layer at FoX's term alone (`fox_heads=1`: a head the read-outs cannot make forget): on passkey
-its validation curve is FoX's on average over 4 seeds, and as a language model it stays at FoX's
+its validation curve averaged over stages and seeds is at FoX's level, and as a language model at FoX's
 bits per byte (README: Study 2's passkey pace, Study 4). It needs kv_heads >= 2; with one kv head
 set fox_heads=0. Every gate preset is a dict of all of `GATE_PRESET_FIELDS`, so the study rows that
 spread one keep the gate they were trained with when the presets' defaults change.
