@@ -113,9 +113,9 @@ METHODS = {
   # the LM presets' default): in fpa_lm5_warmc10 the read-outs turned the heads retrieval used into
   # forgetting heads (needle_penalty_seed2)
   "fpa_lm5_warmc10_fh1": {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # the pace's noise floor: fpa_lm5_warmc10 with its read-outs at a thousandth of the lr, so they
-  # barely move (FoX's model but for rounding and read-outs of ~1e-2): how far does that alone move
-  # the step where retrieval appears?
+  # the pace's noise control: fpa_lm5_warmc10 with its read-outs (started at 0: FoX's model) at a
+  # thousandth of the lr, a hundred times slower than the default's: how far does staying that close
+  # to FoX move the step where retrieval appears?
   "fpa_lm5_still": {
     **LM_FOX_FIRST,
     "attention": "fpa",

@@ -219,12 +219,11 @@ def pace_target(root: Path = ROOT, method: str | None = None) -> str:
   competent at 1x within FoX's best step budget, with >= 0.99 at 8x (test prompts) on that run."""
   if method is None:
     from experiments.passkey import DEFAULT_METHOD as method
-  fox = [
-    (doc[PACE_FOX]["steps"], s) for s, _, doc in _passkey_pace_docs(root) if doc.get(PACE_FOX, {}).get("competent_1x")
-  ]
+  docs = _passkey_pace_docs(root)
+  fox = [(doc[PACE_FOX]["steps"], s) for s, _, doc in docs if doc.get(PACE_FOX, {}).get("competent_1x")]
   ours = [
     (doc[method]["steps"], s, doc[method].get("8"))
-    for s, shared, doc in _passkey_pace_docs(root)
+    for s, shared, doc in docs
     if shared and doc.get(method, {}).get("competent_1x")
   ]
   if not fox:
