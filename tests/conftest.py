@@ -38,6 +38,7 @@ SLOW = {
   "test_quickstart.py::test_quickstart_smoke",
   "test_studies_lm.py::test_lm_ablations_script_tiny_run",
   "test_studies_lm.py::test_passkey_script_tiny_run",
+  "test_one_recipe.py::test_tiny_run_trains_evaluates_and_resumes",  # its report: the verdict tests
   "test_studies_lm.py::test_passkey_retrofit_continues_the_source_run",
   "test_studies_lm.py::test_clip_coupling_tiny_run",  # the clip itself: test_train.py's clip_apart test
   "test_notebooks.py::test_notebook_runs[03_train_and_decode.ipynb]",

@@ -1,0 +1,96 @@
+"""The one-recipe study: verdicts as written (every seed, paired with FoX), the pace table, and a
+tiny end-to-end run (train, evaluate, report, resume)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import one_recipe as O
+
+
+def _train(m, s, first, steps=3000, budget=3000):
+  return {"method": m, "seed": s, "steps": steps, "budget": budget, "first_competent": first, "competence": 0.99,
+          "val_history": {"300": {"exact": 0.5, "digit": 0.9}}}  # fmt: skip
+
+
+def _eval(m, s, bpb, p8, c25, c12, heur12, nll=(1.0, 1.0)):
+  cache = {
+    "parallel/full/1": {"accuracy": p8},
+    "parallel/fpa_budget/0.25": {"accuracy": c25},
+    "parallel/fpa_budget/0.125": {"accuracy": c12},
+    "parallel/window/0.125": {"accuracy": heur12},
+    "parallel/window/0.25": {"accuracy": heur12},
+  }
+  return {"method": m, "seed": s, "step": 3000, "text": {"bpb": bpb}, "passkey": {"8": {"accuracy": p8}},
+          "cache": cache, "positions": {"buckets": [[0, 256], [256, 512]], "nll": list(nll)}}  # fmt: skip
+
+
+def _write(tmp_path, runs, evals):
+  for sub, recs in (("train", runs), ("eval", evals)):
+    (tmp_path / sub).mkdir(exist_ok=True)
+    for r in recs:
+      (tmp_path / sub / f"{r['method']}_s{r['seed']}.json").write_text(json.dumps(r))
+
+
+def test_verdicts_hold_only_on_every_seed(tmp_path):
+  runs = [_train("fox", 0, 900), _train("fox", 1, None), _train("recipe", 0, 600), _train("recipe", 1, 1200)]
+  evals = [
+    _eval("fox", 0, 2.00, 1.0, 0.2, 0.1, 0.1, nll=(1.0, 1.0)),
+    _eval("fox", 1, 2.00, 1.0, 0.2, 0.1, 0.1, nll=(1.0, 1.0)),
+    _eval("recipe", 0, 1.99, 1.0, 1.0, 0.96, 0.3, nll=(1.0, 1.10)),
+    _eval("recipe", 1, 2.01, 0.98, 1.0, 0.90, 0.3, nll=(1.0, 1.12)),
+  ]
+  _write(tmp_path, runs, evals)
+  md = O.report(tmp_path, "recipe", "recipe_no_objective")
+  v = {c["claim"]: c for c in json.loads((tmp_path / "claims.json").read_text())}
+  assert v["FoX baseline competent at 1x on every seed"]["verdict"] == "1 of 2 seeds"
+  # seed 1: FoX never competent, the recipe at 1200: no later than FoX
+  assert v["passkey pace: competent no later than FoX"]["verdict"] == "holds"
+  assert v["perplexity on par with FoX"]["verdict"] == "1 of 2 seeds"  # seed 1 is +0.5%: no best-seed rule
+  assert v["perplexity by position to 8x"]["verdict"].startswith("not met (1 of 2")
+  assert v["passkey at 8x the training length"]["verdict"] == "1 of 2 seeds"
+  assert v["passkey kept with the KV cache cut to 25% / 12.5%"]["verdict"] == "1 of 2 seeds"
+  assert v["the objective's text cost"]["verdict"] == "not run"  # no recipe_no_objective row
+  assert "| `recipe` | 1 | 1200 |" in md and "removed 0.875" in md
+
+
+def test_pace_table_pairs_finished_runs_only(tmp_path):
+  runs = {("fox", 0): _train("fox", 0, 600), ("recipe", 0): _train("recipe", 0, None, steps=900)}
+  md = O.pace_markdown(runs)
+  assert "not yet (at 900 of 3000), best 0.500 at 300" in md
+  assert "0 of 0" in md  # an unfinished run is not paired
+
+
+def test_cache_cells_skip_policies_a_prefill_cannot_run():
+  a = O.parse_args(["--prefills", "parallel", "decode", "--budgets", "0.25"])
+  cells = {(p, pol) for p, pol, _, _ in O.cache_cells(a)}
+  assert ("parallel", "h2o") not in cells and ("decode", "snapkv") not in cells
+  assert ("decode", "h2o") in cells and ("parallel", "snapkv") in cells and ("parallel", "full") in cells
+
+
+def test_tiny_run_trains_evaluates_and_resumes(tmp_path):
+  argv = [
+    "--methods", "fox", "recipe", "--seeds", "0", "--steps", "4", "--stage-steps", "2", "--layers", "1",
+    "--d-model", "16", "--heads", "2", "--block-size", "32", "--batch-size", "8", "--warmup", "1", "--n-val", "5",
+    "--train-len", "288", "--passkey-rows", "4", "--small-data", "--data-dir", str(tmp_path / "data"),
+    "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out"), "--n", "5", "--multiples", "1",
+    "--cache-multiple", "2", "--pos-multiple", "2", "--pos-docs", "2", "--heldout-windows", "8",
+    "--policies", "fpa_budget", "window", "--budgets", "0.25",
+  ]  # fmt: skip
+  O.main(argv)
+  out = tmp_path / "out"
+  ev = json.loads((out / "eval" / "recipe_s0.json").read_text())
+  assert ev["step"] == 4 and ev["text"]["bpb"] > 0 and ev["text"]["heldout"]
+  assert set(ev["cache"]) == {"parallel/full/1", "parallel/fpa/tol", "parallel/fpa_budget/0.25", "parallel/window/0.25"}
+  assert (out / "claims.json").exists() and (out / "one_recipe_pace.png").stat().st_size > 0
+  before = (out / "eval" / "recipe_s0.json").read_text()
+  O.main(argv)  # everything done: nothing retrained or rescored
+  assert (out / "eval" / "recipe_s0.json").read_text() == before
+
+
+@pytest.mark.parametrize("bad", [["--methods", "nope"], ["--prefills", "both"]])
+def test_bad_arguments_exit(bad):
+  with pytest.raises(SystemExit):
+    O.parse_args(bad)
