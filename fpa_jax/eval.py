@@ -638,7 +638,14 @@ def markdown(res: dict) -> str:
   L = res.get("train_length")
   text = (
     f"{head}held-out loss by position, {res['rows']} rows of {res['seq_len']} tokens, cache policy `{pol}`; "
-    f"mean {res['nll_mean']:.4f} nats/token over {res['tokens']} tokens.\n\n"
+    f"mean {res['nll_mean']:.4f} nats/token over {res['tokens']} tokens"
+    + (
+      f"; the windows cover {res['coverage']['docs_covered']} of the split's {res['coverage']['docs_in_split']} "
+      "documents"
+      if res.get("coverage")
+      else ""
+    )
+    + ".\n\n"
   )
   rows = []
   for (a, b), v, c in zip(res["buckets"], res["nll"], res["bucket_tokens"]):
@@ -720,7 +727,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   g = ap.add_argument_group("loss_by_position")
   g.add_argument("--multiple", type=int, default=4, help="rows of this many times the training length")
   g.add_argument("--length", type=int, help="row length in tokens (overrides --multiple)")
-  g.add_argument("--rows", type=int, default=32, help="rows to evaluate")
+  g.add_argument("--rows", type=int, default=32, help="held-out windows (spread over every validation document)")
   g.add_argument("--bucket", type=int, help="positions per bucket (default: length / 16)")
   g.add_argument("--rows-npy", help="token rows int [N, T + 1] from a .npy file instead of the text pipeline")
   g.add_argument("--data-dir", help="fpa_text / tokenizer location (default: the run's data_dir)")
@@ -741,22 +748,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _text_rows(cfg, a, seq_len: int, batch: int):
-  from fpa_jax.data import make_pipeline
+  """The trainer's held-out set at `seq_len`: `--rows` windows spread over every validation
+  document (`fpa_jax.data.make_heldout`, seed 0), not the first rows of the stream (one or two
+  files). -> (pipeline, coverage) with coverage as `fpa_jax.data.windows.coverage`."""
+  from fpa_jax.data import make_heldout
 
-  return make_pipeline(
-    "text",
+  h = make_heldout(
     "validation",
     data_dir=a.data_dir or cfg.data_dir,
     seq_len=seq_len,
     batch_size=batch,
+    n_windows=a.rows,
     tokenizer=cfg.tokenizer,
     small=cfg.small_data,
-    shuffle=False,
-    num_epochs=1,
+    text_source=a.text_source,
     process_index=0,
     process_count=1,
-    text_source=a.text_source,
   )
+  return h, h.info["coverage"]
 
 
 def default_out(workdir, task: str, rec: dict[str, Any], prefill: str | None = None) -> Path:
@@ -804,8 +813,9 @@ def run(a: argparse.Namespace, argv=None) -> tuple[dict, Path]:
       seq_len = a.length or a.multiple * cfg.seq_len
     check_policy(seq_len=seq_len, **pol)  # before the pipeline is built
     batch = a.batch_size or 8
+    coverage = None
     if not a.rows_npy:
-      rows = _text_rows(cfg, a, seq_len, batch)
+      rows, coverage = _text_rows(cfg, a, seq_len, batch)
     res = loss_by_position(
       model,
       rows,
@@ -816,7 +826,12 @@ def run(a: argparse.Namespace, argv=None) -> tuple[dict, Path]:
       show_progress=show,
       **pol,
     )
-    res["data"] = a.rows_npy or f"fpa_text validation ({a.text_source}{', small' if cfg.small_data else ''})"
+    res["data"] = a.rows_npy or (
+      f"fpa_text validation ({a.text_source}{', small' if cfg.small_data else ''}): {a.rows} held-out windows "
+      "spread over every document"
+    )
+    if coverage is not None:
+      res["coverage"] = coverage
   else:
     tok = load_tokenizer(cfg.tokenizer, a.data_dir or cfg.data_dir, small=cfg.small_data)
     res = passkey_eval(

@@ -291,3 +291,20 @@ def test_cli_loss_by_position_on_the_text_pipeline(run_dir, tmp_path):
   res = json.loads((tmp_path / "t.json").read_text())
   assert res["seq_len"] == 64 and res["rows"] == 3 and res["data"].startswith("fpa_text validation")
   assert 0 < res["nll_mean"] < 10
+
+
+def test_cli_text_rows_are_the_heldout_windows_over_every_document(tmp_path):
+  """The CLI's text rows are the trainer's held-out windows (spread over every validation document,
+  coverage recorded), not the first rows of the stream."""
+  from fpa_jax.data import make_heldout
+
+  cfg = C.get_config("tiny", task="text", tokenizer="bytes", vocab_size=259, small_data=True, data_dir=str(tmp_path))
+  a = SimpleNamespace(data_dir=None, rows=6, text_source="stdlib")
+  rows, cov = ev._text_rows(cfg, a, 40, 4)
+  want = make_heldout("validation", data_dir=str(tmp_path), seq_len=40, batch_size=4, n_windows=6, small=True)
+  got, ref = list(rows), list(want)
+  assert len(got) == len(ref) == 2  # 6 windows in batches of 4, the last padded with masked rows
+  for g, r in zip(got, ref):
+    np.testing.assert_array_equal(g["inputs"], r["inputs"])
+  assert cov == want.info["coverage"] and cov["windows"] == 6
+  assert cov["docs_covered"] == min(6, cov["docs_in_split"])  # one window per document first
