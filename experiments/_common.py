@@ -21,19 +21,10 @@ from typing import Any, Iterable
 
 import numpy as np
 
+# the evictability objective as the LM studies train it from scratch (defined with the recipes)
+from experiments.recipes import EVICT_FROM_SCRATCH  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
-
-# The evictability objective as the LM studies train it from scratch (issue 21 §1 form (a),
-# `fpa_jax.losses`): the hinge on the soft live fraction of keys older than 16 tokens, its target
-# ramped (DMS) from 1 to 0.1 over steps 300..1500, after the model has started to learn the task.
-EVICT_FROM_SCRATCH = {
-  "evict_weight": 1.0,
-  "evict_target": 0.1,
-  "evict_window": 16,
-  "evict_ramp_start": 300,
-  "evict_ramp_steps": 1200,
-}
-
 
 # ------------------------------------------------------------------------------------------------
 # Metadata and results files

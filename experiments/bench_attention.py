@@ -11,7 +11,7 @@ B=1, H=4, D=64, fp32. For every method and T: forward and forward+backward wall 
 --repeats, all methods of one T interleaved, each timed call after an untimed one) and XLA's
 compiled temp memory (`.lower().compile().memory_analysis()`).
 A variant whose compiled temp memory exceeds --mem-budget-gib is compiled but not run
-("skipped"). Writes results/bench_attention.{json,md,png} and prints the issue's targets as
+("skipped"). Writes results/bench_attention.{json,md,png} and prints the speed targets as
 measured ratios. FLOP convention (FlashAttention's): causal forward = 2 * B*H*T^2*D (two
 matmuls over the lower triangle), backward = 2.5 x forward.
 
@@ -317,7 +317,7 @@ def _get(rows, method, t, key):
 
 
 def targets(rows, sweep=None):
-  """The issues' targets as measured ratios (None where a side was not measured); sweep: the
+  """The speed targets as measured ratios (None where a side was not measured); sweep: the
   `block_sweep` result, for FPA vs FoX each at its best block."""
   ratio = lambda a, b: (a / b) if (a is not None and b) else None
   fpa = _get(rows, "fpa_chunked", TARGET_T, "fwdbwd_s")

@@ -1,4 +1,4 @@
-"""Issue 21 §2, the seed's "first check": FPA against FoX on nested structure, as language models,
+"""FPA against FoX on nested structure, as language models,
 at several times the training length and with the KV cache cut by each policy.
 
     python -m experiments.bindings_lm                                   # fpa, fox, stack, softmax x 3 seeds
@@ -13,7 +13,7 @@ from `runs/bindings_lm/...`), then decoded token by token (`fpa_jax.inference.ca
 `--n-eval` held-out programs per length at 1x..8x: answer accuracy on all queries and on the far
 ones (answer more than length / 8 back), with the full cache and with 25% / 12.5% of it under
 fpa_budget (the learned rule: largest penalty first; FoX's own decay for fox), window and h2o.
-FPA is trained three ways (`FPA_ROWS`, issue 21's ablation of the training objectives): the LM loss
+FPA is trained three ways (`FPA_ROWS`, an ablation of the training objectives): the LM loss
 alone (`fpa`), plus the evictability hinge (`fpa_evict`), and with budget in the loop (`fpa_bloop`).
 The evaluation of a trained run is kept in the results file and reused while its step is unchanged.
 Writes results/bindings_lm.{json,md,png}.
@@ -29,23 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from fpa_jax.configs import LM_GATE
+from experiments import recipes
 
 MODULE = "experiments.bindings_lm"
-# The LM presets' gate for every gated method (`configs.LM_GATE`): with the single-head gate (no
-# forget term, read-outs at scale 10) a d_model-64 FPA LM stayed at chance on this task in 1500
-# steps, while the LM gate learned it (the ablation in the README's issue-21 notes).
-METHODS = {
-  "fpa": {**LM_GATE, "attention": "fpa"},
-  "fox": {**LM_GATE, "attention": "fox"},
-  "stack": {**LM_GATE, "attention": "stack"},
-  "softmax": {**LM_GATE, "attention": "softmax"},  # RoPE
-  # fpa trained with the evictability objective (`U.EVICT_FROM_SCRATCH`, issue 21 §1 form (a))
-  "fpa_evict": {**LM_GATE, "attention": "fpa", **U.EVICT_FROM_SCRATCH},
-  # fpa trained with budget in the loop (`fpa_jax.ops.budget`, issue 21 §1 form (b)): half of the
-  # steps run through the cache an fpa_budget decode of 10%..30% of the training length would hold.
-  "fpa_bloop": {**LM_GATE, "attention": "fpa", "budget_loop_prob": 0.5, "budget_loop_min": 0.1, "budget_loop_max": 0.3},
-}
+# method -> config overrides (`experiments.recipes`: the LM gate for every gated method)
+METHODS = recipes.BINDINGS_LM
 POLICIES = ("fpa_budget", "window", "h2o")
 GATED = ("fpa", "fox", "stack", "fpa_evict", "fpa_bloop")
 
@@ -139,11 +127,11 @@ def _stat(res: dict, method: str, mult: str, label: str, key: str = "acc") -> li
   return [e[mult][label][key] for e in res[method]["evals"] if label in e.get(mult, {})]
 
 
-FPA_ROWS = ("fpa", "fpa_evict", "fpa_bloop")  # the FPA models the issue's targets are checked on
+FPA_ROWS = ("fpa", "fpa_evict", "fpa_bloop")  # the FPA models the compression targets are checked on
 
 
 def summarise(res: dict) -> dict:
-  """The issue's targets at 4x (or the largest multiple under 4x), per FPA row (`FPA_ROWS`): its rule
+  """The compression targets at 4x (or the largest multiple under 4x), per FPA row (`FPA_ROWS`): its rule
   at 12.5% vs its full cache, window / h2o on the same models at 12.5%, FPA vs FoX with the full
   cache (means over seeds). Keys `{row}_full`, `{row}_rule`, `{row}_window`, `{row}_h2o`, `fox_full`."""
   mults = res["recipe"]["multiples"]

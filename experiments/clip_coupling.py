@@ -1,10 +1,10 @@
-"""Does an FPA model whose read-outs stay still train as FoX does? Only with `gate_clip_apart` (issue 20).
+"""Does an FPA model whose read-outs stay still train as FoX does? Only with `gate_clip_apart`.
 
     python -m experiments.clip_coupling             # a few minutes on 2 CPU cores: results/clip_coupling.md
 
 Three byte LMs of the passkey study's recipe (`experiments.passkey`: 2 layers, d_model 128, L=512,
 passkey prompts with answers weighted x100 beside text; the same seed and batches), trained for
-`--steps` steps: fox_b5, and FPA at its init (`configs.LM_WARM` at bias 5: zero read-outs, every other
+`--steps` steps: fox_b5, and FPA at its init (`experiments.recipes.LM_WARM` at bias 5: zero read-outs, every other
 weight FoX's through the read-outs' side stream) with its read-outs held still (their lr ramp is 10^9
 steps long: the multiplier stays below 10^-6), once under one global-norm clip and once with the
 read-outs clipped by their own norm. Such an FPA model computes FoX's function; the question
@@ -24,16 +24,11 @@ import numpy as np
 
 from experiments import _common as U
 from experiments import passkey as PK
+from experiments import recipes
 from fpa_jax import configs as C
 
 MODULE = "experiments.clip_coupling"
-STILL = {"gate_lr_warmup_steps": 10**9}  # the read-outs' lr multiplier: step / 1e9
-FPA_STILL = {**C.LM_WARM, "attention": "fpa", "step_bias_init": 0.0, **STILL}  # passkey's fpa_lm5_warm, held
-RUNS = {  # overrides of passkey's fox_b5 config
-  "fox_b5": {},
-  "fpa_still_one_clip": FPA_STILL,
-  "fpa_still_clip_apart": {**FPA_STILL, "gate_clip_apart": True},
-}
+RUNS = recipes.CLIP_COUPLING  # run -> overrides of passkey's fox_b5 config (`experiments.recipes`)
 
 
 def parse_args(argv=None):

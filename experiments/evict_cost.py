@@ -1,6 +1,6 @@
 """What the evictability objective costs on text: held-out loss of the passkey study's models with the
-full cache, at 1x and 4x their training length (issue 21: "the objective's cost in bits per byte at 1x
-with the full cache").
+full cache, at 1x and 4x their training length (the objective's cost in bits per byte at 1x with the
+full cache is one of its targets).
 
     python -m experiments.evict_cost                                  # fpa_fox5, fpa_fox5_cont, fpa_fox5_evict
     python -m experiments.evict_cost --models fpa_fox5_evict fpa_fox5_cont --rows 64

@@ -1,4 +1,4 @@
-"""Forgetting turned into speed (issue 21 §2): on a trained model's own fields, what the two ways of
+"""Forgetting turned into speed: on a trained model's own fields, what the two ways of
 skipping under the sound bound (`skip_tolerance` eps; each row loses <= eps of its attention) drop,
 and the attention and prefill time with each on and off.
 

@@ -1,4 +1,4 @@
-"""Study 3 (issue 11): passkey retrieval at 8x the training length with a compressed KV cache.
+"""Study 3: passkey retrieval at 8x the training length with a compressed KV cache.
 
     python -m experiments.kv_compression                          # every model in results/passkey.json
     python -m experiments.kv_compression --models fpa fox_b5      # a subset (results merge)

@@ -1,4 +1,4 @@
-"""Study 1 (issue 11): do single-head attention layers converge to the target live-key sets?
+"""Study 1: do single-head attention layers converge to the target live-key sets?
 
     python -m experiments.live_sets --task all                 # 5 seeds x {fpa, stack, fox, softmax}, both tasks
     python -m experiments.live_sets --task scopes --seeds 2 --small   # a quick look (~1-2 min), 600 steps
@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from experiments import recipes
 from fpa_jax import configs as C
 from fpa_jax.data import dips as dips_data
 from fpa_jax.data import scopes as scopes_data
@@ -59,31 +60,8 @@ TRAIN_LEN = 64
 # The same training budget for every method (no per-method tuning).
 DEFAULTS = dict(steps=1500, batch=16, lr=3e-3, pool=2048, n_eval=256, chunk=50)
 SMALL = dict(steps=600, pool=512, n_eval=64)  # ~70 s for 4 methods x 2 seeds on scopes (2-core CPU)
-# Study 5: gate choices on the coverage objective (3 seeds); the defaults are rerun alongside.
-ABLATIONS = {
-  "fpa (default)": dict(attention="fpa"),
-  "fpa gate_forget=True": dict(attention="fpa", gate_forget=True),
-  "fpa step_scale=1": dict(attention="fpa", step_scale=1.0),
-  "fpa absolute_scale=1": dict(attention="fpa", absolute_scale=1.0),
-  "fpa offset_scale=1": dict(attention="fpa", offset_scale=1.0),
-  "fpa no absolute (step,offset)": dict(attention="fpa", gate_terms_override="step,offset"),
-  # no walk at all: the field says "this dip reaches value v" whatever came before
-  "fpa no walk (absolute,offset)": dict(attention="fpa", gate_terms_override="absolute,offset"),
-  "stack (default)": dict(attention="stack"),
-  "stack gate_forget=True": dict(attention="stack", gate_forget=True),
-  # init: an all-zero gate gets no gradient (relu'(0) = 0); two ways to break the tie
-  "fpa all-zero init": dict(
-    attention="fpa", step_bias_init=0.0, step_init_std=0.0, absolute_init_std=0.0, offset_init_std=0.0
-  ),
-  "fpa step_bias_init=-1e-3, zero weights": dict(
-    attention="fpa", step_bias_init=-1e-3, step_init_std=0.0, absolute_init_std=0.0, offset_init_std=0.0
-  ),
-  "fpa weights ~N(0, 1e-3), no bias": dict(
-    attention="fpa", step_bias_init=0.0, step_init_std=1e-3, absolute_init_std=1e-3, offset_init_std=1e-3
-  ),
-  "stack step_bias_init=-1e-3, zero weights": dict(attention="stack", step_bias_init=-1e-3, step_init_std=0.0),
-  "stack weights ~N(0, 1e-3), no bias": dict(attention="stack", step_bias_init=0.0, step_init_std=1e-3),
-}
+# Study 5: gate choices on the coverage objective (3 seeds), `experiments.recipes`
+ABLATIONS = recipes.LIVE_SETS_ABLATIONS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Issue 20 §1: why an FPA gate that contains FoX trains worse than FoX. One row per hypothesis.
+"""Why an FPA gate that contains FoX trained worse than FoX as a byte LM. One row per hypothesis.
 
     python -m experiments.lm_ablations                                  # every row, seed 0, 600 steps
     python -m experiments.lm_ablations --seeds 0 1 2                      # every row, 3 seeds
@@ -16,7 +16,7 @@ offset read-outs of size ~1e-3), so a row that closes the gap to `fox` names the
   fpa / fpa_scale1  the single-head default gate (no forget term) at scale 10 and at scale 1
 
 Every row pins the single-head gate (`configs.SINGLE_HEAD_GATE`) it changes from; the table led to
-the LM presets' gate (`configs.LM_GATE` = `fpa_fox0_scale1`), whose long runs are in
+the LM gate (`experiments.recipes.LM_GATE` = `fpa_fox0_scale1`), whose long runs are in
 `experiments.perplexity --methods fox fpa_lm --steps 3000 --out-name perplexity_T3000`. The gate
 statistics of each trained model (`losses.gate_stats` on the first held-out batch, mean over
 layers: field range, share of active pairs, of pairs past FORGOTTEN nats, mean penalty) are in the
@@ -39,35 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from experiments import perplexity as P
-from fpa_jax.configs import SINGLE_HEAD_GATE
+from experiments import perplexity as PPL
+from experiments import recipes
 from fpa_jax.losses import FORGOTTEN
 
 MODULE = "experiments.lm_ablations"
-# Every row starts from the single-head gate (read-outs at scale 10): the rows that led to LM_GATE.
-V1 = SINGLE_HEAD_GATE
-FPA_FOX0 = {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0}
-ROWS: dict[str, tuple[dict, str]] = {
-  "fox": ({**V1, "attention": "fox"}, "the baseline (FoX paper init, bias 0)"),
-  "fpa_fox0": (FPA_FOX0, "FPA at FoX's init: FoX + step, absolute, offset read-outs (scale 10, std 1e-3)"),
-  "fpa_fox0_scale1": (
-    {**FPA_FOX0, "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0},
-    "effective lr: read-outs at scale 1",
-  ),
-  "fpa_fox0_glr0.1": ({**FPA_FOX0, "gate_lr_scale": 0.1}, "effective lr: read-outs at 0.1x the lr"),
-  "fox_step": ({**FPA_FOX0, "gate_terms_override": "forget,step"}, "which read-out: step alone on FoX"),
-  "fox_absolute": ({**FPA_FOX0, "gate_terms_override": "forget,absolute"}, "which read-out: absolute alone on FoX"),
-  "fox_offset": ({**FPA_FOX0, "gate_terms_override": "forget,offset"}, "which read-out: offset alone on FoX"),
-  "fpa_fox0_init0": (
-    {**FPA_FOX0, "step_init_std": 0.0, "absolute_init_std": 0.0, "offset_init_std": 0.0},
-    "relu's kink: read-outs start at exactly 0",
-  ),
-  "fpa": ({**V1, "attention": "fpa"}, "the single-head default FPA gate (no forget term)"),
-  "fpa_scale1": (
-    {**V1, "attention": "fpa", "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0},
-    "the single-head gate (no forget term) at scale 1",
-  ),
-}
+# row -> (config overrides, the hypothesis it tests) (`experiments.recipes`)
+ROWS: dict[str, tuple[dict, str]] = recipes.LM_ABLATIONS
 
 
 def run_tag(args) -> str:
@@ -192,7 +170,7 @@ def parse_args(argv=None):
   ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
   ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-  P.add_recipe_args(ap, steps=600, runs_dir="runs/lm_ablations")
+  PPL.add_recipe_args(ap, steps=600, runs_dir="runs/lm_ablations")
   ap.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (the curves)")
   return ap.parse_args(argv)
 
@@ -204,18 +182,18 @@ def main(argv=None) -> dict:
   log = lambda s: print(s, file=sys.stderr, flush=True)
   t0 = time.perf_counter()
   out_dir, tag = Path(args.out_dir), run_tag(args)
-  held, coverage = P.heldout_batches(args)
-  recipe = P.recipe_of(args, tag)
+  held, coverage = PPL.heldout_batches(args)
+  recipe = PPL.recipe_of(args, tag)
   for row in args.rows:
     entry = {"bpb": [], "curves": [], "train_wall_s": [], "workdirs": [], "seeds": [], "gate_stats": []}
     for seed in args.seeds:
       workdir = os.path.join(args.runs_dir, tag, f"{row}_s{seed}")
       extra = {"eval_every": args.eval_every, "heldout_windows": args.heldout_windows}
-      cfg = P.study_config(row, args, seed, overrides={**ROWS[row][0], **extra})
+      cfg = PPL.study_config(row, args, seed, overrides={**ROWS[row][0], **extra})
       tr = U.train_lm(cfg, workdir, None)
-      entry["bpb"].append(P.bits_per_byte(P.nll_fn(tr["model"]), held))
+      entry["bpb"].append(PPL.bits_per_byte(PPL.nll_fn(tr["model"]), held))
       entry["gate_stats"].append(final_gate_stats(tr["model"], held[0]))
-      entry["curves"].append(P.curve(read_metrics(workdir)))  # every session's, not only this one's
+      entry["curves"].append(PPL.curve(read_metrics(workdir)))  # every session's, not only this one's
       entry["train_wall_s"].append(tr["train_wall_s"])
       entry["workdirs"].append(workdir)
       entry["seeds"].append(seed)

@@ -1,4 +1,4 @@
-"""Where retrieval stands in a passkey model's gates (issue 20): per layer and head, the penalty the
+"""Where retrieval stands in a passkey model's gates: per layer and head, the penalty the
 gate puts on the needle at the question, the median penalty over the prompt, and the attention mass
 the question gives the needle.
 

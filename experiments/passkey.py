@@ -1,4 +1,4 @@
-"""Study 2 (issue 11): passkey retrieval at 1x, 2x, 4x, 8x the training length, per method.
+"""Study 2: passkey retrieval at 1x, 2x, 4x, 8x the training length, per method.
 
     python -m experiments.passkey                                  # every method, resumable
     python -m experiments.passkey --methods fox softmax            # a subset (results merge)
@@ -40,113 +40,18 @@ import numpy as np
 from flax import nnx
 
 from experiments import _common as U
+from experiments import recipes
 
 # Scoring lives in fpa_jax.eval; its names stay importable from here (tests, notebooks).
-from fpa_jax.configs import LM_FOX_FIRST, LM_FOX_HEAD, LM_GATE, LM_WARM, LM_WARM_CLIP, SINGLE_HEAD_GATE
 from fpa_jax.eval import answer_span, argmax_fn, eval_batch, teacher_forced_exact_match  # noqa: F401
 
 MODULE = "experiments.passkey"
-# method -> config overrides (on top of the study's model/training settings)
-# Every method trained before the LM gate (issue 20) keeps the single-head gate it was trained with.
-V1 = SINGLE_HEAD_GATE
-METHODS = {
-  "fpa": {**V1, "attention": "fpa"},
-  "stack": {**V1, "attention": "stack"},
-  "fox": {**V1, "attention": "fox", "gate_bias_init": 0.0},  # FoX paper init
-  "fox_b5": {**V1, "attention": "fox", "gate_bias_init": 5.0},  # weak-decay init (sigmoid(5) = 0.993)
-  "softmax": {**V1, "attention": "softmax"},  # RoPE
-  # fpa / stack started exactly at fox_b5 (FoX's log-sigmoid term in the increment, bias 5; the
-  # other read-outs at 0): the weak-decay start that made FoX learn retrieval, for the FPA gates.
-  "fpa_fox5": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  "stack_fox5": {**V1, "attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # fpa_fox5 retrofitted with the evictability objective (`fpa_jax.losses`, issue 21): DMS's recipe,
-  # the trained model continued with the hinge on the soft live fraction of keys older than 16
-  # tokens, its target ramped from 1 to 0.1 over 300 steps (`RETROFIT`).
-  "fpa_fox5_evict": {
-    **V1,
-    "attention": "fpa",
-    "gate_forget": True,
-    "gate_bias_init": 5.0,
-    "step_bias_init": 0.0,
-    "evict_weight": 1.0,
-    "evict_target": 0.1,
-    "evict_ramp_steps": 300,
-  },
-  # its control: fpa_fox5 continued as long without the objective (the same extra steps and data)
-  "fpa_fox5_cont": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # the LM presets' gate before LM_FOX_FIRST (`configs.LM_GATE`: FoX's term plus read-outs at scale 1) at
-  # fox_b5's weak-decay bias: fpa_fox5 with its read-outs moving 10x slower.
-  "fpa_lm5": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # issue 20's passkey ablation: fpa_lm5 with its read-outs started at exactly 0, i.e. exactly fox_b5 at
-  # step 0 (FPA free to move away from FoX): is it the random read-outs that delay retrieval?
-  "fpa_lm5_init0": {
-    **LM_GATE,
-    "attention": "fpa",
-    "gate_bias_init": 5.0,
-    "step_bias_init": 0.0,
-    "step_init_std": 0.0,
-    "absolute_init_std": 0.0,
-    "offset_init_std": 0.0,
-  },
-  # issue 20's next passkey ablation: fpa_lm5 with its read-outs at a tenth of the learning rate
-  # (`gate_lr_scale`): closer to FoX for longer, is it the read-outs' speed that delays retrieval?
-  "fpa_lm5_slow": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0, "gate_lr_scale": 0.1},
-  # ... and FoX first: fpa_lm5_init0 (exactly fox_b5 at step 0, weights included since the read-outs'
-  # side stream) with the read-outs' lr ramped from 0 over 1200 steps (`gate_lr_warmup_steps`)
-  "fpa_lm5_warm": {**LM_WARM, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # fpa_lm5_warm with the read-outs' gradient clipped apart (`gate_clip_apart`): under one global
-  # norm their gradient shrank every other weight's update, so FoX's weights trained another way
-  "fpa_lm5_warmc": {**LM_WARM_CLIP, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # ... and its read-outs' lr ramped to a tenth (`configs.LM_FOX_FIRST`):
-  # fpa_lm5_warmc's retrieval reached 0.85-0.95 early, then wavered
-  "fpa_lm5_warmc10": {**LM_FOX_FIRST, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # ... with the read-outs' ramp 3000 steps long, not 1200: fpa_lm5_warmc10 lost retrieval on seeds 0
-  # and 3 once its ramp ended, and never found it on seed 2
-  "fpa_lm5_warmc10_r3000": {
-    **LM_FOX_FIRST,
-    "attention": "fpa",
-    "gate_bias_init": 5.0,
-    "step_bias_init": 0.0,
-    "gate_lr_warmup_steps": 3000,
-  },
-  # ... with one head per layer left without read-outs (`fox_heads=1`: a FoX head; `configs.LM_FOX_HEAD`,
-  # the LM presets' default): in fpa_lm5_warmc10 the read-outs turned the heads retrieval used into
-  # forgetting heads (needle_penalty_seed2)
-  "fpa_lm5_warmc10_fh1": {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
-  # the pace's noise control: fpa_lm5_warmc10 with its read-outs (started at 0: FoX's model) at a
-  # thousandth of the lr, a hundred times slower than the default's: how far does staying that close
-  # to FoX move the step where retrieval appears?
-  "fpa_lm5_still": {
-    **LM_FOX_FIRST,
-    "attention": "fpa",
-    "gate_bias_init": 5.0,
-    "step_bias_init": 0.0,
-    "gate_lr_scale": 1e-3,
-  },
-}
+# method -> config overrides (on top of the study's model/training settings; `experiments.recipes`)
+METHODS = recipes.PASSKEY
 # method -> the method whose trained run it continues from its last step, for --retrofit-steps whatever
 # the validation says (competence does not end a continuation early).
 RETROFIT = {"fpa_fox5_evict": "fpa_fox5", "fpa_fox5_cont": "fpa_fox5"}
-FAMILY = {
-  "fpa": "fpa",
-  "stack": "stack",
-  "fox": "fox",
-  "fox_b5": "fox",
-  "softmax": "softmax",
-  "fpa_fox5": "fpa",
-  "stack_fox5": "stack",
-  "fpa_fox5_evict": "fpa",
-  "fpa_fox5_cont": "fpa",
-  "fpa_lm5": "fpa",
-  "fpa_lm5_init0": "fpa",
-  "fpa_lm5_slow": "fpa",
-  "fpa_lm5_warm": "fpa",
-  "fpa_lm5_warmc": "fpa",
-  "fpa_lm5_warmc10": "fpa",
-  "fpa_lm5_warmc10_r3000": "fpa",
-  "fpa_lm5_warmc10_fh1": "fpa",
-  "fpa_lm5_still": "fpa",
-}
+FAMILY = recipes.PASSKEY_FAMILY  # method -> its attention family
 # the method trained with the LM presets' gate (`configs.LM_DEFAULT`) at fox_b5's bias
 DEFAULT_METHOD = "fpa_lm5_warmc10_fh1"
 MULTIPLES = (1, 2, 4, 8)
@@ -542,7 +447,8 @@ def markdown(res: dict) -> str:
   )
   if any(res[m].get("text_rows") != "windows" for m in methods):
     note_rows = (
-      "\nRows whose text rows came one file at a time were trained before the text-pipeline fix (issue 18); "
+      "\nRows whose text rows came one file at a time were trained before the text pipeline shuffled windows "
+      "over the whole train split; "
       "the whole pre-fix file is kept in `results/correlated_batches/passkey.md`.\n"
     )
   else:
@@ -744,7 +650,7 @@ def main(argv=None) -> dict | None:
       "wall_s": round(time.perf_counter() - tm, 1),
       "command": U.command(MODULE, argv),
       "commit": U.git_commit(),
-      "text_rows": "windows",  # its fpa_text rows are shuffled windows (issue 18); older entries lack this
+      "text_rows": "windows",  # its fpa_text rows are windows shuffled over the train split; older entries lack this
     }
     log(f"[passkey] {method}: " + ", ".join(f"{k}x {ev[str(k)]}" for k in args.multiples))
     res["meta"] = U.run_meta(

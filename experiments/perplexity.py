@@ -1,4 +1,4 @@
-"""Study 4 (issue 11): held-out bits per byte and loss by position out to 8x the training length.
+"""Study 4: held-out bits per byte and loss by position out to 8x the training length.
 
     python -m experiments.perplexity                              # fpa, stack, fox, softmax x 3 seeds
     python -m experiments.perplexity --methods fox softmax        # a subset (results merge)
@@ -10,7 +10,7 @@ Held-out bits per byte: the fixed held-out set of `--heldout-windows` windows of
 over every `fpa_text` validation document (`fpa_jax.data.make_heldout`: one window inside each
 document, the rest by length; EOS targets excluded), the same bytes for every run; its coverage
 (documents, bytes) is in the results file. Training rows are windows shuffled over the whole train
-split (issue 18); results trained before that fix (each batch from one file) are kept under
+split; results trained before that (each batch from one file, correlated batches) are kept under
 `results/correlated_batches/`. Loss by position: held-out validation documents of at least 8L + 1 bytes,
 each read from its start in one parallel (chunked) forward pass of 8L tokens, NLL averaged over
 documents in position buckets. Writes results/perplexity.{json,md,png}.
@@ -28,37 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from fpa_jax.configs import LM_FOX_FIRST, LM_FOX_HEAD, LM_GATE, LM_WARM, SINGLE_HEAD_GATE
+from experiments import recipes
 
 MODULE = "experiments.perplexity"
-# Methods trained before the LM gate (issue 20) keep the single-head gate they were trained with.
-V1 = SINGLE_HEAD_GATE
-METHODS = {
-  "fpa": {**V1, "attention": "fpa"},
-  "stack": {**V1, "attention": "stack"},
-  "fox": {**V1, "attention": "fox"},  # FoX paper init (gate bias 0)
-  "softmax": {**V1, "attention": "softmax"},  # RoPE
-  # FPA started exactly at FoX (FoX's log-sigmoid term in the increment, bias 5, the other read-outs
-  # small): the start that made FPA learn passkey retrieval (experiments.passkey)
-  "fpa_fox5": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0},
-  # ... and at FoX's own init (bias 0: log sigmoid(0) = -0.69 per token, a strong recency prior at step 0)
-  "fpa_fox0": {**V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0},
-  # the LM presets' gate before LM_FOX_FIRST (`configs.LM_GATE`): FPA at FoX's init, read-outs at scale 1
-  "fpa_lm": {**LM_GATE, "attention": "fpa"},
-  # ... trained with the evictability objective (issue 21: its cost in bits per byte, paired with
-  # fpa_lm by seed; `U.EVICT_FROM_SCRATCH`)
-  "fpa_lm_evict": {**LM_GATE, "attention": "fpa", **U.EVICT_FROM_SCRATCH},
-  # ... FoX first (issue 20, passkey's fpa_lm5_warm): read-outs started at 0 (with the read-outs' side
-  # stream, exactly the fox row's model at step 0) and their lr ramped up from 0 over 1200 steps
-  "fpa_lm_warm": {**LM_WARM, "attention": "fpa"},
-  # `configs.LM_FOX_FIRST`: fpa_lm_warm with the read-outs' gradient clipped
-  # apart from the other weights' (`gate_clip_apart`) and their lr ramped to a tenth, not all of it
-  # (passkey's fpa_lm5_warmc10)
-  "fpa_lm_warmc10": {**LM_FOX_FIRST, "attention": "fpa"},
-  # ... with one head per layer left without read-outs (`configs.LM_FOX_HEAD`, the LM presets' default;
-  # passkey's fpa_lm5_warmc10_fh1)
-  "fpa_lm_warmc10_fh1": {**LM_FOX_HEAD, "attention": "fpa"},
-}
+# method -> config overrides (on top of the study's model/training settings; `experiments.recipes`)
+METHODS = recipes.PERPLEXITY
 # the row trained with the LM presets' gate (`configs.LM_DEFAULT`; tests/test_configs.py checks it)
 DEFAULT_ROW = "fpa_lm_warmc10_fh1"
 LN2 = math.log(2.0)
@@ -214,7 +188,7 @@ def summarise(res: dict) -> dict:
 
 def _heldout_words(res: dict) -> str:
   cov = res.get("heldout")
-  if cov is None:  # results written before the held-out set (issue 18)
+  if cov is None:  # results written before the fixed held-out set existed
     return f"the first {res['eval_tokens']} `fpa_text` validation bytes (about 8 of its documents)"
   return (
     f"{cov['bytes_scored']} bytes of {cov['windows']} windows spread over {cov['docs_covered']} of the "
@@ -268,7 +242,7 @@ def markdown(res: dict) -> str:
 
 
 def _evict_cost(res: dict) -> str:
-  """Issue 21's target for the evictability objective: fpa_lm_evict vs fpa_lm, paired by seed, <= +1%."""
+  """The evictability objective's target text cost: fpa_lm_evict vs fpa_lm, paired by seed, <= +1%."""
   if "fpa_lm_evict" not in res or "fpa_lm" not in res:
     return ""
   base = dict(zip(res["fpa_lm"]["seeds"], res["fpa_lm"]["bpb"]))
@@ -283,7 +257,7 @@ def _evict_cost(res: dict) -> str:
 
 
 def _claim(res: dict, m: str) -> str:
-  """The issue-20 targets for FPA row m against FoX: mean bpb within 2%, by position out to 8L,
+  """The LM targets for FPA row m against FoX: mean bpb within 2%, by position out to 8L,
   and (with --eval-every curves) the largest paired gap at any logged step."""
   s, steps = res["summary"], res["recipe"]["steps"]
   d, pair = s[m]["vs_fox"], s[m].get("vs_fox_paired", [])

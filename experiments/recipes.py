@@ -46,3 +46,253 @@ ONE_RECIPE: dict[str, dict[str, Any]] = {
   "recipe_late": {**RECIPE_GATE, **EVICT_LATE},
   "recipe_late_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE},
 }
+
+
+# ------------------------------------------------------------------------------------------------
+# The LM gate's earlier steps (docs/design.md, "The language-model default"). Each is a plain dict of
+# all of `configs.GATE_PRESET_FIELDS`, spread by the study rows trained with it.
+# ------------------------------------------------------------------------------------------------
+
+# FoX's term + read-outs at scale 1 (small random read-outs, the full lr): the gate the lm_ablations
+# table led to (its `fpa_fox0_scale1` row), and every LM study row trained before LM_WARM.
+LM_GATE: dict[str, Any] = {
+  **SINGLE_HEAD_GATE,
+  "gate_forget": True,
+  "step_scale": 1.0,
+  "absolute_scale": 1.0,
+  "offset_scale": 1.0,
+}
+# LM_GATE started as FoX exactly (zero read-outs; the other weights are FoX's since the read-outs'
+# side stream) with the read-outs' learning rate ramped up from 0 over 1200 steps: FoX first
+# (`perplexity`'s fpa_lm_warm, `passkey`'s fpa_lm5_warm).
+LM_WARM: dict[str, Any] = {
+  **LM_GATE,
+  "step_init_std": 0.0,
+  "absolute_init_std": 0.0,
+  "offset_init_std": 0.0,
+  "gate_lr_warmup_steps": 1200,
+}
+# ... with the read-outs' gradient clipped by its own norm (`gate_clip_apart`): under one global norm
+# it shrank every other weight's update, so even FPA with still read-outs trained unlike FoX.
+LM_WARM_CLIP: dict[str, Any] = {**LM_WARM, "gate_clip_apart": True}
+# ... and the read-outs' lr ramped to a tenth of the lr, not all of it: FoX first, the extremum
+# read-outs after and slower.
+LM_FOX_FIRST: dict[str, Any] = {**LM_WARM_CLIP, "gate_lr_scale": 0.1}
+# ... with the first kv head of every layer held at FoX's term (`fox_heads`): a head the read-outs
+# cannot make forget, for retrieval. Equal to `configs.LM_DEFAULT` (tests/test_recipes.py).
+LM_FOX_HEAD: dict[str, Any] = {**LM_FOX_FIRST, "fox_heads": 1}
+
+# ------------------------------------------------------------------------------------------------
+# Each study's methods: method -> config overrides on top of the study's model and training settings
+# (the study module keeps its name for them, e.g. `experiments.passkey.METHODS`).
+# ------------------------------------------------------------------------------------------------
+
+# Study 1 and its ablations (`experiments.live_sets`): single-head layers on scopes and dips, over the
+# base defaults (the single-head gate). Gate choices on the coverage objective; the defaults are
+# rerun alongside.
+LIVE_SETS_ABLATIONS: dict[str, dict[str, Any]] = {
+  "fpa (default)": dict(attention="fpa"),
+  "fpa gate_forget=True": dict(attention="fpa", gate_forget=True),
+  "fpa step_scale=1": dict(attention="fpa", step_scale=1.0),
+  "fpa absolute_scale=1": dict(attention="fpa", absolute_scale=1.0),
+  "fpa offset_scale=1": dict(attention="fpa", offset_scale=1.0),
+  "fpa no absolute (step,offset)": dict(attention="fpa", gate_terms_override="step,offset"),
+  # no walk at all: the field says "this dip reaches value v" whatever came before
+  "fpa no walk (absolute,offset)": dict(attention="fpa", gate_terms_override="absolute,offset"),
+  "stack (default)": dict(attention="stack"),
+  "stack gate_forget=True": dict(attention="stack", gate_forget=True),
+  # init: an all-zero gate gets no gradient (relu'(0) = 0); two ways to break the tie
+  "fpa all-zero init": dict(
+    attention="fpa", step_bias_init=0.0, step_init_std=0.0, absolute_init_std=0.0, offset_init_std=0.0
+  ),
+  "fpa step_bias_init=-1e-3, zero weights": dict(
+    attention="fpa", step_bias_init=-1e-3, step_init_std=0.0, absolute_init_std=0.0, offset_init_std=0.0
+  ),
+  "fpa weights ~N(0, 1e-3), no bias": dict(
+    attention="fpa", step_bias_init=0.0, step_init_std=1e-3, absolute_init_std=1e-3, offset_init_std=1e-3
+  ),
+  "stack step_bias_init=-1e-3, zero weights": dict(attention="stack", step_bias_init=-1e-3, step_init_std=0.0),
+  "stack weights ~N(0, 1e-3), no bias": dict(attention="stack", step_bias_init=0.0, step_init_std=1e-3),
+}
+
+# Study 2 (`experiments.passkey`): passkey retrieval. Every method trained before the LM gate keeps
+# the single-head gate it was trained with.
+_V1 = SINGLE_HEAD_GATE
+PASSKEY: dict[str, dict[str, Any]] = {
+  "fpa": {**_V1, "attention": "fpa"},
+  "stack": {**_V1, "attention": "stack"},
+  "fox": {**_V1, "attention": "fox", "gate_bias_init": 0.0},  # FoX paper init
+  "fox_b5": {**_V1, "attention": "fox", "gate_bias_init": 5.0},  # weak-decay init (sigmoid(5) = 0.993)
+  "softmax": {**_V1, "attention": "softmax"},  # RoPE
+  # fpa / stack started exactly at fox_b5 (FoX's log-sigmoid term in the increment, bias 5; the
+  # other read-outs at 0): the weak-decay start that made FoX learn retrieval, for the FPA gates.
+  "fpa_fox5": {**_V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  "stack_fox5": {**_V1, "attention": "stack", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # fpa_fox5 retrofitted with the evictability objective (`fpa_jax.losses`): DMS's recipe, the
+  # trained model continued with the hinge on the soft live fraction of keys older than 16 tokens,
+  # its target ramped from 1 to 0.1 over 300 steps (`experiments.passkey.RETROFIT`).
+  "fpa_fox5_evict": {
+    **_V1,
+    "attention": "fpa",
+    "gate_forget": True,
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "evict_weight": 1.0,
+    "evict_target": 0.1,
+    "evict_ramp_steps": 300,
+  },
+  # its control: fpa_fox5 continued as long without the objective (the same extra steps and data)
+  "fpa_fox5_cont": {**_V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # LM_GATE (FoX's term plus read-outs at scale 1) at fox_b5's weak-decay bias: fpa_fox5 with its
+  # read-outs moving 10x slower.
+  "fpa_lm5": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # fpa_lm5 with its read-outs started at exactly 0, i.e. exactly fox_b5 at step 0 (FPA free to move
+  # away from FoX): is it the random read-outs that delay retrieval?
+  "fpa_lm5_init0": {
+    **LM_GATE,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "step_init_std": 0.0,
+    "absolute_init_std": 0.0,
+    "offset_init_std": 0.0,
+  },
+  # fpa_lm5 with its read-outs at a tenth of the learning rate (`gate_lr_scale`): closer to FoX for
+  # longer, is it the read-outs' speed that delays retrieval?
+  "fpa_lm5_slow": {**LM_GATE, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0, "gate_lr_scale": 0.1},
+  # ... and FoX first: fpa_lm5_init0 (exactly fox_b5 at step 0, weights included since the read-outs'
+  # side stream) with the read-outs' lr ramped from 0 over 1200 steps (`gate_lr_warmup_steps`)
+  "fpa_lm5_warm": {**LM_WARM, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # fpa_lm5_warm with the read-outs' gradient clipped apart (`gate_clip_apart`): under one global
+  # norm their gradient shrank every other weight's update, so FoX's weights trained another way
+  "fpa_lm5_warmc": {**LM_WARM_CLIP, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # ... and its read-outs' lr ramped to a tenth (LM_FOX_FIRST):
+  # fpa_lm5_warmc's retrieval reached 0.85-0.95 early, then wavered
+  "fpa_lm5_warmc10": {**LM_FOX_FIRST, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # ... with the read-outs' ramp 3000 steps long, not 1200: fpa_lm5_warmc10 lost retrieval on seeds 0
+  # and 3 once its ramp ended, and never found it on seed 2
+  "fpa_lm5_warmc10_r3000": {
+    **LM_FOX_FIRST,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "gate_lr_warmup_steps": 3000,
+  },
+  # ... with one head per layer left without read-outs (`fox_heads=1`: a FoX head; LM_FOX_HEAD, the
+  # LM presets' default): in fpa_lm5_warmc10 the read-outs turned the heads retrieval used into
+  # forgetting heads (needle_penalty_seed2)
+  "fpa_lm5_warmc10_fh1": {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0},
+  # the pace's noise control: fpa_lm5_warmc10 with its read-outs (started at 0: FoX's model) at a
+  # thousandth of the lr, a hundred times slower than the default's: how far does staying that close
+  # to FoX move the step where retrieval appears?
+  "fpa_lm5_still": {
+    **LM_FOX_FIRST,
+    "attention": "fpa",
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    "gate_lr_scale": 1e-3,
+  },
+}
+# passkey method -> its attention family (plots and tables group by it)
+PASSKEY_FAMILY: dict[str, str] = {
+  "fpa": "fpa",
+  "stack": "stack",
+  "fox": "fox",
+  "fox_b5": "fox",
+  "softmax": "softmax",
+  "fpa_fox5": "fpa",
+  "stack_fox5": "stack",
+  "fpa_fox5_evict": "fpa",
+  "fpa_fox5_cont": "fpa",
+  "fpa_lm5": "fpa",
+  "fpa_lm5_init0": "fpa",
+  "fpa_lm5_slow": "fpa",
+  "fpa_lm5_warm": "fpa",
+  "fpa_lm5_warmc": "fpa",
+  "fpa_lm5_warmc10": "fpa",
+  "fpa_lm5_warmc10_r3000": "fpa",
+  "fpa_lm5_warmc10_fh1": "fpa",
+  "fpa_lm5_still": "fpa",
+}
+
+# Study 4 (`experiments.perplexity`): held-out bits per byte. Methods trained before the LM gate keep
+# the single-head gate they were trained with.
+PERPLEXITY: dict[str, dict[str, Any]] = {
+  "fpa": {**_V1, "attention": "fpa"},
+  "stack": {**_V1, "attention": "stack"},
+  "fox": {**_V1, "attention": "fox"},  # FoX paper init (gate bias 0)
+  "softmax": {**_V1, "attention": "softmax"},  # RoPE
+  # FPA started exactly at FoX (FoX's log-sigmoid term in the increment, bias 5, the other read-outs
+  # small): the start that made FPA learn passkey retrieval (experiments.passkey)
+  "fpa_fox5": {**_V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0},
+  # ... and at FoX's own init (bias 0: log sigmoid(0) = -0.69 per token, a strong recency prior at step 0)
+  "fpa_fox0": {**_V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0},
+  # LM_GATE: FPA at FoX's init, read-outs at scale 1
+  "fpa_lm": {**LM_GATE, "attention": "fpa"},
+  # ... trained with the evictability objective (its cost in bits per byte, paired with fpa_lm by
+  # seed; EVICT_FROM_SCRATCH)
+  "fpa_lm_evict": {**LM_GATE, "attention": "fpa", **EVICT_FROM_SCRATCH},
+  # ... FoX first (LM_WARM, passkey's fpa_lm5_warm): read-outs started at 0 (with the read-outs' side
+  # stream, exactly the fox row's model at step 0) and their lr ramped up from 0 over 1200 steps
+  "fpa_lm_warm": {**LM_WARM, "attention": "fpa"},
+  # LM_FOX_FIRST: fpa_lm_warm with the read-outs' gradient clipped apart from the other weights'
+  # (`gate_clip_apart`) and their lr ramped to a tenth, not all of it (passkey's fpa_lm5_warmc10)
+  "fpa_lm_warmc10": {**LM_FOX_FIRST, "attention": "fpa"},
+  # ... with one head per layer left without read-outs (LM_FOX_HEAD, the LM presets' default;
+  # passkey's fpa_lm5_warmc10_fh1)
+  "fpa_lm_warmc10_fh1": {**LM_FOX_HEAD, "attention": "fpa"},
+}
+
+# Why an FPA gate that contains FoX trained worse than FoX (`experiments.lm_ablations`): row ->
+# (overrides, the hypothesis it tests). Each row changes one thing against `fpa_fox0` (FPA started
+# at FoX's own init); every row starts from the single-head gate (read-outs at scale 10): the rows
+# that led to LM_GATE.
+_FPA_FOX0 = {**_V1, "attention": "fpa", "gate_forget": True, "gate_bias_init": 0.0}
+LM_ABLATIONS: dict[str, tuple[dict[str, Any], str]] = {
+  "fox": ({**_V1, "attention": "fox"}, "the baseline (FoX paper init, bias 0)"),
+  "fpa_fox0": (_FPA_FOX0, "FPA at FoX's init: FoX + step, absolute, offset read-outs (scale 10, std 1e-3)"),
+  "fpa_fox0_scale1": (
+    {**_FPA_FOX0, "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0},
+    "effective lr: read-outs at scale 1",
+  ),
+  "fpa_fox0_glr0.1": ({**_FPA_FOX0, "gate_lr_scale": 0.1}, "effective lr: read-outs at 0.1x the lr"),
+  "fox_step": ({**_FPA_FOX0, "gate_terms_override": "forget,step"}, "which read-out: step alone on FoX"),
+  "fox_absolute": ({**_FPA_FOX0, "gate_terms_override": "forget,absolute"}, "which read-out: absolute alone on FoX"),
+  "fox_offset": ({**_FPA_FOX0, "gate_terms_override": "forget,offset"}, "which read-out: offset alone on FoX"),
+  "fpa_fox0_init0": (
+    {**_FPA_FOX0, "step_init_std": 0.0, "absolute_init_std": 0.0, "offset_init_std": 0.0},
+    "relu's kink: read-outs start at exactly 0",
+  ),
+  "fpa": ({**_V1, "attention": "fpa"}, "the single-head default FPA gate (no forget term)"),
+  "fpa_scale1": (
+    {**_V1, "attention": "fpa", "step_scale": 1.0, "absolute_scale": 1.0, "offset_scale": 1.0},
+    "the single-head gate (no forget term) at scale 1",
+  ),
+}
+
+# FPA against FoX on nested structure, as language models (`experiments.bindings_lm`). LM_GATE for
+# every gated method: with the single-head gate (no forget term, read-outs at scale 10) a d_model-64
+# FPA LM stayed at chance on this task in 1500 steps, while the LM gate learned it.
+BINDINGS_LM: dict[str, dict[str, Any]] = {
+  "fpa": {**LM_GATE, "attention": "fpa"},
+  "fox": {**LM_GATE, "attention": "fox"},
+  "stack": {**LM_GATE, "attention": "stack"},
+  "softmax": {**LM_GATE, "attention": "softmax"},  # RoPE
+  # fpa trained with the evictability objective from scratch (EVICT_FROM_SCRATCH: the hinge on the
+  # soft live fraction of old keys, `fpa_jax.losses`)
+  "fpa_evict": {**LM_GATE, "attention": "fpa", **EVICT_FROM_SCRATCH},
+  # fpa trained with budget in the loop (`fpa_jax.ops.budget`: Expire-Span-style random caps): half of
+  # the steps run through the cache an fpa_budget decode of 10%..30% of the training length would hold.
+  "fpa_bloop": {**LM_GATE, "attention": "fpa", "budget_loop_prob": 0.5, "budget_loop_min": 0.1, "budget_loop_max": 0.3},
+}
+
+# Does an FPA model whose read-outs stay still train as FoX does (`experiments.clip_coupling`)? Run ->
+# overrides of passkey's fox_b5 config. The read-outs are held still by an lr ramp 10^9 steps long
+# (their multiplier: step / 1e9); FPA_STILL is passkey's fpa_lm5_warm, held.
+_STILL = {"gate_lr_warmup_steps": 10**9}
+_FPA_STILL = {**LM_WARM, "attention": "fpa", "step_bias_init": 0.0, **_STILL}
+CLIP_COUPLING: dict[str, dict[str, Any]] = {
+  "fox_b5": {},
+  "fpa_still_one_clip": _FPA_STILL,
+  "fpa_still_clip_apart": {**_FPA_STILL, "gate_clip_apart": True},
+}

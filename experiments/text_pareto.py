@@ -1,4 +1,4 @@
-"""Issue 21 §2 (text): bits per byte against KV-cache size on held-out Python source, for FPA byte LMs
+"""Bits per byte on text against KV-cache size, on held-out Python source, for FPA byte LMs
 trained with and without the evictability objective, FoX, and a sliding window.
 
     python -m experiments.text_pareto                                # fox, fpa_lm, fpa_lm_evict

@@ -23,10 +23,10 @@ Metrics (all scalars, logged with the train metrics): evict_loss (the hinge, bef
 evict_target, evict_live (soft live fraction over all layers), evict_live_l{i} (per layer) and
 evict_live_hard (penalty < evict_tau with the exact penalty: what a threshold policy would keep).
 
-Gate statistics (`eval_terms`, the trainer's periodic eval; issue 20): on the first held-out batch
-(its first STATS_ROWS sequences, their first STATS_LEN tokens: the all-pairs penalty is O(T^2)),
-per layer, the field's range along each sequence, the share of (query, earlier key) pairs in one
-segment with a penalty > 0 (active) and > FORGOTTEN nats (weight below e^-5 of an unpenalised
+Gate statistics (`eval_terms`, the trainer's periodic eval: did the read-outs learn to forget?): on the
+first held-out batch (its first STATS_ROWS sequences, their first STATS_LEN tokens: the all-pairs
+penalty is O(T^2)), per layer, the field's range along each sequence, the share of (query, earlier
+key) pairs in one segment with a penalty > 0 (active) and > FORGOTTEN nats (weight below e^-5 of an unpenalised
 key's), and the mean penalty, each averaged over sequences and kv heads: whether a gate learns to
 forget, as training goes.
 

@@ -128,8 +128,8 @@ def clip_by_global_norm_apart(max_norm: float, mask_fn: Callable) -> optax.Gradi
   """optax.clip_by_global_norm on two groups, each by its own norm: the leaves where `mask_fn(updates)`
   is True (the gate read-outs) and the rest. With one global norm, the read-outs' gradient (large
   from step 0 even at zero read-outs) shrinks every other weight's update: an FPA model whose
-  read-outs do not move would still train another trajectory than FoX (issue 20). Stateless, like
-  clip_by_global_norm, so either one restores the other's optimizer state."""
+  read-outs do not move would still train another trajectory than FoX (`experiments.clip_coupling`).
+  Stateless, like clip_by_global_norm, so either one restores the other's optimizer state."""
 
   def update_fn(updates, state, params=None):
     del params

@@ -9,7 +9,7 @@ Build everything ahead of time with `python -m fpa_jax.data.prepare --data-dir D
 Modules in layers; each imports only from the layers before it (tests/test_imports.py checks):
   1. tokenizers                                   bytes and SentencePiece
   2. scopes, dips, passkey, synthetic, bindings   task generators (numpy; bindings: in-memory LM
-                                                  batches of nested named bindings, issue 21)
+                                                  batches of nested named bindings)
   3. text, windows                                text corpus listing and split; token files as windows
   4. builders                                     TFDS builders (tensorflow_datasets from here on)
   5. sources                                      building once per job, opening splits, spm training

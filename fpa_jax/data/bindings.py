@@ -1,4 +1,4 @@
-"""`bindings`: named bindings in nested scopes, asked for after long closed inner scopes (issue 21).
+"""`bindings`: named bindings in nested scopes, asked for after long closed inner scopes.
 
 A program of scopes that bind names to values; a query names a variable and its answer is the value
 of that name's innermost live binding (the most recent binding whose scope is still open). Each

@@ -1,6 +1,6 @@
 """Budget in the loop: train through the cache an `fpa_budget` decode would keep (pure math, no Flax).
 
-Issue 21's second form of the evictability objective (Expire-Span's random caps, with FPA's own
+The second form of the evictability objective (Expire-Span's random caps, with FPA's own
 rule): in a training step, every (row, kv head) gets a KV cache of `capacity` keys managed exactly as
 `fpa_jax.inference` manages `policy="fpa_budget"` while decoding token by token:
 

@@ -33,7 +33,7 @@ returned beside it for logging: it is what a threshold-tau policy would keep.
 Cost: per sampled query a reverse running min of the field over (j, i] (`lax.cummin`, reverse):
 O(B * Q * T * H) time and memory for Q sampled queries, never the [T, T] penalty matrix.
 
-Budget in the loop, the issue's second form (a random cache per step, masked in the forward pass),
+Budget in the loop, the objective's second form (a random cache per step, masked in the forward pass),
 is `fpa_jax.ops.budget`: the same eviction as the `fpa_budget` decode, simulated for every query.
 
 Shapes: B batch, T sequence, H heads (one gate per kv head; any trailing head axis works, the loss
