@@ -15,7 +15,9 @@ for fp32 operands), the attention op's hand-written backward included (`with_pre
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +171,113 @@ class SwiGLU(nnx.Module):
     return (jax.nn.silu(g) * u) @ self.w_down[...].astype(dt)  # [B, T, D]
 
 
+class GateTerms(NamedTuple):
+  """A layer's gate outputs for the tokens of one call, each [B, T, KVH] fp32 (zeros without a gate).
+
+  field, level: what the penalty reads (`ops.fpa_attention`); cum: the running sum of increments
+  through each token (a cache's next `carry`); increment: the per-token log forget (+ step) term
+  that the FoX kernel (and, as zeros, the softmax / nope kernel) sums itself."""
+
+  field: jax.Array
+  level: jax.Array
+  cum: jax.Array
+  increment: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """How a layer attends, resolved once from its config (`attention_spec`): impl, tiles, skipping,
+  scale and precision. Every path reads it (the parallel forward, a prefill, a decode step), none
+  re-derives them; a cache's `attend` gets it from the layer.
+
+  kind: "fpa" (`ops.fpa_attention` on field, level), "fox" (`ops.fox_attention` on the log
+    forget gate) or "none" (softmax / nope: the FoX kernel with a zero log-gate).
+  impl: the ops impl, "auto" resolved (`ops.validate.resolve_impl`); block_size: the tile, None =
+    the ops default (only set for a blocked impl); skip_tolerance, skip: dead tiles / keys dropped
+    (forward only for "keys"); scale: the logit scale head_dim ** -0.5; precision: matmul precision.
+  """
+
+  kind: str
+  impl: str
+  block_size: int | None
+  skip_tolerance: float | None
+  skip: str
+  scale: float
+  precision: str
+
+  def op_args(self, gates: GateTerms) -> tuple:
+    """(op, gate arrays) of the parallel kernel for this kind."""
+    if self.kind == "fpa":
+      return ops.fpa_attention, (gates.field, gates.level)
+    return ops.fox_attention, (gates.increment,)
+
+  def parallel(self, q, k, v, gates: GateTerms, segment_ids=None) -> jax.Array:
+    """The parallel (prefill / training) attention: q [B, T, H, K], k, v [B, T, KVH, K] -> [B, T, H, K]."""
+    op, args = self.op_args(gates)
+    return self.run(op, q, k, v, args, segment_ids)
+
+  def run(self, op, q, k, v, gates, segment_ids=None) -> jax.Array:
+    """op(q, k, v, *gates) with this impl, tiles, skipping and precision: gates [B, T, KVH] each,
+    segment_ids [B, T] or None -> [B, T, H, K].
+
+    "pallas" under a multi-device mesh runs in `shard_local` (a shard_map): XLA cannot partition
+    a pallas_call, so it would gather q, k, v to every device; the math is per (batch, head), so
+    each device runs the kernel on its own batch rows and heads with no collectives. Grouped
+    heads stay whole: `local_specs` splits the heads axis only where the mesh divides both H and
+    KVH, and then device s holds query heads [s H/M, (s+1) H/M) and exactly the kv heads they
+    read, [s KVH/M, (s+1) KVH/M); otherwise heads are replicated."""
+    kw = dict(impl=self.impl, block_size=self.block_size)
+    if self.skip_tolerance is not None:  # the op raises a clear error where impl is not chunked
+      kw["skip_tolerance"] = self.skip_tolerance
+    if self.skip != "tiles":  # config validation has already required a tolerance with it
+      kw["skip"] = self.skip
+    op = with_precision(op, self.precision)
+    if self.impl != "pallas":
+      return op(q, k, v, *gates, segment_ids=segment_ids, **kw)
+    has_seg = segment_ids is not None
+    args, axes = (q, k, v, *gates), (BTHK,) * 3 + (BTH,) * len(gates)
+    if has_seg:
+      args, axes = args + (segment_ids,), axes + (BT,)
+
+    def local(q, k, v, *rest):
+      gates, seg = (rest[:-1], rest[-1]) if has_seg else (rest, None)
+      return op(q, k, v, *gates, segment_ids=seg, **kw)
+
+    return shard_local(local, args, axes, BTHK)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_spec(cfg: ModelConfig) -> AttentionSpec:
+  """The `AttentionSpec` of a layer of `cfg` (a ModelConfig): the one place impl, block size,
+  skipping and the scale head_dim ** -0.5 are resolved."""
+  terms = cfg.gate_terms
+  kind = "none" if not terms else "fox" if set(terms) <= {"forget"} else "fpa"
+  return AttentionSpec(
+    kind=kind,
+    impl=ops.validate.resolve_impl(cfg.attn_impl, cfg.kv_heads != cfg.n_heads),
+    block_size=(cfg.block_size or None) if cfg.attn_impl in ops.validate.BLOCKED else None,
+    skip_tolerance=None if cfg.skip_tolerance is None else float(cfg.skip_tolerance),
+    skip=cfg.skip,
+    scale=cfg.head_dim**-0.5,
+    precision=cfg.precision,
+  )
+
+
+class AttentionCache(Protocol):
+  """What a layer attends against in cached mode (`FirstPassageAttention(x, positions=p, cache=c)`):
+  a per-layer cache (`fpa_jax.inference.cache.CacheView`, full or evicting, for prefill or a decode
+  step) or one layer's view of a shared slot pool (`fpa_jax.inference.pool.PoolView`).
+
+  carry: [B, KVH] fp32 the gate's running sum of field increments before this call's tokens.
+  attend(spec, q, k, v, gates) -> (o [B, T, H, K], the cache after these tokens): q [B, T, H, K],
+    k, v [B, T, KVH, K], gates this call's `GateTerms`; a prefill runs `spec.parallel` (the layer's
+    own impl and skipping), a decode step the cache's own math at `spec.scale`."""
+
+  carry: jax.Array
+
+  def attend(self, spec: AttentionSpec, q, k, v, gates: GateTerms) -> tuple[jax.Array, AttentionCache]: ...
+
+
 class FirstPassageAttention(nnx.Module):
   """Multi-head causal attention with a first-passage forget gate (one code path for all types).
 
@@ -177,17 +286,19 @@ class FirstPassageAttention(nnx.Module):
   field is monotone and the FoX kernel computes the same penalty as a sum of log forget gates.
 
   Two modes, one set of projections:
-    layer(x, segment_ids)                      parallel: x [B, T, D] -> [B, T, D] (the chunked kernel)
-    layer(x, positions=p, cache=c, attend=f)   cached: `f(c, q, k, v, field, level, cum) -> (o, c')`
-        does the attention against a cache (prefill or one decode step; `fpa_jax.inference`), the
-        layer returns (y [B, T, D], c'). `c.carry` [B, KVH] is the gate's running field sum before
-        x; cum [B, T, KVH] the running sum through each token.
+    layer(x, segment_ids)            parallel: x [B, T, D] -> [B, T, D] (`spec.run`: the configured impl)
+    layer(x, positions=p, cache=c)   cached: c is an `AttentionCache` (prefill or one decode step,
+        a per-layer cache or a view of a shared slot pool; `fpa_jax.inference`); the layer computes
+        q, k, v and the `GateTerms` from `c.carry` (the gate's running sum before x), calls
+        `c.attend(self.spec, q, k, v, gates) -> (o, c')` and returns (y [B, T, D], c').
+  `self.spec` (`AttentionSpec`, resolved once per config) fixes impl, tiles, skipping and the scale
+  for both modes: a prefill runs the same kernel as the parallel forward.
 
   Grouped-query (`n_kv_heads` < `n_heads`): k, v and the gate have KVH heads; query head h reads
   kv head h // (H / KVH) inside the ops, which never repeat k / v.
 
-  `cfg.skip_tolerance` / `cfg.skip` (dead tiles or keys skipped) and `cfg.precision` apply to the
-  parallel mode; the cached mode runs under the precision too, and its attention is `attend`'s.
+  `cfg.skip_tolerance` / `cfg.skip` (dead tiles or keys skipped) apply to the parallel mode and to
+  a prefill; `cfg.precision` to both modes.
 
   Build it from a ModelConfig, or from plain arguments with `FirstPassageAttention.from_args(d_model,
   n_heads, gate=...)` (no vocabulary or depth). `cfg`: a ModelConfig (a run Config used on its own,
@@ -351,36 +462,26 @@ class FirstPassageAttention(nnx.Module):
       o = o * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.wg[...].astype(dt)))
     return constrain(jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt)), BTD)
 
+  @property
+  def spec(self) -> AttentionSpec:
+    """How this layer attends (impl, tiles, skipping, scale, precision): `attention_spec(self.cfg)`."""
+    return attention_spec(self.cfg)
+
+  def gate_terms(self, x: jax.Array, carry: jax.Array | None = None) -> GateTerms:
+    """x [B, T, D] -> `GateTerms` [B, T, KVH] fp32 each; carry [B, KVH] the running sum before x
+    (None = 0, a fresh sequence). Zeros without a gate."""
+    if self.gate is None:
+      z = jnp.zeros(x.shape[:2] + (self.cfg.kv_heads,), F32)
+      return GateTerms(z, z, z, z)
+    parts = self.gate.parts(x)
+    field, level, cum = field_level(parts, carry)
+    return GateTerms(*(constrain(a, BTH) for a in (field, level, cum, parts.increment)))
+
   def parallel_attention(self, op, q, k, v, gates, segment_ids):
-    """op(q, k, v, *gates) with the configured impl: q [B, T, H, K], k, v [B, T, KVH, K], gates
-    [B, T, KVH] each, segment_ids [B, T] or None -> [B, T, H, K].
-
-    "pallas" under a multi-device mesh runs in `shard_local` (a shard_map): XLA cannot partition
-    a pallas_call, so it would gather q, k, v to every device; the math is per (batch, head), so
-    each device runs the kernel on its own batch rows and heads with no collectives. Grouped
-    heads stay whole: `local_specs` splits the heads axis only where the mesh divides both H and
-    KVH, and then device s holds query heads [s H/M, (s+1) H/M) and exactly the kv heads they
-    read, [s KVH/M, (s+1) KVH/M); otherwise heads are replicated."""
-    cfg = self.cfg
-    impl = ops.validate.resolve_impl(cfg.attn_impl, cfg.kv_heads != cfg.n_heads)
-    kw = dict(impl=impl, block_size=(cfg.block_size or None) if cfg.attn_impl in ops.validate.BLOCKED else None)
-    if cfg.skip_tolerance is not None:  # the op raises a clear error where impl is not chunked
-      kw["skip_tolerance"] = float(cfg.skip_tolerance)
-    if cfg.skip != "tiles":  # config validation has already required a tolerance with it
-      kw["skip"] = cfg.skip
-    op = with_precision(op, cfg.precision)
-    if impl != "pallas":
-      return op(q, k, v, *gates, segment_ids=segment_ids, **kw)
-    has_seg = segment_ids is not None
-    args, axes = (q, k, v, *gates), (BTHK,) * 3 + (BTH,) * len(gates)
-    if has_seg:
-      args, axes = args + (segment_ids,), axes + (BT,)
-
-    def local(q, k, v, *rest):
-      gates, seg = (rest[:-1], rest[-1]) if has_seg else (rest, None)
-      return op(q, k, v, *gates, segment_ids=seg, **kw)
-
-    return shard_local(local, args, axes, BTHK)
+    """op(q, k, v, *gates) with the layer's impl (`AttentionSpec.run`): q [B, T, H, K], k, v
+    [B, T, KVH, K], gates [B, T, KVH] each, segment_ids [B, T] or None -> [B, T, H, K]. The
+    parallel forward's one call of the kernel (studies record its inputs here)."""
+    return self.spec.run(op, q, k, v, gates, segment_ids)
 
   @_at_own_precision
   def __call__(
@@ -389,8 +490,7 @@ class FirstPassageAttention(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     *,
-    cache=None,
-    attend=None,
+    cache: AttentionCache | None = None,
     return_gates: bool = False,
     budget=None,
   ):
@@ -398,37 +498,27 @@ class FirstPassageAttention(nnx.Module):
     outputs that the attention used, each [B, T, KVH] fp32 (zeros without a gate), from the same
     forward pass (`fpa_jax.losses`). budget=(capacity, recent) int scalars: attend only over the keys
     an `fpa_budget` cache of that size would hold (`ops.budget.budgeted_attention`, quadratic
-    whatever `attn_impl` says; training with budget in the loop). Cached mode: see the class
-    docstring."""
-    cfg = self.cfg
+    whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
+    `AttentionCache`): -> (y, the cache after x); see the class docstring."""
+    cfg, spec = self.cfg, self.spec
     b, t, _ = x.shape
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
     q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
+    g = self.gate_terms(x, None if cache is None else cache.carry)
     if cache is not None:
-      field, level, cum = self.field_level(x, cache.carry)
-      o, cache = attend(cache, q, k, v, field, level, cum)
+      o, cache = cache.attend(spec, q, k, v, g)
       return self.output(o, x), cache
     if budget is not None:
       if self.gate is None:
         raise ValueError(f"a cache budget in the loop needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
-      field, level = self.field_level(x)[:2]  # FoX too: field = level = its cumulative log forget
-      o = budgeted_attention(q, k, v, field, level, capacity=budget[0], recent=budget[1], segment_ids=segment_ids)
-      y = self.output(o, x)
-      return (y, (field, level)) if return_gates else y
-    if self.gate is None:
-      # softmax / nope: the same tiled kernel with a zero log-gate (memory-efficient, and
-      # throughput comparisons then measure only the gate's cost).
-      op, gates = ops.fox_attention, (jnp.zeros((b, t, cfg.kv_heads), F32),)
-      fl = (gates[0], gates[0])
-    elif self.gate.is_fox:
-      # field == level == cumsum(log forget): the FoX kernel tiles c_i - c_j directly (cheaper,
-      # mathematically identical to fpa_attention(field, field)): the honest cost baseline.
-      parts = self.gate.parts(x)
-      op, gates = ops.fox_attention, (constrain(parts.increment, BTH),)
-      fl = field_level(parts)[:2] if return_gates else None  # the field the FoX kernel sums
+      # FoX too: field = level = its cumulative log forget
+      o = budgeted_attention(q, k, v, g.field, g.level, capacity=budget[0], recent=budget[1], segment_ids=segment_ids)
     else:
-      op, gates = ops.fpa_attention, tuple(constrain(a, BTH) for a in self.gate(x))
-      fl = gates
-    o = self.parallel_attention(op, q, k, v, gates, segment_ids)
+      # softmax / nope run the same tiled kernel as FoX with a zero log-gate (memory-efficient, and
+      # throughput comparisons then measure only the gate's cost); FoX's field == level ==
+      # cumsum(log forget), which its kernel tiles as c_i - c_j (cheaper, mathematically identical
+      # to fpa_attention(field, field)): the honest cost baseline.
+      op, args = spec.op_args(g)
+      o = self.parallel_attention(op, q, k, v, args, segment_ids)
     y = self.output(o, x)  # [B, T, D]
-    return (y, tuple(constrain(a, BTH) for a in fl)) if return_gates else y
+    return (y, (g.field, g.level)) if return_gates else y

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,16 @@ import numpy as np
 from flax import nnx
 
 from fpa_jax.configs import Config, ModelConfig
-from fpa_jax.layers import F32, FirstPassageAttention, RMSNorm, SwiGLU, _param, normal, precision_scope
+from fpa_jax.layers import (
+  F32,
+  AttentionCache,
+  FirstPassageAttention,
+  RMSNorm,
+  SwiGLU,
+  _param,
+  normal,
+  precision_scope,
+)
 from fpa_jax.sharding import BTD, BTV, EMBED, LAYERS, VOCAB, constrain
 
 # ModelConfig.remat -> what a block saves for the backward pass (everything else is recomputed).
@@ -71,6 +81,17 @@ def embed_tokens(embed: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take(embed, jnp.where(tokens < 0, v, tokens), axis=0, mode="fill", fill_value=0)
 
 
+class ModelCache(Protocol):
+  """What `DecoderLM`'s cached mode runs against: per layer i the `AttentionCache` layer i attends
+  against (`layer(i)`), and the cache with what layer i left (`update(i, new)`). Per-layer caches
+  (`fpa_jax.inference.cache.LayerCaches`) and fpa_global's shared slot pool
+  (`fpa_jax.inference.pool.PoolStep`), whose layers see the pool the previous layer left."""
+
+  def layer(self, i: int) -> AttentionCache: ...
+
+  def update(self, i: int, new: AttentionCache) -> ModelCache: ...
+
+
 class Block(nnx.Module):
   """x + attn(norm(x)); x + mlp(norm(x))."""
 
@@ -96,28 +117,21 @@ class Block(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     *,
-    cache=None,
-    attend=None,
+    cache: AttentionCache | None = None,
     return_gates: bool = False,
     budget=None,
   ):
-    """x [B, T, D] -> [B, T, D]; with a cache (see `FirstPassageAttention`) -> (x, cache);
+    """x [B, T, D] -> [B, T, D]; with a cache (an `AttentionCache`) -> (x, the cache after x);
     return_gates=True (parallel mode) -> (x, (field, level)), each [B, T, KVH] fp32; budget: see
     `FirstPassageAttention`."""
     x = constrain(x, BTD)  # block boundary: batch over `data` under the trainer's mesh
-    if return_gates:
-      h, gates = self.attn(self.attn_norm(x), segment_ids, positions, return_gates=True, budget=budget)
-    elif budget is not None:
-      h = self.attn(self.attn_norm(x), segment_ids, positions, budget=budget)
-    else:
-      h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, attend=attend)
-    if cache is not None:
-      h, cache = h
+    h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, return_gates=return_gates, budget=budget)
+    extra = cache is not None or return_gates  # (h, new cache) or (h, gates)
+    if extra:
+      h, out = h
     x = constrain(x + h, BTD)  # [B, T, D]
     x = constrain(x + self.mlp(self.mlp_norm(x)), BTD)
-    if return_gates:
-      return x, gates
-    return x if cache is None else (x, cache)
+    return (x, out) if extra else x
 
 
 class DecoderLM(nnx.Module):
@@ -146,8 +160,7 @@ class DecoderLM(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     *,
-    caches=None,
-    attend=None,
+    cache: ModelCache | None = None,
     return_gates: bool = False,
     budget=None,
   ):
@@ -167,30 +180,24 @@ class DecoderLM(nnx.Module):
     protected, would hold (`fpa_jax.ops.budget`): the logits equal `cached_logits(policy=
     "fpa_budget", budget=capacity, recent=recent)`'s. Training with budget in the loop.
 
-    Cached mode (`fpa_jax.inference`): `caches` is a sequence of per-layer caches, `attend` the
-    function that attends against one (see `FirstPassageAttention`), `positions` [B, T] the tokens'
-    positions; returns (logits, new caches). A layer's cache with a `follow(prev)` method is
-    replaced by `cache.follow(previous layer's new cache)` before the layer runs (state shared
-    across layers, threaded through the loop: `fpa_jax.inference.pool.PoolView`).
+    Cached mode (`fpa_jax.inference`): `cache` is a `ModelCache` (layer i attends against
+    `cache.layer(i)`, and `cache.update(i, new)` takes what it left, so state shared across layers,
+    as fpa_global's slot pool, passes from one layer to the next), `positions` [B, T] the tokens'
+    positions; returns (logits, the updated cache).
     """
-    if (return_gates or budget is not None) and caches is not None:
+    if (return_gates or budget is not None) and cache is not None:
       raise ValueError("return_gates and budget are for the parallel (training) forward, not cached mode")
     if budget is not None and (not isinstance(budget, (tuple, list)) or len(budget) != 2):
       raise ValueError(f"budget must be a (capacity, recent) pair of int scalars, got {budget!r}")
     tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete
     x = constrain(embed_tokens(self.embed[...], tokens).astype(self.dtype), BTD)  # [B, T, D]
-    if caches is not None:
-      # Per layer even when stacked: caches stay a tuple of per-layer caches (decoding's layout),
-      # a scanned model's blocks are static slices of the stack (no gradient here, so no remat).
-      # A cache with `follow` shares state across layers (fpa_global's slot pool): each layer gets
-      # the state the previous layer's attend left.
-      new = []
-      for block, cache in zip(self.layer_blocks(), caches, strict=True):
-        if new and hasattr(cache, "follow"):
-          cache = cache.follow(new[-1])
-        x, cache = block(x, segment_ids, positions, cache=cache, attend=attend)
-        new.append(cache)
-      return self.logits(x), tuple(new)
+    if cache is not None:
+      # Per layer even when stacked: a scanned model's blocks are static slices of the stack (no
+      # gradient here, so no remat); each layer reads the cache the previous layers left.
+      for i, block in enumerate(self.layer_blocks()):
+        x, new = block(x, segment_ids, positions, cache=cache.layer(i))
+        cache = cache.update(i, new)
+      return self.logits(x), cache
 
     def apply(block, x, segment_ids, positions, budget):
       return block(x, segment_ids, positions, return_gates=return_gates, budget=budget)

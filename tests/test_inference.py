@@ -3,7 +3,6 @@ the `fpa` tolerance bound holds, generation is greedy-exact and compiles once.""
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -268,9 +267,10 @@ def test_parallel_prefill_keeps_the_same_keys_as_decode():
     graphdef, state = nnx.split(m)
     lengths = jnp.array([16, 11])
     pos16 = jnp.broadcast_to(jnp.arange(16), (2, 16))
-    attend = functools.partial(K.prefill_attend, policy=pol, scale=m.cfg.head_dim**-0.5, lengths=lengths)
-    prefill = jax.jit(lambda state, c: nnx.merge(graphdef, state)(prompt, positions=pos16, caches=c, attend=attend))
+    run = K.Prefill(pol, lengths)
+    prefill = jax.jit(lambda state, c: nnx.merge(graphdef, state)(prompt, positions=pos16, cache=K.LayerCaches(c, run)))
     _, par = prefill(state, caches)  # jitted: an eager prefill dispatches the chunked kernel op by op
+    par = par.layers
     step = jax.jit(lambda state, c, tok, t: D._step(nnx.merge(graphdef, state), c, tok, jnp.full((2,), t), pol)[1])
     dec = D.init_caches(m, 2, pol, 17)
     for t in range(16):
@@ -286,6 +286,47 @@ def test_parallel_prefill_keeps_the_same_keys_as_decode():
       assert key_set(par[0]) == key_set(dec[0]), policy
     assert_close(par[0].carry, dec[0].carry, n=16 * m.cfg.d_model)  # a sum over 16 steps of gate read-outs
     assert all(int(jnp.max(jnp.sum(c.alive, 1))) <= pol.capacity for c in par)
+
+
+@pytest.mark.parametrize(
+  "att,kw",
+  [
+    ("fpa", dict(attn_impl="pallas")),  # the Pallas kernels (interpret mode on CPU)
+    ("fpa", dict(skip_tolerance=0.5, skip="keys", block_size=4)),
+    ("fox", dict(skip_tolerance=0.5, skip="keys", block_size=4)),
+  ],
+)
+def test_parallel_prefill_runs_the_layers_impl(att, kw, monkeypatch):
+  """A prefill attends through the layers' own kernel (`layers.AttentionSpec`: impl, tiles,
+  skipping), not a default chunked one: its logits equal the parallel forward's."""
+  from fpa_jax import ops
+
+  m = _model(att, **kw)
+  prompt = _tokens(2, 12, m.cfg.vocab_size, seed=6)
+  calls = []
+  for name in ("fpa_attention", "fox_attention"):
+    orig = getattr(ops, name)
+
+    def spy(*a, _orig=orig, _name=name, **k):
+      calls.append((_name, k.get("impl"), k.get("block_size"), k.get("skip", "tiles"), k.get("skip_tolerance")))
+      return _orig(*a, **k)
+
+    monkeypatch.setattr(ops, name, spy)
+  pol = make_policy("full", 12)
+  graphdef, state = nnx.split(m)
+  run = jax.jit(lambda state: D.prefill_parallel(nnx.merge(graphdef, state), prompt, jnp.array([12, 7]), pol, 12)[0])
+  logits = run(state)
+  spec = m.blocks[0].attn.spec
+  op = "fpa_attention" if att == "fpa" else "fox_attention"
+  want = (op, spec.impl, spec.block_size, spec.skip, spec.skip_tolerance)
+  assert want[1:] == (
+    kw.get("attn_impl", "chunked"),
+    kw.get("block_size"),
+    kw.get("skip", "tiles"),
+    kw.get("skip_tolerance"),
+  )
+  assert calls == [want] * m.cfg.n_layers  # one call per layer, with the model's impl and skipping
+  assert_close(logits, forward(m, prompt), n=m.cfg.d_model * m.cfg.n_layers)
 
 
 # ------------------------------------------------------------------------------------------------ errors, loading

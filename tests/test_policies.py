@@ -321,14 +321,13 @@ def test_global_budget_matches_numpy(keys, cap, recent):
   @jax.jit
   def step(pool, caches, f, i):
     pos = jnp.reshape(i, (1,))
-    done, new = [], []
-    for view, c, fl in zip(P.views(pool), caches, f):
+    run, new = P.PoolStep(pool, pol, pos), []  # layer l's view holds the pool layer l - 1 left
+    for layer, (c, fl) in enumerate(zip(caches, f)):
       fl = fl.reshape(1, 1, h)
-      view = view.follow(done[-1]) if done else view
       kw = dict(policy=pol, scale=1.0, positions=pos)
-      done.append(P.pool_decode_attend(view, ones * 0, ones, ones * 0, fl, fl, fl, **kw)[1])
+      run = run.update(layer, P.pool_decode_attend(run.layer(layer), ones * 0, ones, ones * 0, fl, fl, fl, **kw)[1])
       new.append(K.decode_attend(c, ones * 0, ones, ones * 0, fl, fl, fl, step=i, measure=True, **kw)[1])
-    return P.pool_evict(P.collect(done), pol, pos), D.global_evict(new, pol, pos)
+    return P.pool_evict(run.cache, pol, pos), D.global_evict(new, pol, pos)
 
   want = _simulate_global(fields, keys, cap, recent)
   for i in range(t):

@@ -7,10 +7,23 @@
     logits, stats = cached_logits(model, tokens, policy="fpa", tolerance=1e-3)   # studies
 
 Policies and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache` (fpa_global's
-shared slot pool: `.pool`).
+shared slot pool: `.pool`). A model's layers attend against a cache through one protocol
+(`fpa_jax.layers.AttentionCache`): `cache.CacheView` (a layer's cache with a `Decode` step or a
+`Prefill`) and `pool.PoolView`; `DecoderLM` takes them as a `models.ModelCache` (`LayerCaches`,
+`pool.PoolStep`).
 """
 
-from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend, snapkv_scores
+from fpa_jax.inference.cache import (
+  CacheView,
+  Decode,
+  LayerCache,
+  LayerCaches,
+  Prefill,
+  decode_attend,
+  init_cache,
+  prefill_attend,
+  snapkv_scores,
+)
 from fpa_jax.inference.decode import (
   cache_bytes,
   cached_logits,
@@ -32,7 +45,7 @@ from fpa_jax.inference.policies import (
   query_norm_bound,
   tolerance_threshold,
 )
-from fpa_jax.inference.pool import GlobalCache, PoolView, SlotPool, pool_decode_attend, pool_evict
+from fpa_jax.inference.pool import GlobalCache, PoolStep, PoolView, SlotPool, pool_decode_attend, pool_evict
 
 __all__ = [
   "load_model",
@@ -48,10 +61,15 @@ __all__ = [
   "GlobalCache",
   "SlotPool",
   "PoolView",
+  "PoolStep",
   "pool_decode_attend",
   "pool_evict",
   "snapkv_scores",
   "LayerCache",
+  "LayerCaches",
+  "CacheView",
+  "Decode",
+  "Prefill",
   "init_cache",
   "decode_attend",
   "prefill_attend",

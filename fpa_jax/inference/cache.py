@@ -8,12 +8,14 @@ eviction and its threshold are one decision for the whole group.
 A slot holds one key of one (row, kv head): its k, v, level, and the running min of the field since it
 was written (its first-passage state). Slots are reused once their key is evicted, so the cache has
 a fixed capacity and static shapes; a whole generation compiles once. `decode_attend` is one token,
-`prefill_attend` a whole prompt through the parallel (chunked) kernel. Both are pure functions with
-the `attend(cache, q, k, v, field, level, cum) -> (out, cache)` signature the layer calls.
+`prefill_attend` a whole prompt through the parallel kernel: pure functions of (cache, q, k, v,
+field, level, cum). The layer calls neither directly: it calls `attend(spec, q, k, v, gates)` on a
+`CacheView` (a `LayerCache` with a `Decode` or `Prefill`), which calls them with the layer's spec.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -313,8 +315,9 @@ def prefill_attend(
   scale: float,
   lengths: jax.Array,
   block_size: int | None = None,
+  out: jax.Array | None = None,
 ):
-  """A right-padded prompt through the chunked kernel, then the cache built from it directly.
+  """A right-padded prompt through the parallel kernel, then the cache built from it directly.
 
   A key's running min after a prompt of length L is min(field_{j+1..L-1}), a reverse cumulative
   min, so no decode steps are needed. Then the policy picks which keys to keep (the prompt's own
@@ -324,9 +327,13 @@ def prefill_attend(
   Args:
     q: [B, T, H, K]; k, v: [B, T, KVH, K]; field, level, cum: [B, T, KVH] (cum: the gate's running
     sums); lengths: [B] prompt length of each row (1 <= L <= T), right padding.
+    out: the prompt's attention output [B, T, H, K] where the caller ran it (a layer's prefill,
+    `Prefill`: the layer's own impl and skipping, `AttentionSpec.parallel`); None: run here by
+    `ops.fpa_attention`'s chunked kernel with `block_size`.
   """
   b, t, h = k.shape[:3]  # the cache's heads: kv heads
-  out = ops.fpa_attention(q, k, v, field, level, scale=scale, block_size=block_size)
+  if out is None:
+    out = ops.fpa_attention(q, k, v, field, level, scale=scale, block_size=block_size)
   t_idx = jnp.arange(t)[None, :, None]
   valid = t_idx < lengths[:, None, None]  # [B, T, 1]
   f = jnp.where(valid, field.astype(F32), jnp.inf)
@@ -369,3 +376,70 @@ def prefill_attend(
     overflow=cache.overflow | (policy.thresholded & (jnp.sum(keep, 1) > s)),
   )
   return out, cache
+
+
+# ------------------------------------------------------------------------------------------------
+# What the layers attend against (`layers.AttentionCache`, `models.ModelCache`)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """One token per row (`decode_attend`): the policy, positions [B] of the tokens, and for the
+  measuring layout the slot `step` [] and `measure` (see `decode_attend`)."""
+
+  policy: Policy
+  positions: jax.Array
+  step: jax.Array | None = None
+  measure: bool = False
+
+  def attend(self, state: LayerCache, spec, q, k, v, gates):
+    kw = dict(policy=self.policy, scale=spec.scale, positions=self.positions, step=self.step, measure=self.measure)
+    return decode_attend(state, q, k, v, gates.field, gates.level, gates.cum, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+  """A right-padded prompt (`prefill_attend`), `lengths` [B]: its attention is the layer's parallel
+  kernel (`spec.parallel`: the impl, tiles and skipping of the parallel forward), then the cache
+  the policy keeps."""
+
+  policy: Policy
+  lengths: jax.Array
+
+  def attend(self, state: LayerCache, spec, q, k, v, gates):
+    out = spec.parallel(q, k, v, gates)
+    kw = dict(policy=self.policy, scale=spec.scale, lengths=self.lengths, out=out)
+    return prefill_attend(state, q, k, v, gates.field, gates.level, gates.cum, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheView:
+  """One layer's `LayerCache` with what this call does (`Decode` or `Prefill`): the
+  `layers.AttentionCache` the layer calls."""
+
+  state: LayerCache
+  run: Decode | Prefill
+
+  @property
+  def carry(self) -> jax.Array:
+    return self.state.carry
+
+  def attend(self, spec, q, k, v, gates):
+    out, state = self.run.attend(self.state, spec, q, k, v, gates)
+    return out, dataclasses.replace(self, state=state)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCaches:
+  """Every layer's `LayerCache` and the call's `Decode` / `Prefill`: the `models.ModelCache` of
+  per-layer caches (`DecoderLM(..., cache=LayerCaches(caches, Decode(...))).layers` after)."""
+
+  layers: tuple[LayerCache, ...]
+  run: Decode | Prefill
+
+  def layer(self, i: int) -> CacheView:
+    return CacheView(self.layers[i], self.run)
+
+  def update(self, i: int, new: CacheView) -> LayerCaches:
+    return dataclasses.replace(self, layers=self.layers[:i] + (new.state,) + self.layers[i + 1 :])

@@ -9,7 +9,7 @@ NNX state, never baked into the program.
 The global budget (`fpa_global`) needs every layer's penalties at once, so it lives here, at the
 model level. `generate` keeps one slot pool per row for all layers and kv heads (`pool.GlobalCache`,
 G = keys * L * KVH slots): the model's cached loop threads it through the layers' attend calls
-(`pool.PoolView`) and `pool.pool_evict` frees slots after each step. `cached_logits` measures it
+(`pool.PoolStep`) and `pool.pool_evict` frees slots after each step. `cached_logits` measures it
 on ordinary per-head caches of one slot per token with `global_evict` after each step: the same
 rule, so every query attends to the same keys as in the pool. A parallel prefill builds per-head
 candidate caches from the whole prompt, `global_evict` cuts them to the global limit and
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fpa_jax.inference.cache import LayerCache, decode_attend, init_cache, prefill_attend, reset_rows
 from fpa_jax.inference import pool as P
+from fpa_jax.inference.cache import Decode, LayerCache, LayerCaches, Prefill, init_cache, reset_rows
 from fpa_jax.inference.policies import (
   Policy,
   key_tolerance_threshold,
@@ -36,6 +36,7 @@ from fpa_jax.inference.policies import (
   query_norm_bound,
   tolerance_threshold,
 )
+from fpa_jax.layers import attention_spec
 from fpa_jax.models import DecoderLM, check_tokens
 
 TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (tests: no retracing)
@@ -49,6 +50,7 @@ TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (t
 def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
   """Per layer, U [KVH]: a bound on |scale q.k| from the parameters (`policies.logit_bound`)."""
   cfg = model.cfg
+  scale = attention_spec(cfg).scale  # the layers' logit scale
   out = []
   for blk in model.layer_blocks():  # per-layer views of a scanned (stacked) model too
     a = blk.attn
@@ -57,7 +59,7 @@ def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
         blk.attn_norm.scale[...],
         a.wq[...],
         a.wk[...],
-        scale=cfg.head_dim**-0.5,
+        scale=scale,
         q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
         k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...],
         rope=cfg.use_rope,
@@ -99,7 +101,7 @@ def init_caches(
   if policy.name == "fpa" and policy.bound == "keys":
     us = layer_logit_bounds(model)
     thresholds = [key_tolerance_threshold(u, n_keys, policy.tolerance) for u in us]
-    coefs = [cfg.head_dim**-0.5 * q for q in layer_query_bounds(model)]
+    coefs = [attention_spec(cfg).scale * q for q in layer_query_bounds(model)]
     caps = us
   elif policy.name == "fpa":
     thresholds = [tolerance_threshold(u, n_keys, policy.tolerance) for u in layer_logit_bounds(model)]
@@ -192,13 +194,11 @@ def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=N
   """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
   `pool.GlobalCache`)."""
   if isinstance(caches, P.GlobalCache):
-    attend = functools.partial(P.pool_decode_attend, policy=policy, scale=model.cfg.head_dim**-0.5, positions=positions)
-    logits, done = model(tokens[:, None], positions=positions[:, None], caches=P.views(caches), attend=attend)
-    return logits[:, 0], P.pool_evict(P.collect(done), policy, positions)
-  attend = functools.partial(
-    decode_attend, policy=policy, scale=model.cfg.head_dim**-0.5, positions=positions, step=step, measure=measure
-  )
-  logits, caches = model(tokens[:, None], positions=positions[:, None], caches=caches, attend=attend)
+    logits, done = model(tokens[:, None], positions=positions[:, None], cache=P.PoolStep(caches, policy, positions))
+    return logits[:, 0], P.pool_evict(done.cache, policy, positions)
+  run = Decode(policy, positions, step=step, measure=measure)
+  logits, done = model(tokens[:, None], positions=positions[:, None], cache=LayerCaches(tuple(caches), run))
+  caches = done.layers
   if policy.is_global:
     caches = global_evict(caches, policy, positions)
   return logits[:, 0], caches
@@ -221,8 +221,9 @@ def _overflow(caches) -> jax.Array:
 
 
 def prefill_parallel(model: DecoderLM, prompt, lengths, policy: Policy, n_keys: int):
-  """The prompt [B, P] (right-padded, `lengths` [B]) through the chunked kernel, then the cache
-  the policy keeps -> (logits [B, P, V], caches). fpa_global: every layer's prompt keys are
+  """The prompt [B, P] (right-padded, `lengths` [B]) through the layers' parallel kernel (their
+  impl, tiles and skipping: `layers.AttentionSpec`), then the cache the policy keeps -> (logits
+  [B, P, V], caches). fpa_global: every layer's prompt keys are
   candidates (per head, at most the per-head limit, by `cache.prefill_attend`'s order), then the
   global rule of `global_evict` (each head's last W - 1 prompt keys protected, the largest
   penalties across layers and heads out first, ties oldest, then lower layer / head) cuts them to
@@ -232,15 +233,9 @@ def prefill_parallel(model: DecoderLM, prompt, lengths, policy: Policy, n_keys: 
     caches = init_caches(model, b, policy, n_keys, slots=min(policy.capacity, p))
   else:
     caches = init_caches(model, b, policy, n_keys)
-  attend = functools.partial(
-    prefill_attend,
-    policy=policy,
-    scale=model.cfg.head_dim**-0.5,
-    lengths=lengths,
-    block_size=model.cfg.block_size or None,
-  )
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  logits, caches = model(prompt, positions=positions, caches=caches, attend=attend)
+  logits, done = model(prompt, positions=positions, cache=LayerCaches(caches, Prefill(policy, lengths)))
+  caches = done.layers
   if policy.is_global:
     cfg = model.cfg
     caches = P.pool_from_caches(
@@ -440,7 +435,8 @@ def generate(
     policy, budget, tolerance, threshold, recent, head_cap, bound: see `fpa_jax.inference.policies`;
       a float budget (or head_cap) is a fraction of P + max_new_tokens, an int a key count.
     temperature: 0 = greedy; top_k: sample among the k most likely.
-    prefill: "parallel" (default; h2o: "decode") runs the prompt through the chunked kernel, every
+    prefill: "parallel" (default; h2o: "decode") runs the prompt through the model's parallel kernel
+      (its attn_impl, tiles and skipping, as in training and eval), every
       prompt token attending to every earlier one, then keeps what the policy keeps; "decode" feeds
       the prompt token by token under the policy, so no query ever sees more than the budget
       (snapkv needs "parallel": it ranks the prompt's keys by its last window's attention).

@@ -10,7 +10,7 @@ a query head attends over the whole pool masked to its own (layer, kv head) slot
 costs O(G) per head and step, L * KVH times a per-head cache of the same budget: the price of
 sharing the slots without dynamic shapes (a paged kernel would gather the head's own pages).
 
-A decode step, per layer l (`pool_decode_attend`, the `attend` the layer calls on its `PoolView`):
+A decode step, per layer l (`pool_decode_attend`, what the layer's `PoolView.attend` runs):
 advance the running min of the slots layer l owns with their head's field (gathered by owner),
 evict a head's victim if it is at its optional per-head limit (`policy.head_cap`), write the KVH
 new keys into free slots, attend. After the whole step `pool_evict` frees slots across all layers
@@ -19,7 +19,7 @@ down to G - L * KVH keys, so the next step's L * KVH new keys always find free s
 
 Per-layer state that is not per key (the gate's running sum `carry` [B, KVH]) stays per layer in
 `GlobalCache.carry`. The model's cached loop threads the pool from one layer's attend to the next
-(`PoolView.follow`), so the L views of one step share one pool.
+(`PoolStep`: layer l's view holds the pool layer l - 1 left), so the L views of one step share one pool.
 """
 
 from __future__ import annotations
@@ -82,15 +82,37 @@ class GlobalCache(NamedTuple):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PoolView:
-  """The cache one layer sees during a step: the shared pool, its own carry and (static) index."""
+  """The cache one layer sees during a step (a `layers.AttentionCache`): the shared pool, its own
+  carry and (static) index, and the step's policy (static) and positions [B]."""
 
   pool: SlotPool
   carry: jax.Array  # [B, KVH] the gate's running sum of field increments
   layer: int = dataclasses.field(metadata=dict(static=True))
+  policy: Policy | None = dataclasses.field(default=None, metadata=dict(static=True))
+  positions: jax.Array | None = None  # [B] the step's token positions
 
-  def follow(self, prev: "PoolView") -> "PoolView":
-    """This layer's view of the pool the previous layer's attend left (`DecoderLM` cached mode)."""
-    return dataclasses.replace(self, pool=prev.pool)
+  def attend(self, spec, q, k, v, gates):
+    """`pool_decode_attend` at the layer's `spec.scale` -> (out [B, 1, H, K], the view after it)."""
+    kw = dict(policy=self.policy, scale=spec.scale, positions=self.positions)
+    return pool_decode_attend(self, q, k, v, gates.field, gates.level, gates.cum, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStep:
+  """One decode step on a `GlobalCache`: the `models.ModelCache` whose layer i sees the pool the
+  layers before it left (`DecoderLM` cached mode); `.cache` after the model call is the step's
+  `GlobalCache` (before `pool_evict`)."""
+
+  cache: GlobalCache
+  policy: Policy
+  positions: jax.Array  # [B]
+
+  def layer(self, i: int) -> PoolView:
+    return PoolView(self.cache.pool, self.cache.carry[i], i, self.policy, self.positions)
+
+  def update(self, i: int, new: PoolView) -> PoolStep:
+    carry = self.cache.carry[:i] + (new.carry,) + self.cache.carry[i + 1 :]
+    return dataclasses.replace(self, cache=GlobalCache(new.pool, carry))
 
 
 def init_pool(batch: int, slots: int, head_dim: int, *, dtype=F32) -> SlotPool:
@@ -111,16 +133,6 @@ def init_global_cache(batch: int, slots: int, n_layers: int, kv_heads: int, head
   """An empty `GlobalCache`: a pool of `slots` (= G) slots per row and L zero carries."""
   carry = tuple(jnp.zeros((batch, kv_heads), F32) for _ in range(n_layers))
   return GlobalCache(init_pool(batch, slots, head_dim, dtype=dtype), carry)
-
-
-def views(cache: GlobalCache) -> tuple[PoolView, ...]:
-  """One `PoolView` per layer (all on the same pool: the model's loop threads it layer to layer)."""
-  return tuple(PoolView(cache.pool, c, i) for i, c in enumerate(cache.carry))
-
-
-def collect(done: Sequence[PoolView]) -> GlobalCache:
-  """The L views a step returned -> the `GlobalCache` (the last layer's pool, every layer's carry)."""
-  return GlobalCache(done[-1].pool, tuple(v.carry for v in done))
 
 
 def held(cache: GlobalCache) -> jax.Array:
