@@ -7,112 +7,37 @@
     model = build_model(cfg)                # the model keeps only cfg.model
 
 - `ModelConfig`: the network and how it computes (sizes, attention and its gate, RoPE, init,
-  attn_impl / block_size / skip_tolerance, matmul precision, dtypes, scan_layers / remat) and derived sizes (head_dim, ff_dim,
-  gate_terms). It is all that the model side (`fpa_jax.models`, `layers`, `gates`, `inference`)
-  sees: `DecoderLM(cfg)` keeps `cfg.model`, never the learning rate or the data directory.
-- `DataConfig`: what `fpa_jax.data` feeds it (task, data_dir, tokenizer, small_data, seq_len,
-  batch_size).
-- `TrainConfig`: the run (preset name, steps, lr schedule incl. cooldown, AdamW, grad_accum, seed,
-  mesh, log / checkpoint / eval cadence, the evictability objective `evict_*` (`fpa_jax.losses`), budget in the loop
-  `budget_loop_*` (`fpa_jax.ops.budget`)).
+  attn_impl / block_size / skip_tolerance, matmul precision, dtypes, scan_layers / remat) and derived
+  sizes (head_dim, ff_dim, gate_terms). All that the model side (`fpa_jax.models`, `layers`, `gates`,
+  `inference`) sees: `DecoderLM(cfg)` keeps `cfg.model`, never the learning rate or the data directory.
+- `DataConfig`: what `fpa_jax.data` feeds it (task, data_dir, tokenizer, small_data, seq_len, batch_size).
+- `TrainConfig`: the run (preset name, steps, lr schedule incl. cooldown, AdamW, grad_accum, seed, mesh,
+  log / checkpoint / eval cadence, the evictability objective `evict_*` (`fpa_jax.losses`), budget in
+  the loop `budget_loop_*` (`fpa_jax.ops.budget`)).
 
-`Config` inherits the three (every field belongs to exactly one part, `tests/test_configs.py`);
-`cfg.model`, `cfg.data`, `cfg.train` return each part as its own dataclass. Each part validates its
-own fields, `Config.validate` adds the checks across parts (batch_size vs grad_accum) and
-`validate_mesh` those that need the mesh. A run's `config.json` (and a checkpoint's config item) is
-the flat `Config.to_dict()`. Resuming compares the model fields in `resume_fields()`: all but
-`FREE_ON_RESUME` (attn_impl, block_size, skip_tolerance, precision, dtype, remat and the init-only
-fields may change).
+`Config` inherits the three (every field belongs to exactly one part); `cfg.model`, `cfg.data`,
+`cfg.train` return each part as its own dataclass. Every field carries its validator in its metadata
+(`fpa_jax.validation`): each part's `validate` runs its fields' checks and those across its fields,
+`Config.validate` adds the checks across parts (and, with `training=True`, what only a training run
+needs), `validate_mesh` those that need the mesh. A run's `config.json` (and a checkpoint's config
+item) is the flat `Config.to_dict()`; resuming compares the model fields of `resume_fields()`.
 
-Every field can be overridden on the command line with `--set key=value` (parsed with the field's
-type) and the most common ones have their own flags (`--attention`, `--task`, `--steps`, `--mesh`).
-The presets (`Tiny`, `Small`, `Base110M`) are `Config` subclasses with other defaults; each one's
-docstring starts with its launch command.
-
-Gate parameterisation (`fpa_jax.gates`), per head h and token t, from linear read-outs of x_t:
-    field_t = cumsum(increment)_t + absolute_t,        level_t = field_t + offset_t
-    fox   : increment = log sigmoid(w_f.x + b_f)              (<= 0: FoX; field = level, monotone)
-    stack : increment = step_scale * (w_s.x + b_s)            (free sign: a shared walk)
-    fpa   : as stack, + absolute = absolute_scale * (w_a.x + b_a), offset = offset_scale * (w_o.x + b_o)
-    `gate_forget=True` adds FoX's log-sigmoid term to the stack/fpa increment (FoX as a start).
-
-Why these defaults (issue 11's single-head studies, reproduced by `experiments.live_sets`):
-- Free-sign increments, not "log sigmoid + bounded rise": a log-sigmoid term is strictly negative,
-  so every token lowers the field a little and old live keys never get the weight of new ones;
-  a nested-scope walk needs increments that are exactly 0 on content tokens, +/- on brackets.
-- An absolute term: a cumulative field alone cannot say "this dip reaches value v" whatever came
-  before, which the general case (levels set per key, dips set per token) needs in principle.
-  At study 1's budget (head dim 16, 1500 steps) no gated head reaches coverage 0.95 on `dips`,
-  and fpa without the absolute term scores about the same (`results/dips.md`, ablations); what
-  limits FPA there is the head dim and the steps, not the parameterisation: at head dim 64 and
-  3000 steps FPA reaches it on every seed while stack, FoX and softmax heads of that size reach
-  it on none (`results/dips_limits.md`).
-- Scales of 10 with near-zero initial weights: Adam moves the read-outs ~10x faster than a
-  unit-scale weight, so penalties of tens of nats (hard forgetting) are reachable in a few hundred
-  steps, while attention starts close to NoPE.
-- Small random read-out weights (std 1e-3, all biases 0): with an all-zero gate the field is flat,
-  every penalty is relu(0) and relu'(0) = 0, so no gradient ever reaches the gate (it stays NoPE
-  forever). Random weights make the field a small random walk (10 * 1e-3 * sqrt(d_model) nats per
-  token on RMS-normed inputs: 0.04 at d=16, 0.11 at d=128, 0.28 at d=768, all below FoX's initial
-  0.69 = -log sigmoid(0)), so about half the pairs are active and every read-out learns from the
-  first step. A uniform downward slope (step_bias_init < 0) breaks the tie too, but is a recency
-  prior the walk must unlearn: with -1e-3 and zero weights, stack seed 1 of 5 stayed at coverage
-  0.74 / 0.62 (1x / 2x) on scopes; random weights: 5/5 (`results/scopes.md`; both inits side by
-  side in `results/ablations_live_sets.md`).
-
-The language-model gate (`LM_GATE`, the basis of the LM presets `small` and `base110m`; issue 20,
-`results/lm_ablations.md`): FoX's log-sigmoid term in the increment (`gate_forget`: the gate starts
-as FoX at FoX's init) and the step / absolute / offset read-outs at scale 1. Byte LMs with the
-single-head defaults above trained several percent worse than FoX, also when started at FoX's
-init: the scale-10 read-outs move 10x faster under Adam, and in a language model that speed hurts
-(most of all the step read-out, whose errors the cumulative sum carries forward). Scale 1 (or the
-scale-10 read-outs at a tenth of the learning rate, `gate_lr_scale`) closes the gap; an all-zero
-read-out init (relu's kink) does not (one row per hypothesis in the ablation table). The base defaults (and
-`tiny`) stay the single-head ones (`SINGLE_HEAD_GATE`): hard forgetting within a few hundred steps
-is what the synthetic live-set tasks need. Either set is a plain dict of overrides.
-Those ablations predate the read-outs' side stream (`fpa_jax.gates`): an FPA model's other weights
-then differed from the FoX model's of the same seed. `LM_WARM` is LM_GATE started as FoX exactly, with
-the read-outs' learning rate ramped up from 0 (`gate_lr_warmup_steps`). On 3 seeds it trains to at or
-below FoX's bits per byte, paired by seed (`perplexity`'s fpa_lm_warm), but on passkey it learned
-retrieval well behind FoX. Part of the reason was the optimizer, not the gate: global-norm clipping
-over all weights lets the read-outs' gradient (large from step 0, even at zero read-outs) shrink every
-other weight's update, so FPA with still read-outs trained another trajectory than FoX
-(`experiments.clip_coupling`). `LM_WARM_CLIP` clips the read-outs by their own norm
-(`gate_clip_apart`), and `LM_FOX_FIRST` also ramps their lr to a tenth of the lr, not all of it. As
-a language model it trains below FoX's bits per byte on every seed; on passkey its retrieval kept
-FoX's pace until the read-outs learned to forget in the heads retrieval used (one seed of four
-never learned it). `LM_FOX_HEAD`, the LM presets' default (`LM_DEFAULT`), holds the first kv head of
-every layer at FoX's term alone (`fox_heads=1`: a head the read-outs cannot make forget): on passkey
-its validation curve averaged over stages and seeds is at FoX's level, and as a language model at FoX's
-bits per byte (README: Study 2's passkey pace, Study 4). It needs kv_heads >= 2; with one kv head
-set fox_heads=0. Every gate preset is a dict of all of `GATE_PRESET_FIELDS`, so the study rows that
-spread one keep the gate they were trained with when the presets' defaults change.
-
-Depth (`scan_layers`, `remat`; same logits and gradients either way, `tests/test_scan.py`):
-- scan_layers=True stores the blocks as one Block whose parameters have a leading [n_layers] axis
-  (logical axis `layers`, never sharded) and runs them with `nnx.scan`: the step is traced and
-  compiled once per block, not once per layer, so compile time stays flat in depth. Checkpoints
-  differ in layout; `fpa_jax.models.convert_layers` moves weights between the two. Cached decoding
-  (`fpa_jax.inference`) works on either (it loops over per-layer slices of the stack).
-- remat wraps each block in `jax.checkpoint` with a policy: "none" (keep every activation),
-  "full" (keep only the block input, recompute the rest in the backward pass), "dots" (keep
-  matmul outputs, recompute elementwise work), "dots_no_batch" (keep only the weight matmuls'
-  outputs, recompute the attention). Trades backward-pass FLOPs for activation memory. Use it with
-  scan_layers: in an unrolled model XLA (CPU at least) schedules the recomputation back into the
-  forward pass and the compiled memory does not drop; inside the scan's backward loop it must wait.
-  Compile seconds and compiled temp memory of the base110m step for each combination:
-  `python -m experiments.bench_train --scan` (results/bench_train.md, "Layer scan and remat").
+Presets: `get_config("tiny" | "small" | "base110m", **overrides)`; each preset class's docstring starts
+with its launch command. Every field can be overridden on the command line with `--set key=value`
+(parsed with the field's type). The gate has two presets, plain dicts of overrides:
+`SINGLE_HEAD_GATE` (the base defaults and `tiny`) and `LM_DEFAULT` (the LM presets `small` and
+`base110m`), e.g. `get_config("small", **SINGLE_HEAD_GATE)`; the studies' other recipes live in
+`experiments/recipes.py`. Why the defaults are what they are: docs/design.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import re
 import typing
-from typing import Any
+from typing import Any, Mapping
 
+from fpa_jax import validation as V
 from fpa_jax.ops import validate as _ops_validate
 
 ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
@@ -128,6 +53,42 @@ REMATS = ("none", "full", "dots", "dots_no_batch")  # per-block jax.checkpoint p
 PRECISIONS = ("default", "high", "highest")
 
 
+def _field(default: Any, check: V.Check, *, gate: bool = False, preset: bool = False, free_on_resume: bool = False):
+  """A config field with its validator (`check(name, value)`, `fpa_jax.validation`) and the lists it
+  belongs to, which are derived from this metadata:
+    gate            sets the gate's parameterisation or init (`layers.GATE_OPTIONS`, `from_args`' options)
+    preset          set by every gate preset (`GATE_PRESET_FIELDS`: SINGLE_HEAD_GATE, LM_DEFAULT, recipes)
+    free_on_resume  a resumed run may change it (`FREE_ON_RESUME`): how the model computes or how its
+                    parameters started (a restore replaces them), not their shapes or what they compute
+  A preset subclass that only changes a default drops the metadata: checks and lists read the parts'."""
+  meta = {"check": check, "gate": gate, "preset": preset, "free_on_resume": free_on_resume}
+  return dataclasses.field(default=default, metadata=meta)
+
+
+def _check_fields(part: Any, cls: type, names: Mapping[str, str]) -> None:
+  """Each field's own check, in field order; `names` renames fields in the errors."""
+  for f in dataclasses.fields(cls):
+    f.metadata["check"](names.get(f.name, f.name), getattr(part, f.name))
+
+
+def _fields_with(cls: type, key: str) -> tuple[str, ...]:
+  return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get(key))
+
+
+# Checks shared by several fields.
+_GATE_INIT_STD = V.real(0, why="std of a gate read-out's init; 0 = zero weights")
+_GATE_SCALE = V.real(0, lo_open=True, why="a gate term's scale: 10 single-head, 1 in the LM presets (docs/design.md)")
+_GATE_BIAS = V.real(why="a gate read-out's initial bias")
+_impl = lambda name, v: _ops_validate.check_impl(v, name=name)
+_skip_tolerance = lambda name, v: _ops_validate.check_skip_tolerance(v, name=name)
+_skip = lambda name, v: _ops_validate.check_skip_name(v, name=name)
+
+
+def _tokenizer(name: str, v: Any) -> None:
+  if not isinstance(v, str) or not re.fullmatch(r"bytes|spm(:\d+)?", v):
+    raise ValueError(f"unknown {name} {v!r}; use 'bytes', 'spm' or 'spm:N' (see fpa_jax.data)")
+
+
 class _Part:
   """What every config part shares: its fields as a flat dict."""
 
@@ -139,92 +100,72 @@ class _Part:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _at_least(cfg, minimum: int, *names: str) -> None:
-  """Integer fields >= minimum (a bool, float or string is an error too: `--set` parses ints, but
-  `get_config(steps="10")` or a hand-edited config.json need not)."""
-  for f in names:
-    v = getattr(cfg, f)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-      raise ValueError(f"{f}={v!r} must be an int >= {minimum}")
-    if v < minimum:
-      raise ValueError(f"{f} must be >= {minimum}, got {v}")
-
-
-def _number(cfg, name: str, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False, why: str = "") -> None:
-  """A finite real field in the interval [lo, hi] (open ends with lo_open / hi_open; None: unbounded);
-  the error names the field, its value, the interval and `why` (what the field does / a usual value)."""
-  v = getattr(cfg, name)
-  ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
-  if ok and lo is not None:
-    ok = v > lo if lo_open else v >= lo
-  if ok and hi is not None:
-    ok = v < hi if hi_open else v <= hi
-  if not ok:
-    a, b = ("-inf" if lo is None else lo), ("inf" if hi is None else hi)
-    interval = f"{'(' if lo_open or lo is None else '['}{a}, {b}{')' if hi_open or hi is None else ']'}"
-    raise ValueError(f"{name}={v!r}: use a finite number in {interval}" + (f" ({why})" if why else ""))
-
-
-def _flags(cfg, *names: str, optional: tuple[str, ...] = ()) -> None:
-  """Bool fields (`optional`: bool or None); a string such as "false" would otherwise be truthy."""
-  for f in names + optional:
-    v = getattr(cfg, f)
-    if not (isinstance(v, bool) or (v is None and f in optional)):
-      raise ValueError(f"{f}={v!r} must be True or False" + (" (or None)" if f in optional else ""))
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(_Part):
   """The network and how it computes: all that `fpa_jax.models.DecoderLM` stores (as `model.cfg`)."""
 
-  vocab_size: int = 256
-  d_model: int = 64
-  n_layers: int = 2
-  n_heads: int = 2
-  n_kv_heads: int = 0  # k/v heads and gates (grouped-query attention); 0 -> n_heads; divides n_heads
-  d_ff: int = 0  # SwiGLU hidden dim; 0 -> round_up(8/3 * d_model, 64)
-  attention: str = "fpa"  # one of ATTENTIONS
+  vocab_size: int = _field(256, V.integer(1))
+  d_model: int = _field(64, V.integer(1))
+  n_layers: int = _field(2, V.integer(1))
+  n_heads: int = _field(2, V.integer(1))
+  # k/v heads and gates (grouped-query attention); 0 -> n_heads; divides n_heads
+  n_kv_heads: int = _field(0, V.integer(0, "0 = n_heads"))
+  d_ff: int = _field(0, V.integer(0, "0 = round_up(8/3 * d_model, 64)"))  # SwiGLU hidden dim
+  attention: str = _field("fpa", V.choice(ATTENTIONS))
   # one of ATTN_IMPLS; auto = chunked on every backend (pallas is opt-in until its compiled path has passed on an
   # accelerator: README, "Verifying the Pallas kernels"); quadratic for debugging
-  attn_impl: str = "auto"
-  block_size: int = 0  # chunked tile size; 0 -> ops default (shrinks for short sequences)
+  attn_impl: str = _field("auto", _impl, free_on_resume=True)
+  # chunked tile size; 0 -> ops default (shrinks for short sequences)
+  block_size: int = _field(0, V.integer(0, "0 = the ops default"), free_on_resume=True)
   # None: exact. eps in (0, 1): the chunked kernel drops tiles whose every weight is <= eps / T
   # (each row loses <= eps of its attention, `fpa_jax.ops.chunked`); attn_impl chunked (or auto) only.
-  skip_tolerance: float | None = None
+  skip_tolerance: float | None = _field(None, _skip_tolerance, free_on_resume=True)
   # what skip_tolerance drops: "tiles" (forward and backward) or "keys" (per query block, each key the
   # bound rules out; forward only: prefill and evaluation, `fpa_jax.ops.sparse`; training refuses it)
-  skip: str = "tiles"
-  precision: str = "default"  # one of PRECISIONS: fp32 matmul passes (TPU: default = bf16 passes)
-  rope: bool | None = None  # None -> RoPE for softmax only (FoX/FPA gates give position info)
-  rope_theta: float = 10000.0
-  qk_norm: bool = False  # FoX "Pro": RMSNorm on q and k per head
-  output_gate: bool = False  # FoX "Pro": o = o * sigmoid(W_g x) per head before W_o
-  tie_embeddings: bool = False
-  norm_eps: float = 1e-6
-  init_std: float = 0.02
-  # gate parameterisation / init (see module docstring and fpa_jax.gates); exposed for ablations
-  gate_init_std: float = 0.02  # fox forget term: w_f ~ N(0, std) (FoX's init)
-  gate_bias_init: float = 0.0  # fox forget term: b_f (FoX's init: 0)
-  gate_forget: bool = False  # stack/fpa: add FoX's log-sigmoid term to the increment
-  gate_terms_override: str = ""  # ablations: comma-separated read-outs from GATE_TERMS, replacing the default
-  step_scale: float = 10.0  # stack/fpa increment = step_scale * (w_s.x + b_s)
-  step_init_std: float = 1e-3  # > 0: a live gate at init (an all-zero gate gets no gradient; module docstring)
-  step_bias_init: float = 0.0
-  absolute_scale: float = 10.0  # fpa: field += absolute_scale * (w_a.x + b_a)
-  absolute_init_std: float = 1e-3
-  offset_scale: float = 10.0  # fpa: level = field + offset_scale * (w_o.x + b_o)
-  offset_init_std: float = 1e-3
-  offset_bias_init: float = 0.0
+  skip: str = _field("tiles", _skip, free_on_resume=True)
+  # one of PRECISIONS: fp32 matmul passes (TPU: default = bf16 passes)
+  precision: str = _field("default", V.choice(PRECISIONS), free_on_resume=True)
+  rope: bool | None = _field(None, V.flag(optional=True))  # None -> RoPE for softmax only (the gates give position)
+  rope_theta: float = _field(10000.0, V.real(0, lo_open=True, why="RoPE's base wavelength, e.g. 10000"))
+  qk_norm: bool = _field(False, V.flag())  # FoX "Pro": RMSNorm on q and k per head
+  output_gate: bool = _field(False, V.flag())  # FoX "Pro": o = o * sigmoid(W_g x) per head before W_o
+  tie_embeddings: bool = _field(False, V.flag())
+  norm_eps: float = _field(
+    1e-6, V.real(0, lo_open=True, why="RMSNorm's epsilon keeps an all-zero row finite, e.g. 1e-6")
+  )
+  init_std: float = _field(
+    0.02, V.real(0, lo_open=True, why="std of the weights' init; 0 gives a model with no gradient"), free_on_resume=True
+  )
+  # gate parameterisation / init (fpa_jax.gates; the defaults: docs/design.md); exposed for ablations
+  gate_init_std: float = _field(0.02, _GATE_INIT_STD, gate=True, free_on_resume=True)  # fox term: w_f ~ N(0, std)
+  gate_bias_init: float = _field(0.0, _GATE_BIAS, gate=True, free_on_resume=True)  # fox term: b_f (FoX's init: 0)
+  gate_forget: bool = _field(False, V.flag(), gate=True, preset=True)  # stack/fpa: add FoX's log-sigmoid term
+  # ablations: comma-separated read-outs from GATE_TERMS, replacing the default (checked with `attention`)
+  gate_terms_override: str = _field("", V.text(), gate=True)
+  step_scale: float = _field(10.0, _GATE_SCALE, gate=True, preset=True)  # stack/fpa: step_scale * (w_s.x + b_s)
+  # > 0: a live gate at init (an all-zero gate gets no gradient; docs/design.md)
+  step_init_std: float = _field(1e-3, _GATE_INIT_STD, gate=True, preset=True, free_on_resume=True)
+  step_bias_init: float = _field(0.0, _GATE_BIAS, gate=True, free_on_resume=True)
+  absolute_scale: float = _field(10.0, _GATE_SCALE, gate=True, preset=True)  # fpa: field += scale * (w_a.x + b_a)
+  absolute_init_std: float = _field(1e-3, _GATE_INIT_STD, gate=True, preset=True, free_on_resume=True)
+  offset_scale: float = _field(10.0, _GATE_SCALE, gate=True, preset=True)  # fpa: level = field + scale * (w_o.x + b_o)
+  offset_init_std: float = _field(1e-3, _GATE_INIT_STD, gate=True, preset=True, free_on_resume=True)
+  offset_bias_init: float = _field(0.0, _GATE_BIAS, gate=True, free_on_resume=True)
   # stack/fpa: the first N kv heads of every layer have no extremum read-outs (step, absolute and
   # offset held at 0): FoX heads with gate_forget, NoPE heads without; < kv_heads. A head the read-outs
-  # cannot turn into a forgetting one, for retrieval (issue 20, passkey). 0 = every head has them;
-  # no effect on fox / softmax / nope.
-  fox_heads: int = 0
-  dtype: str = "float32"  # compute dtype (bfloat16 for speed); params stay param_dtype
-  param_dtype: str = "float32"
-  # layer stacking / rematerialisation (module docstring, "Depth"): neither changes the maths
-  scan_layers: bool = False  # blocks as one [n_layers, ...]-stacked Block run by nnx.scan
-  remat: str = "none"  # one of REMATS: what a block keeps for the backward pass
+  # cannot turn into a forgetting one, which passkey retrieval keeps using (docs/design.md). 0 = every
+  # head has them; no effect on fox / softmax / nope.
+  fox_heads: int = _field(0, V.integer(0, "0 = every head has the read-outs"), gate=True, preset=True)
+  # compute dtype (bfloat16 for speed); params stay param_dtype
+  dtype: str = _field("float32", V.choice(DTYPES), free_on_resume=True)
+  param_dtype: str = _field("float32", V.choice(DTYPES))
+  # layer stacking / rematerialisation (docs/design.md, "Depth"): neither changes the maths
+  scan_layers: bool = _field(False, V.flag())  # blocks as one [n_layers, ...]-stacked Block run by nnx.scan
+  remat: str = _field(  # what a block keeps for the backward pass
+    "none",
+    V.choice(REMATS, what="{name} policy", why="'none' keeps every activation, 'full' only each block's input"),
+    free_on_resume=True,
+  )
 
   @property
   def model(self) -> ModelConfig:
@@ -259,105 +200,56 @@ class ModelConfig(_Part):
       self.attention, ()
     )
 
-  def validate(self) -> ModelConfig:
-    """Static checks (no devices needed); raises ValueError naming the field and what to change."""
-    _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads")
-    _at_least(self, 0, "d_ff", "block_size", "n_kv_heads")
-    _flags(self, "qk_norm", "output_gate", "tie_embeddings", "gate_forget", "scan_layers", optional=("rope",))
-    _number(self, "rope_theta", 0, lo_open=True, why="RoPE's base wavelength, e.g. 10000")
-    _number(self, "norm_eps", 0, lo_open=True, why="RMSNorm's epsilon keeps an all-zero row finite, e.g. 1e-6")
-    _number(self, "init_std", 0, lo_open=True, why="std of the weights' init; 0 gives a model with no gradient")
-    for f in ("gate_init_std", "step_init_std", "absolute_init_std", "offset_init_std"):
-      _number(self, f, 0, why="std of a gate read-out's init; 0 = zero weights")
-    for f in ("step_scale", "absolute_scale", "offset_scale"):
-      _number(
-        self, f, 0, lo_open=True, why="a gate term's scale: 10 single-head, 1 in the LM presets (module docstring)"
-      )
-    for f in ("gate_bias_init", "step_bias_init", "offset_bias_init"):
-      _number(self, f, why="a gate read-out's initial bias")
+  def validate(self, arg_names: Mapping[str, str] | None = None) -> ModelConfig:
+    """Static checks (no devices needed): each field's own, then those across fields; raises
+    ValueError naming the field and what to change. `arg_names` renames fields in the errors, for a
+    caller whose arguments set them under other names (`FirstPassageAttention.from_args`: `gate`)."""
+    names = dict(arg_names or {})
+    n = lambda f: names.get(f, f)
+    _check_fields(self, ModelConfig, names)
     if self.n_heads % self.kv_heads:
       raise ValueError(
-        f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each kv head serves "
+        f"{n('n_kv_heads')}={self.n_kv_heads} must divide {n('n_heads')}={self.n_heads} (each kv head serves "
         f"n_heads / n_kv_heads query heads); use a divisor of {self.n_heads}, or 0 for n_heads"
       )
-    if self.attention not in ATTENTIONS:
-      raise ValueError(f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
-    if self.attn_impl not in ATTN_IMPLS:
-      raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use one of {ATTN_IMPLS}")
     if self.d_model % self.n_heads:
       raise ValueError(
-        f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-        f"change one of them (e.g. --set n_heads={_divisor_hint(self.d_model, self.n_heads)})"
+        f"{n('d_model')}={self.d_model} is not divisible by {n('n_heads')}={self.n_heads}; "
+        f"change one of them (e.g. {n('n_heads')}={_divisor_hint(self.d_model, self.n_heads)})"
       )
     if self.use_rope and self.head_dim % 2:
-      raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}; change d_model or n_heads")
-    for f in ("dtype", "param_dtype"):
-      if getattr(self, f) not in DTYPES:
-        raise ValueError(f"{f}={getattr(self, f)!r}; use one of {DTYPES}")
-    if self.remat not in REMATS:
-      raise ValueError(
-        f"unknown remat policy {self.remat!r}; use one of {REMATS} "
-        "('none' keeps every activation, 'full' only each block's input)"
-      )
+      raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}; change {n('d_model')} or {n('n_heads')}")
     bad_terms = set(self.gate_terms) - set(GATE_TERMS)
     if bad_terms or (self.attention in GATED and not self.gate_terms):
       raise ValueError(
-        f"gate_terms_override={self.gate_terms_override!r}: use a comma-separated subset of "
+        f"{n('gate_terms_override')}={self.gate_terms_override!r}: use a comma-separated subset of "
         f"{GATE_TERMS}, e.g. 'step,offset'"
       )
-    if isinstance(self.fox_heads, bool) or not isinstance(self.fox_heads, int) or self.fox_heads < 0:
-      raise ValueError(f"fox_heads={self.fox_heads!r}: use an int >= 0 (0 = every head has the read-outs)")
     # without extremum read-outs (fox, softmax, nope) there is nothing to hold: fox_heads has no effect,
-    # so a preset's value does not stop `--set attention=fox`
+    # so a preset's value does not stop `attention="fox"`
     if set(self.gate_terms) - {"forget"} and self.fox_heads >= self.kv_heads:
       raise ValueError(
-        f"fox_heads={self.fox_heads} must be < kv_heads={self.kv_heads} (at least one head with the "
-        f"read-outs): set fox_heads={max(self.kv_heads - 1, 0)} (the LM presets hold one head), or "
-        "attention='fox' for every head at FoX's term"
+        f"{n('fox_heads')}={self.fox_heads} must be < kv_heads={self.kv_heads} (at least one head with the "
+        f"read-outs): set {n('fox_heads')}={max(self.kv_heads - 1, 0)} (the LM presets hold one head), or "
+        f"{n('attention')}='fox' for every head at FoX's term"
       )
-    if self.block_size and self.attn_impl not in _ops_validate.BLOCKED:
-      raise ValueError(f"block_size only applies to attn_impl in {_ops_validate.BLOCKED}; set block_size=0")
-    if self.skip_tolerance is not None:
-      eps = self.skip_tolerance
-      if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < eps < 1.0:
-        raise ValueError(f"skip_tolerance={eps!r}: use None (exact) or a float in (0, 1), e.g. 1e-3")
-      if self.attn_impl not in ("chunked", "auto"):
-        raise ValueError(
-          f"skip_tolerance only applies to the chunked kernel, got attn_impl={self.attn_impl!r}; "
-          "set attn_impl='chunked' or skip_tolerance=None"
-        )
-    if self.skip not in _ops_validate.SKIPS:
-      raise ValueError(f"skip={self.skip!r}: use one of {_ops_validate.SKIPS}")
-    if self.skip == "keys" and self.skip_tolerance is None:
-      raise ValueError("skip='keys' drops keys under a tolerance: set skip_tolerance (e.g. 1e-3) or skip='tiles'")
-    if self.precision not in PRECISIONS:
-      raise ValueError(f"unknown precision {self.precision!r}; use one of {PRECISIONS}")
+    _ops_validate.check_impl(self.attn_impl, self.block_size or None, name=n("attn_impl"), block_name=n("block_size"))
+    _ops_validate.check_skip_tolerance(
+      self.skip_tolerance, self.attn_impl, name=n("skip_tolerance"), impl_name=n("attn_impl")
+    )
+    _ops_validate.check_skip(self.skip, self.skip_tolerance, name=n("skip"), tolerance_name=n("skip_tolerance"))
     return self
 
 
-# Model fields a resumed run may change: how the model computes (kernel, tiles, compute dtype, remat)
-# or how its parameters started (a restore replaces them). Every other model field sets the
+# Model fields a resumed run may change (`_field`'s free_on_resume): every other model field sets the
 # parameters' shapes, layout (scan_layers) or what they compute (scales, RoPE, norm eps), so
 # `fpa_jax.train` refuses to resume a checkpoint across it (`resume_fields`).
-FREE_ON_RESUME = frozenset(
-  {
-    "attn_impl",
-    "block_size",
-    "skip_tolerance",
-    "skip",
-    "precision",
-    "dtype",
-    "remat",
-    "init_std",
-    "gate_init_std",
-    "gate_bias_init",
-    "step_init_std",
-    "step_bias_init",
-    "absolute_init_std",
-    "offset_init_std",
-    "offset_bias_init",
-  }
-)
+FREE_ON_RESUME = frozenset(_fields_with(ModelConfig, "free_on_resume"))
+
+
+# ModelConfig fields that set the gate's parameterisation and init (`_field`'s gate): the layer's
+# plain-argument constructor takes them as **gate_options (`FirstPassageAttention.from_args`).
+GATE_OPTIONS: tuple[str, ...] = _fields_with(ModelConfig, "gate")
 
 
 def resume_fields() -> tuple[str, ...]:
@@ -369,31 +261,24 @@ def resume_fields() -> tuple[str, ...]:
 class DataConfig(_Part):
   """What the model is trained on: `fpa_jax.data.make_pipeline`'s task, source and batch shape."""
 
-  task: str = "text"  # one of TASKS
-  data_dir: str = "data"
-  tokenizer: str = "bytes"  # bytes | spm | spm:N (fpa_jax.data.tokenizers)
-  small_data: bool = False
-  seq_len: int = 64
-  batch_size: int = 8  # global batch (sequences per optimizer step)
+  task: str = _field("text", V.choice(TASKS + TEST_TASKS, shown=TASKS))
+  data_dir: str = _field("data", V.text())
+  tokenizer: str = _field("bytes", _tokenizer)  # bytes | spm | spm:N (fpa_jax.data.tokenizers)
+  small_data: bool = _field(False, V.flag())
+  seq_len: int = _field(64, V.integer(1))
+  batch_size: int = _field(8, V.integer(1))  # global batch (sequences per optimizer step)
   # text only: "stdlib" (offline default), a local directory of UTF-8 files, or "tfds:NAME" (prepared)
-  text_source: str = "stdlib"
+  text_source: str = _field("stdlib", V.text(nonempty=True, why="'stdlib', a directory path, or 'tfds:NAME'"))
   # text only: windows of the fixed held-out set (fpa_jax.data.make_heldout): one inside every
   # validation document, the rest spread by length; the trainer's periodic eval scores all of them
-  heldout_windows: int = 256
+  heldout_windows: int = _field(256, V.integer(1))
 
   @property
   def data(self) -> DataConfig:
     return self
 
   def validate(self) -> DataConfig:
-    if self.task not in TASKS + TEST_TASKS:
-      raise ValueError(f"unknown task {self.task!r}; use one of {TASKS}")
-    if not re.fullmatch(r"bytes|spm(:\d+)?", self.tokenizer):
-      raise ValueError(f"unknown tokenizer {self.tokenizer!r}; use 'bytes', 'spm' or 'spm:N' (see fpa_jax.data)")
-    _at_least(self, 1, "seq_len", "batch_size", "heldout_windows")
-    _flags(self, "small_data")
-    if not self.text_source:
-      raise ValueError("text_source is empty; use 'stdlib', a directory path, or 'tfds:NAME'")
+    _check_fields(self, DataConfig, {})
     return self
 
 
@@ -401,53 +286,66 @@ class DataConfig(_Part):
 class TrainConfig(_Part):
   """The run: its preset name, optimisation (AdamW, lr schedule), loop cadence, mesh and seed."""
 
-  name: str = "base"  # the preset (CONFIGS key) the run started from
+  name: str = _field("base", V.text())  # the preset (CONFIGS key) the run started from
   # ---- optimisation ----
-  steps: int = 100
-  lr: float = 1e-3
-  min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-  warmup_steps: int = 10
-  lr_decay_steps: int = 0  # cosine horizon; 0 -> `steps`. Fix it to extend runs exactly.
-  cooldown_steps: int = 0  # WSD: the last N of `steps` decay linearly to 0 (anneal a constant-lr run)
-  b1: float = 0.9
-  b2: float = 0.95
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0  # global-norm clipping; 0 disables
+  steps: int = _field(100, V.integer(1))
+  lr: float = _field(1e-3, V.real(0, lo_open=True, why="the peak learning rate, e.g. 1e-3"))
+  # cosine decays to lr * min_lr_ratio
+  min_lr_ratio: float = _field(0.1, V.real(0, 1, why="the cosine ends at lr * min_lr_ratio; 1 = constant after warmup"))
+  warmup_steps: int = _field(10, V.integer(0))
+  # cosine horizon; 0 -> `steps`. Fix it to extend runs exactly.
+  lr_decay_steps: int = _field(0, V.integer(0, "0 = steps"))
+  # WSD: the last N of `steps` decay linearly to 0 (anneal a constant-lr run)
+  cooldown_steps: int = _field(0, V.integer(0))
+  b1: float = _field(0.9, V.real(0, 1, hi_open=True, why="AdamW's first-moment decay, e.g. 0.9"))
+  b2: float = _field(0.95, V.real(0, 1, hi_open=True, why="AdamW's second-moment decay, e.g. 0.95"))
+  weight_decay: float = _field(0.1, V.real(0, why="AdamW's decoupled weight decay; 0 disables"))
+  clip_norm: float = _field(1.0, V.real(0, why="global-norm gradient clipping; 0 disables"))
   # multiplies the lr of the FPA gate's step / absolute / offset read-outs (not FoX's forget term):
-  # they are scale * (w.x + b) with scale 10, so Adam moves their output ~10x faster (issue 20)
-  gate_lr_scale: float = 1.0
+  # they are scale * (w.x + b) with scale 10, so Adam moves their output ~10x faster (docs/design.md)
+  gate_lr_scale: float = _field(
+    1.0, V.real(0, lo_open=True, why="the gate read-outs' lr multiplier; 1 = the same lr"), preset=True
+  )
   # the read-outs' lr multiplier ramps linearly from 0 to gate_lr_scale over these steps; 0 = none.
-  # With read-outs started at 0 (FoX's init) the model is FoX until the read-outs move (issue 20)
-  gate_lr_warmup_steps: int = 0
-  # clip the read-outs' gradient by its own global norm, apart from the other weights': with one
-  # norm their gradient shrinks every other update, so even frozen read-outs change the run (issue 20)
-  gate_clip_apart: bool = False
-  grad_accum: int = 1  # micro-batches per step (batch_size must divide)
-  seed: int = 0  # parameter init and data order
+  # With read-outs started at 0 (FoX's init) the model is FoX until the read-outs move
+  gate_lr_warmup_steps: int = _field(0, V.integer(0, "0 = no ramp"), preset=True)
+  # clip the read-outs' gradient by its own global norm, apart from the other weights': with one norm
+  # their gradient shrinks every other update, so even frozen read-outs change the run (docs/design.md)
+  gate_clip_apart: bool = _field(False, V.flag(), preset=True)
+  grad_accum: int = _field(1, V.integer(1))  # micro-batches per step (batch_size must divide)
+  seed: int = _field(0, V.integer(0))  # parameter init and data order
   # ---- loop ----
-  mesh: str = ""  # e.g. "data=4,model=2"; "" -> all devices on data
-  log_every: int = 10
-  ckpt_every: int = 100
-  keep_checkpoints: int = 3
-  eval_every: int = 0  # 0 disables periodic validation loss
-  eval_batches: int = 4  # batches per eval for tasks other than text (text: the held-out windows, `heldout_windows`)
+  mesh: str = _field("", V.text())  # e.g. "data=4,model=2"; "" -> all devices on data (fpa_jax.sharding)
+  log_every: int = _field(10, V.integer(1))
+  ckpt_every: int = _field(100, V.integer(1))
+  keep_checkpoints: int = _field(3, V.integer(1))
+  eval_every: int = _field(0, V.integer(0, "0 disables periodic validation"))
+  # batches per eval for tasks other than text (text: the held-out windows, `heldout_windows`)
+  eval_batches: int = _field(4, V.integer(1))
   # ---- evictability objective (fpa_jax.losses; off at evict_weight 0: the exact LM loss) ----
-  evict_weight: float = 0.0  # weight of the hinge on the soft live fraction of old keys
-  evict_target: float = 0.25  # final kept fraction of the keys outside the window, in (0, 1)
-  evict_ramp_steps: int = 0  # DMS ramp of the compression ratio 1 -> 1/evict_target; 0 = no ramp
-  evict_ramp_start: int = 0  # optimizer step the ramp starts at (retrofitting a trained run: its step)
-  evict_window: int = 16  # recent window W: keys j > i - W are never counted (always kept)
-  evict_tau: float = 4.0  # penalty (nats) at which a key counts as half evicted
-  evict_temp: float = 1.0  # sigmoid width (nats) of the soft count
-  evict_soft: float = 0.5  # softplus temperature of the penalty in the objective (0 = exact relu)
-  evict_queries: int = 8  # sampled queries per sequence and step (stratified over the positions)
+  # (its fields are checked whether the objective is on or not: a bad value is a typo)
+  # weight of the hinge on the soft live fraction of old keys
+  evict_weight: float = _field(0.0, V.real(0, why="0 turns the objective off"))
+  # final kept fraction of the keys outside the window
+  evict_target: float = _field(0.25, V.real(0, 1, lo_open=True, hi_open=True, why="the kept fraction of old keys"))
+  evict_ramp_steps: int = _field(0, V.integer(0))  # DMS ramp of the compression ratio 1 -> 1/evict_target; 0 = no ramp
+  # optimizer step the ramp starts at (retrofitting a trained run: its step)
+  evict_ramp_start: int = _field(0, V.integer(0))
+  evict_window: int = _field(16, V.integer(0))  # recent window W: keys j > i - W are never counted (always kept)
+  evict_tau: float = _field(4.0, V.real(why="the penalty (nats) at which a key counts as half evicted"))
+  evict_temp: float = _field(1.0, V.real(0, lo_open=True, why="the soft count's width in nats"))
+  # softplus temperature of the penalty in the objective
+  evict_soft: float = _field(0.5, V.real(0, why="0 = exact relu penalty"))
+  evict_queries: int = _field(8, V.integer(1))  # sampled queries per sequence and step (stratified over the positions)
   # ---- budget in the loop (fpa_jax.ops.budget; off at budget_loop_prob 0) ----
   # A share of the steps trains through the cache an `fpa_budget` decode of a random size would keep:
   # capacity round(rho * seq_len), rho ~ U[budget_loop_min, budget_loop_max], recent = capacity // 8.
   # Those steps run the quadratic attention (O(T^2) memory) whatever attn_impl says.
-  budget_loop_prob: float = 0.0  # share of the steps with a random cache budget; 0 = off
-  budget_loop_min: float = 0.1  # smallest budget, a fraction of the training length, in (0, 1]
-  budget_loop_max: float = 0.5  # largest budget, in [budget_loop_min, 1]
+  budget_loop_prob: float = _field(
+    0.0, V.real(0, 1, why="the share of steps trained with a random cache budget; 0 = off")
+  )
+  budget_loop_min: float = _field(0.1, V.real(0, 1, lo_open=True, why="the smallest budget, a fraction of seq_len"))
+  budget_loop_max: float = _field(0.5, V.real(0, 1, lo_open=True, why="the largest budget, a fraction of seq_len"))
 
   @property
   def train(self) -> TrainConfig:
@@ -458,57 +356,22 @@ class TrainConfig(_Part):
     return self.lr_decay_steps or self.steps
 
   def validate(self) -> TrainConfig:
-    _at_least(self, 1, "steps", "grad_accum", "log_every", "ckpt_every", "keep_checkpoints", "eval_batches")
-    _at_least(self, 0, "warmup_steps", "lr_decay_steps", "eval_every", "cooldown_steps", "seed")
-    _number(self, "lr", 0, lo_open=True, why="the peak learning rate, e.g. 1e-3")
-    _number(self, "min_lr_ratio", 0, 1, why="the cosine ends at lr * min_lr_ratio; 1 = constant after warmup")
-    _number(self, "b1", 0, 1, hi_open=True, why="AdamW's first-moment decay, e.g. 0.9")
-    _number(self, "b2", 0, 1, hi_open=True, why="AdamW's second-moment decay, e.g. 0.95")
-    _number(self, "weight_decay", 0, why="AdamW's decoupled weight decay; 0 disables")
-    _number(self, "clip_norm", 0, why="global-norm gradient clipping; 0 disables")
-    _number(self, "gate_lr_scale", 0, lo_open=True, why="the gate read-outs' lr multiplier; 1 = the same lr")
-    if isinstance(self.gate_lr_warmup_steps, bool) or not isinstance(self.gate_lr_warmup_steps, int):
-      raise ValueError(f"gate_lr_warmup_steps={self.gate_lr_warmup_steps!r}: use an int >= 0 (0 = no ramp)")
-    if self.gate_lr_warmup_steps < 0:
-      raise ValueError(f"gate_lr_warmup_steps={self.gate_lr_warmup_steps}: use an int >= 0 (0 = no ramp)")
-    if not isinstance(self.gate_clip_apart, bool):
-      raise ValueError(f"gate_clip_apart={self.gate_clip_apart!r}: use True or False")
+    _check_fields(self, TrainConfig, {})
     if self.warmup_steps > self.decay_steps:
       horizon = "lr_decay_steps" if self.lr_decay_steps else "steps"
       raise ValueError(
         f"warmup_steps={self.warmup_steps} is longer than the lr schedule ({horizon}={self.decay_steps}), "
-        f"so the warmup would be cut short: use warmup_steps <= {self.decay_steps} (e.g. --set "
+        f"so the warmup would be cut short: use warmup_steps <= {self.decay_steps} (e.g. "
         f"warmup_steps={self.decay_steps // 10}), or a larger {horizon}"
       )
-    if not 0 <= self.cooldown_steps < self.steps:
+    if self.cooldown_steps >= self.steps:
       raise ValueError(f"cooldown_steps={self.cooldown_steps} must be in [0, steps={self.steps})")
-    self._validate_evict()
-    return self
-
-  def _validate_evict(self) -> None:
-    """The evict_* block (checked whether the objective is on or not: a bad value is a typo)."""
-    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    for f in ("evict_weight", "evict_target", "evict_tau", "evict_temp", "evict_soft"):
-      if not num(getattr(self, f)):
-        raise ValueError(f"{f}={getattr(self, f)!r} must be a finite number")
-    if self.evict_weight < 0:
-      raise ValueError(f"evict_weight={self.evict_weight} must be >= 0 (0 turns the objective off)")
-    if not 0.0 < self.evict_target < 1.0:
-      raise ValueError(f"evict_target={self.evict_target} is the kept fraction of old keys: use a value in (0, 1)")
-    if not self.evict_temp > 0:
-      raise ValueError(f"evict_temp={self.evict_temp} must be > 0 (the soft count's width in nats)")
-    if self.evict_soft < 0:
-      raise ValueError(f"evict_soft={self.evict_soft} must be >= 0 (0 = exact relu penalty)")
-    _at_least(self, 0, "evict_window", "evict_ramp_steps", "evict_ramp_start")
-    _at_least(self, 1, "evict_queries")
-    _number(self, "budget_loop_prob", 0, 1, why="the share of steps trained with a random cache budget; 0 = off")
-    _number(self, "budget_loop_min", 0, 1, lo_open=True, why="the smallest budget, a fraction of seq_len")
-    _number(self, "budget_loop_max", 0, 1, lo_open=True, why="the largest budget, a fraction of seq_len")
     if self.budget_loop_min > self.budget_loop_max:
       raise ValueError(
         f"budget_loop_min={self.budget_loop_min} > budget_loop_max={self.budget_loop_max}: the budget is drawn "
         "uniformly between them, so use min <= max"
       )
+    return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,10 +397,14 @@ class Config(TrainConfig, DataConfig, ModelConfig):
   def train(self) -> TrainConfig:
     return self._part(TrainConfig)
 
-  def validate(self) -> Config:
-    """Each part's checks, then those across parts (no devices needed); raises ValueError."""
+  def validate(self, *, training: bool = False) -> Config:
+    """Each part's checks, then those across parts (no devices needed); raises ValueError.
+    `training=True` (`fpa_jax.train`) adds what only a training run needs: a config with
+    skip='keys' builds a model for prefill and evaluation, but cannot be trained."""
     for part in (self.model, self.data, self.train):
       part.validate()
+    if training and self.skip == "keys":
+      raise ValueError("skip='keys' is forward only (prefill, evaluation): train with skip='tiles' (the default)")
     if self.batch_size % self.grad_accum:
       raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
     if self.evict_weight > 0 and self.attention not in GATED:
@@ -570,72 +437,44 @@ def _divisor_hint(d: int, h: int) -> int:
   return min(divs, key=lambda k: abs(k - h))
 
 
-# The fields a gate preset sets (module docstring): the gate's terms and scales, the read-outs' init
-# and their learning rate. Every preset below is a plain dict of all of them, so a study row that
+# The fields a gate preset sets (`_field`'s preset): the gate's terms and scales, the read-outs' init
+# and their learning rate. Every gate preset is a plain dict of all of them, so a study row that
 # spreads one is pinned whatever the presets' defaults become.
-GATE_PRESET_FIELDS = (
-  "gate_forget",
-  "step_scale",
-  "absolute_scale",
-  "offset_scale",
-  "step_init_std",
-  "absolute_init_std",
-  "offset_init_std",
-  "gate_lr_scale",
-  "gate_lr_warmup_steps",
-  "gate_clip_apart",
-  "fox_heads",
-)
+GATE_PRESET_FIELDS: tuple[str, ...] = _fields_with(ModelConfig, "preset") + _fields_with(TrainConfig, "preset")
 _BASE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
-# the base defaults (and `tiny`'s): the single-head studies' gate
+# The base defaults (and `tiny`'s): the gate of the single-head live-set studies (docs/design.md).
 SINGLE_HEAD_GATE: dict[str, Any] = {k: _BASE_DEFAULTS[k] for k in GATE_PRESET_FIELDS}
-# FoX's term + read-outs at scale 1 (small random read-outs, the full lr): the gate the lm_ablations
-# table led to, and every LM study row trained before LM_WARM (issue 20)
-LM_GATE: dict[str, Any] = {
-  **SINGLE_HEAD_GATE,
+# The one recommended language-model gate, the LM presets' default (`small`, `base110m`;
+# docs/design.md): FoX's term in the increment and the step / absolute / offset read-outs at scale 1,
+# started at 0 (the model is FoX at step 0) with their lr ramped from 0 to a tenth of the lr over
+# 1200 steps and their gradient clipped by its own norm; the first kv head of every layer held at
+# FoX's term (needs kv_heads >= 2; with one kv head set fox_heads=0).
+LM_DEFAULT: dict[str, Any] = {
   "gate_forget": True,
   "step_scale": 1.0,
-  "absolute_scale": 1.0,
-  "offset_scale": 1.0,
-}
-# LM_GATE started as FoX exactly (zero read-outs; the other weights are FoX's since the read-outs'
-# side stream) with the read-outs' learning rate ramped up from 0 over 1200 steps: FoX first
-# (`perplexity`'s fpa_lm_warm, `passkey`'s fpa_lm5_warm).
-LM_WARM: dict[str, Any] = {
-  **LM_GATE,
   "step_init_std": 0.0,
+  "absolute_scale": 1.0,
   "absolute_init_std": 0.0,
+  "offset_scale": 1.0,
   "offset_init_std": 0.0,
+  "fox_heads": 1,
+  "gate_lr_scale": 0.1,
   "gate_lr_warmup_steps": 1200,
+  "gate_clip_apart": True,
 }
-# ... with the read-outs' gradient clipped by its own norm (`gate_clip_apart`): under one global norm
-# it shrank every other weight's update, so even FPA with still read-outs trained unlike FoX.
-LM_WARM_CLIP: dict[str, Any] = {**LM_WARM, "gate_clip_apart": True}
-# ... and the read-outs' lr ramped to a tenth of the lr, not all of it: FoX first, the extremum
-# read-outs after and slower.
-LM_FOX_FIRST: dict[str, Any] = {**LM_WARM_CLIP, "gate_lr_scale": 0.1}
-# ... with the first kv head of every layer held at FoX's term (`fox_heads`): a head the read-outs
-# cannot make forget, for retrieval. The LM presets' default (module docstring).
-LM_FOX_HEAD: dict[str, Any] = {**LM_FOX_FIRST, "fox_heads": 1}
-# The LM presets' default (`small`, `base110m`; module docstring).
-LM_DEFAULT: dict[str, Any] = LM_FOX_HEAD
 
 
-@dataclasses.dataclass(frozen=True)
-class _LMPreset(Config):
-  """The LM presets' gate: LM_DEFAULT (module docstring)."""
+def _preset_base(name: str, base: type, defaults: Mapping[str, Any], doc: str) -> type:
+  """A frozen dataclass subclass of `base` whose fields in `defaults` default to those values (their
+  metadata kept)."""
+  hints = typing.get_type_hints(base)
+  fields = {f.name: f for f in dataclasses.fields(base)}
+  spec = [(k, hints[k], dataclasses.field(default=v, metadata=fields[k].metadata)) for k, v in defaults.items()]
+  ns = {"__module__": __name__, "__doc__": doc}
+  return dataclasses.make_dataclass(name, spec, bases=(base,), frozen=True, namespace=ns)
 
-  gate_forget: bool = LM_DEFAULT["gate_forget"]
-  step_scale: float = LM_DEFAULT["step_scale"]
-  absolute_scale: float = LM_DEFAULT["absolute_scale"]
-  offset_scale: float = LM_DEFAULT["offset_scale"]
-  step_init_std: float = LM_DEFAULT["step_init_std"]
-  absolute_init_std: float = LM_DEFAULT["absolute_init_std"]
-  offset_init_std: float = LM_DEFAULT["offset_init_std"]
-  gate_lr_scale: float = LM_DEFAULT["gate_lr_scale"]
-  gate_lr_warmup_steps: int = LM_DEFAULT["gate_lr_warmup_steps"]
-  gate_clip_apart: bool = LM_DEFAULT["gate_clip_apart"]
-  fox_heads: int = LM_DEFAULT["fox_heads"]
+
+_LMPreset = _preset_base("_LMPreset", Config, LM_DEFAULT, "The LM presets' gate: LM_DEFAULT.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fpa_jax.configs import ModelConfig
+from fpa_jax.ops.common import F32
 from fpa_jax.sharding import EMBED, HEADS
-
-F32 = jnp.float32
 
 
 class GateParts(NamedTuple):

@@ -24,28 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fpa_jax import ops
-from fpa_jax.configs import ATTENTIONS, DTYPES, Config, ModelConfig
+from fpa_jax import validation
+from fpa_jax.configs import GATE_OPTIONS, Config, ModelConfig
 from fpa_jax.gates import Gate, field_level
 from fpa_jax.ops.budget import budgeted_attention
+from fpa_jax.ops.common import F32
 from fpa_jax.sharding import BT, BTD, BTF, BTH, BTHK, EMBED, HEAD_DIM, HEADS, MLP, constrain, shard_local
-
-F32 = jnp.float32
-# ModelConfig fields that set the gate's parameterisation and init (`from_args`' **gate_options).
-GATE_OPTIONS = (
-  "gate_init_std",
-  "gate_bias_init",
-  "gate_forget",
-  "gate_terms_override",
-  "step_scale",
-  "step_init_std",
-  "step_bias_init",
-  "absolute_scale",
-  "absolute_init_std",
-  "offset_scale",
-  "offset_init_std",
-  "offset_bias_init",
-  "fox_heads",
-)
 
 
 def _init(init, axes):
@@ -107,6 +91,14 @@ def with_precision(op, precision: str = "default"):
     return run(*arrays, *(() if segment_ids is None else (segment_ids,)))
 
   return call
+
+
+def _dtype_name(dt):
+  """A dtype (jnp.bfloat16, np.dtype, "float32") as its name, for the config field; others as given."""
+  try:
+    return jnp.dtype(dt).name
+  except TypeError:
+    return dt
 
 
 class RMSNorm(nnx.Module):
@@ -357,13 +349,13 @@ class FirstPassageAttention(nnx.Module):
     """The layer from plain arguments, for a model of your own: x [B, T, d_model] -> [B, T, d_model].
 
     d_model, n_heads: model width and query heads (n_heads divides d_model; head_dim = d_model /
-      n_heads). n_kv_heads: k / v / gate heads (grouped-query; divides n_heads), None = n_heads.
+      n_heads). n_kv_heads: k / v / gate heads (grouped-query; divides n_heads), None (or 0) = n_heads.
     gate: "fpa" (first passage: field, levels), "stack" (levels = field), "fox" (FoX's forget
       gate), "softmax" (no gate, RoPE) or "nope" (no gate, no RoPE).
     qk_norm, output_gate: FoX "Pro"'s per-head RMSNorm on q, k and sigmoid output gate.
     rope: None = RoPE for softmax only (the gates give position); rope_theta its base.
     attn_impl, block_size: the ops impl ("auto", "chunked", "pallas", "quadratic", "recurrent")
-      and tile size (None = the ops default). skip_tolerance: None (exact) or eps in (0, 1),
+      and tile size (None or 0 = the ops default). skip_tolerance: None (exact) or eps in (0, 1),
       chunked only: each row loses at most eps of its attention (`fpa_jax.ops.chunked`); skip:
       "tiles" drops whole tiles, "keys" single keys per query block (forward only, `ops.sparse`).
     precision: matmul precision, "default" | "high" | "highest" (`configs.PRECISIONS`).
@@ -380,42 +372,19 @@ class FirstPassageAttention(nnx.Module):
     Equals `FirstPassageAttention(ModelConfig(...same fields...), out_init_std=..., rngs=...)`:
     the same parameters for the same `rngs`. Raises ValueError naming the argument to change.
     """
-    where = "FirstPassageAttention.from_args"
-    if gate not in ATTENTIONS:
-      raise ValueError(f"{where}: unknown gate {gate!r}; use one of {ATTENTIONS}")
     bad = sorted(set(gate_options) - set(GATE_OPTIONS))
     if bad:
-      raise ValueError(f"{where}: unknown argument(s) {bad}; gate options are {GATE_OPTIONS}")
-    names = {}
-    for arg, dt in (("dtype", dtype), ("param_dtype", param_dtype)):
-      try:
-        names[arg] = jnp.dtype(dt).name
-      except TypeError:
-        names[arg] = str(dt)
-      if names[arg] not in DTYPES:
-        raise ValueError(f"{where}: {arg}={dt!r}; use one of {DTYPES}")
-    for arg, val in (
-      ("d_model", d_model),
-      ("n_heads", n_heads),
-      ("n_kv_heads", n_kv_heads),
-      ("block_size", block_size),
-    ):
-      if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
-        raise ValueError(f"{where}: {arg} must be an int, got {val!r}")
-    if n_kv_heads is not None and n_kv_heads < 1:
-      raise ValueError(f"{where}: n_kv_heads must be >= 1 (or None for n_heads), got {n_kv_heads}")
-    if block_size is not None and block_size < 1:
-      raise ValueError(f"{where}: block_size must be >= 1 (or None for the ops default), got {block_size}")
-    if out_init_std is not None and not out_init_std >= 0:
-      raise ValueError(f"{where}: out_init_std must be >= 0 (or None for init_std), got {out_init_std!r}")
+      raise ValueError(f"unknown argument(s) {bad}; the gate options are {GATE_OPTIONS}")
+    if out_init_std is not None:
+      validation.real(0, why="std of W_o's init; None = init_std")("out_init_std", out_init_std)
     cfg = ModelConfig(
       d_model=d_model,
       n_layers=1,  # unused by the layer (its only use, W_o's init, is out_init_std here)
       n_heads=n_heads,
-      n_kv_heads=n_kv_heads or 0,
+      n_kv_heads=0 if n_kv_heads is None else n_kv_heads,
       attention=gate,
       attn_impl=attn_impl,
-      block_size=block_size or 0,
+      block_size=0 if block_size is None else block_size,
       skip_tolerance=skip_tolerance,
       skip=skip,
       precision=precision,
@@ -425,14 +394,12 @@ class FirstPassageAttention(nnx.Module):
       output_gate=output_gate,
       norm_eps=norm_eps,
       init_std=init_std,
-      dtype=names["dtype"],
-      param_dtype=names["param_dtype"],
+      dtype=_dtype_name(dtype),
+      param_dtype=_dtype_name(param_dtype),
       **gate_options,
     )
-    try:
-      cfg.validate()
-    except ValueError as e:
-      raise ValueError(f"{where}: {e}") from None
+    # the fields' own checks, each error naming the argument (`gate` sets the field `attention`)
+    cfg.validate(arg_names={"attention": "gate"})
     return cls(cfg, out_init_std=init_std if out_init_std is None else out_init_std, rngs=rngs)
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -347,9 +347,7 @@ def train(
   `profile_steps=(A, B)`: a `jax.profiler` trace of steps A..B in <workdir>/profile.
   """
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-  cfg = config.validate()
-  if cfg.skip == "keys":
-    raise ValueError("skip='keys' is forward only (prefill, evaluation): train with skip='tiles' (the default)")
+  cfg = config.validate(training=True)  # refuses what cannot be trained (skip='keys')
   mesh = mesh if mesh is not None else S.make_mesh(cfg.mesh or None)
   cfg.validate_mesh(dict(mesh.shape))
   os.makedirs(workdir, exist_ok=True)

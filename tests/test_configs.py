@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 from flax import nnx
@@ -155,11 +157,12 @@ def test_set_parses_every_part_with_its_type():
 
 
 def test_lm_presets_use_the_lm_default_and_the_base_the_single_head_gate():
-  """LM_DEFAULT (issue 20) is the LM presets' gate; the base defaults and `tiny` keep the single-head
-  gate, and SINGLE_HEAD_GATE is exactly those defaults. Every gate preset sets every gate field."""
-  for preset in (C.SINGLE_HEAD_GATE, C.LM_GATE, C.LM_WARM, C.LM_WARM_CLIP, C.LM_FOX_FIRST, C.LM_FOX_HEAD, C.LM_DEFAULT):
+  """LM_DEFAULT is the LM presets' gate; the base defaults and `tiny` keep the single-head gate, and
+  SINGLE_HEAD_GATE is exactly those defaults. Each gate preset sets every gate field (the studies'
+  other presets: tests/test_recipes.py)."""
+  for preset in (C.SINGLE_HEAD_GATE, C.LM_DEFAULT):
     assert tuple(preset) == C.GATE_PRESET_FIELDS
-  assert C.LM_GATE != C.SINGLE_HEAD_GATE and C.LM_WARM != C.LM_GATE
+  assert C.LM_DEFAULT != C.SINGLE_HEAD_GATE
   for name in ("small", "base110m"):
     cfg = C.get_config(name, attention="fpa")
     assert {k: getattr(cfg, k) for k in C.GATE_PRESET_FIELDS} == C.LM_DEFAULT, name
@@ -170,33 +173,88 @@ def test_lm_presets_use_the_lm_default_and_the_base_the_single_head_gate():
   cfg = C.get_config("small", attention="fpa", **C.SINGLE_HEAD_GATE)
   assert cfg.gate_terms == ("step", "absolute", "offset") and cfg.step_scale == 10.0
   assert cfg.gate_lr_warmup_steps == 0 and cfg.step_init_std == C.SINGLE_HEAD_GATE["step_init_std"]
+  # the LM default's values (the library's one recommended LM recipe; docs/design.md)
+  assert C.LM_DEFAULT == {
+    "gate_forget": True,
+    "step_scale": 1.0,
+    "step_init_std": 0.0,
+    "absolute_scale": 1.0,
+    "absolute_init_std": 0.0,
+    "offset_scale": 1.0,
+    "offset_init_std": 0.0,
+    "fox_heads": 1,
+    "gate_lr_scale": 0.1,
+    "gate_lr_warmup_steps": 1200,
+    "gate_clip_apart": True,
+  }
+  assert not hasattr(C, "LM_GATE") and not hasattr(C, "LM_FOX_HEAD")  # study recipes: experiments.recipes
 
 
-def test_studies_keep_the_gate_their_committed_runs_were_trained_with():
-  """Every study row pins every gate field (a preset's defaults can change without changing a
-  committed row: rerunning one resumes its checkpoints and reproduces its numbers). Rows trained
-  before LM_GATE pin SINGLE_HEAD_GATE's scales; the LM rows pin LM_GATE's."""
-  from experiments import bindings_lm, lm_ablations, passkey, perplexity
+def test_field_lists_come_from_the_fields():
+  """Every field of every part carries its validator, and the field lists are read off the fields'
+  metadata (a new field is registered where it is declared)."""
+  for part in PARTS:
+    for f in dataclasses.fields(part):
+      assert callable(f.metadata.get("check")), f"{part.__name__}.{f.name} has no check"
+  model = set(C.ModelConfig.field_names())
+  assert set(C.GATE_OPTIONS) <= model and set(C.FREE_ON_RESUME) <= model
+  assert set(C.GATE_PRESET_FIELDS) <= model | set(C.TrainConfig.field_names())
+  assert C.GATE_OPTIONS == (
+    "gate_init_std",
+    "gate_bias_init",
+    "gate_forget",
+    "gate_terms_override",
+    "step_scale",
+    "step_init_std",
+    "step_bias_init",
+    "absolute_scale",
+    "absolute_init_std",
+    "offset_scale",
+    "offset_init_std",
+    "offset_bias_init",
+    "fox_heads",
+  )
+  assert set(C.GATE_PRESET_FIELDS) == {
+    "gate_forget",
+    "step_scale",
+    "absolute_scale",
+    "offset_scale",
+    "step_init_std",
+    "absolute_init_std",
+    "offset_init_std",
+    "gate_lr_scale",
+    "gate_lr_warmup_steps",
+    "gate_clip_apart",
+    "fox_heads",
+  }
+  assert C.FREE_ON_RESUME == {
+    "attn_impl",
+    "block_size",
+    "skip_tolerance",
+    "skip",
+    "precision",
+    "dtype",
+    "remat",
+    "init_std",
+    "gate_init_std",
+    "gate_bias_init",
+    "step_init_std",
+    "step_bias_init",
+    "absolute_init_std",
+    "offset_init_std",
+    "offset_bias_init",
+  }
+  from fpa_jax import layers
 
-  rows = [(f"passkey {m}", o) for m, o in passkey.METHODS.items()]
-  rows += [(f"perplexity {m}", o) for m, o in perplexity.METHODS.items()]
-  rows += [(f"lm_ablations {m}", o) for m, (o, _) in lm_ablations.ROWS.items()]
-  rows += [(f"bindings_lm {m}", o) for m, o in bindings_lm.METHODS.items()]
-  for name, over in rows:
-    assert set(C.GATE_PRESET_FIELDS) <= set(over), name  # pinned, not left to the preset
-  scales = ("step_scale", "absolute_scale", "offset_scale")
-  lm = lambda name: "fpa_lm" in name or name.startswith("bindings_lm") or "scale1" in name
-  for name, over in rows:
-    ref = C.LM_GATE if lm(name) else C.SINGLE_HEAD_GATE
-    assert all(over[k] == ref[k] for k in scales), name
-  # the studies' rows of the LM default are trained with it
-  for over in (passkey.METHODS[passkey.DEFAULT_METHOD], perplexity.METHODS[perplexity.DEFAULT_ROW]):
-    assert {k: over[k] for k in C.GATE_PRESET_FIELDS} == C.LM_DEFAULT
-  cold = ["passkey fpa_lm5", "perplexity fpa_lm", "perplexity fpa_lm_evict"] + [
-    f"bindings_lm {m}" for m in bindings_lm.METHODS
-  ]
-  for name, over in rows:
-    if name in cold:  # trained with LM_GATE as it was: random read-outs, no lr ramp
-      assert {k: over[k] for k in C.GATE_PRESET_FIELDS if k != "gate_forget"} == {
-        k: v for k, v in C.LM_GATE.items() if k != "gate_forget"
-      }, name
+  assert layers.GATE_OPTIONS is C.GATE_OPTIONS
+  # a preset class changes defaults only: its checks are the parts'
+  assert C.get_config("small").validate() == C.get_config("small")
+
+
+def test_training_refuses_what_only_evaluation_can_use():
+  """skip='keys' makes a valid (prefill / evaluation) config, but not a training run's."""
+  cfg = C.get_config("tiny", attn_impl="chunked", skip_tolerance=1e-3, skip="keys")
+  assert cfg.validate() is cfg
+  with pytest.raises(ValueError, match="skip='keys' is forward only"):
+    cfg.validate(training=True)
+  C.get_config("tiny").validate(training=True)

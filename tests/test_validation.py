@@ -29,7 +29,7 @@ from _tol import assert_bitwise, assert_close
 
 PARTS = (C.ModelConfig, C.DataConfig, C.TrainConfig)
 
-# (field, bad value): the issue's cases first, then one per constrained numeric field.
+# (field, bad value): out-of-range hyperparameters first, then one per constrained numeric field.
 BAD = [
   ("lr", -1.0),
   ("b2", 1.5),
@@ -122,6 +122,47 @@ def test_cli_set_validates():
     parse_args(["--config", "tiny", "--workdir", "/tmp/unused", "--set", "b2=1.5"])
   with pytest.raises(ValueError, match="norm_eps=0.0"):
     parse_args(["--config", "small", "--workdir", "/tmp/unused", "--set", "norm_eps=0"])
+
+
+def test_one_check_per_field_names_the_argument():
+  """The config, the layer's plain-argument constructor and the ops run the same check of a setting;
+  each error names what its caller wrote: the field, the Python argument (`gate` for `attention`) or
+  the op's argument, never the CLI's `--set`."""
+  mk = lambda **kw: FirstPassageAttention.from_args(**{"d_model": 32, "n_heads": 4, **kw}, rngs=nnx.Rngs(0))
+  cases = [  # (from_args kwargs, the ModelConfig fields, what both errors say)
+    (dict(d_model=30), dict(d_model=30, n_heads=4), r"d_model=30 is not divisible by n_heads=4; .*\(e\.g\. n_heads="),
+    (dict(n_heads=3), dict(d_model=32, n_heads=3), r"d_model=32 is not divisible by n_heads=3"),
+    (dict(block_size=-1), dict(block_size=-1), r"block_size=-1: use an int >= 0"),
+    (dict(rope_theta=0.0), dict(rope_theta=0.0), r"rope_theta=0.0: use a finite number in \(0, inf\)"),
+    (dict(attn_impl="flash"), dict(attn_impl="flash"), r"unknown attn_impl 'flash'"),
+    (dict(skip="rows"), dict(skip="rows"), r"skip='rows': the skip must be one of"),
+    (dict(attn_impl="quadratic", block_size=8), dict(attn_impl="quadratic", block_size=8), "block_size only applies"),
+  ]
+  for kw, fields, match in cases:
+    with pytest.raises(ValueError, match=match) as from_args:
+      mk(**kw)
+    with pytest.raises(ValueError, match=match) as config:
+      C.ModelConfig(**{"d_model": 32, "n_heads": 4, **fields}).validate()
+    for e in (from_args, config):
+      assert "--set" not in str(e.value) and "from_args:" not in str(e.value), str(e.value)
+  # the argument's own name where it differs from the field's
+  with pytest.raises(ValueError, match=r"unknown gate 'FPA'"):
+    mk(gate="FPA")
+  with pytest.raises(ValueError, match=r"or gate='fox' for every head"):
+    mk(n_kv_heads=1, fox_heads=1)
+  # the op's check is the same function, naming the op's argument
+  from fpa_jax import ops
+
+  q = jnp.zeros((1, 4, 1, 8))
+  f = jnp.zeros((1, 4, 1))
+  with pytest.raises(ValueError, match=r"unknown impl 'flash': the impl must be one of"):
+    ops.fpa_attention(q, q, q, f, f, impl="flash")
+  with pytest.raises(ValueError, match=r"unknown attn_impl 'flash': the attn_impl must be one of"):
+    C.ModelConfig(attn_impl="flash").validate()
+  with pytest.raises(ValueError, match=r"skip_tolerance only applies to the chunked kernel \(impl="):
+    ops.fpa_attention(q, q, q, f, f, impl="quadratic", skip_tolerance=1e-3)
+  with pytest.raises(ValueError, match=r"skip_tolerance only applies to the chunked kernel \(attn_impl="):
+    C.ModelConfig(attn_impl="quadratic", skip_tolerance=1e-3).validate()
 
 
 def test_layer_and_model_constructors_validate():

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from fpa_jax import ops
 from fpa_jax.inference.policies import Policy
 from fpa_jax.ops import recurrent as R  # the first-passage state: one definition, beside decode_step
+from fpa_jax.ops.common import F32
 
-F32 = jnp.float32
 _BIG = jnp.iinfo(jnp.int32).max
 
 

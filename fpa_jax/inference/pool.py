@@ -33,8 +33,7 @@ import jax.numpy as jnp
 from fpa_jax.inference.cache import LayerCache, _argmax_lex
 from fpa_jax.inference.policies import Policy
 from fpa_jax.ops import recurrent as R
-
-F32 = jnp.float32
+from fpa_jax.ops.common import F32
 
 
 class SlotPool(NamedTuple):

@@ -29,11 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax.ops import validate as _v
-from fpa_jax.ops.common import STATS_DTYPE, dip
+from fpa_jax.ops.common import F32, dip
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.quadratic import masked_softmax_attention
-
-F32 = STATS_DTYPE
 
 
 def budget_keep(

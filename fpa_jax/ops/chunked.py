@@ -63,12 +63,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.common import STATS_DTYPE, dip
+from fpa_jax.ops.common import F32, dip
 
 DEFAULT_BLOCK = 256
 # Finite mask value: exp(NEG - m) == 0 without any inf - inf.
 NEG = -1e30
-F32 = STATS_DTYPE
 
 
 def _min_scan(x, axis, reverse=False):

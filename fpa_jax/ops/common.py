@@ -24,8 +24,10 @@ SKIPS: tuple[str, ...] = get_args(Skip)
 # The tiled impls, which take a block_size ("auto" resolves to one of them).
 BLOCKED = ("chunked", "pallas", "auto")
 
+# float32, by one name across the package (ops, gates, layers, inference).
+F32 = jnp.float32
 # Field, levels, penalties and softmax statistics are always fp32, whatever q/k/v are.
-STATS_DTYPE = jnp.float32
+STATS_DTYPE = F32
 
 
 @dataclasses.dataclass(frozen=True)

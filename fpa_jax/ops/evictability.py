@@ -47,7 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-F32 = jnp.float32
+from fpa_jax.ops.common import F32
 
 
 class LiveCounts(NamedTuple):

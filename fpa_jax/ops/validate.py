@@ -1,4 +1,9 @@
-"""Input checks shared by every attention op: clear errors before tracing, never silent casts."""
+"""Input checks shared by every attention op: clear errors before tracing, never silent casts.
+
+The scalar settings (impl, block_size, skip_tolerance, skip) are checked by the same functions for
+an op call and for the model fields that set them (`fpa_jax.configs.ModelConfig`: attn_impl,
+block_size, skip_tolerance, skip): `name=` and friends say what the caller calls the setting, so
+an error names the argument or field the user wrote."""
 
 from __future__ import annotations
 
@@ -16,14 +21,18 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating)  # callers check the shape first: x is an array
 
 
-def check_impl(impl: Implementation, block_size: int | None = None) -> None:
+def check_impl(impl: Implementation, block_size: int | None = None, *, name="impl", block_name="block_size") -> None:
+  """impl one of IMPLS; a block_size (None: unset) only for the tiled impls, and >= 1 if an int."""
   if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    raise ValueError(f"unknown {name} {impl!r}: the {name} must be one of {IMPLS}")
   if block_size is not None and impl not in BLOCKED:
-    raise ValueError(f"block_size only applies to impl in {BLOCKED}, got impl={impl!r}")
+    raise ValueError(
+      f"{block_name} only applies to {name} in {BLOCKED}, got {name}={impl!r}: leave {block_name} unset "
+      f"or use a tiled {name}"
+    )
   # Checked here as well as by the impls: an empty input returns before reaching them.
   if isinstance(block_size, int) and block_size < 1:
-    raise ValueError(f"block_size must be a positive int (block sizes are tile lengths in tokens), got {block_size}")
+    raise ValueError(f"{block_name} must be a positive int (block sizes are tile lengths in tokens), got {block_size}")
 
 
 def resolve_impl(impl: Implementation, grouped: bool = False) -> str:
@@ -131,20 +140,31 @@ def default_scale(scale, head_dim: int) -> float:
   return head_dim**-0.5 if scale is None else float(scale)
 
 
-def check_skip_tolerance(skip_tolerance, impl: str) -> None:
-  """None (exact) or a Python float eps in (0, 1), for the chunked impl only (`impl` resolved)."""
+def check_skip_tolerance(skip_tolerance, impl: str | None = None, *, name="skip_tolerance", impl_name="impl") -> None:
+  """None (exact) or a Python float eps in (0, 1); with `impl` given, for the chunked kernel only
+  ("auto" resolves to it)."""
   if skip_tolerance is None:
     return
   # A Python float only: it sets a static threshold, so arrays / tracers have no meaning here.
   if not isinstance(skip_tolerance, float) or not 0.0 < skip_tolerance < 1.0:
-    raise ValueError(f"skip_tolerance must be None or a float in (0, 1), got {skip_tolerance!r}")
-  if impl != "chunked":
-    raise ValueError(f"skip_tolerance only applies to impl='chunked', got impl={impl!r}")
+    raise ValueError(f"{name}={skip_tolerance!r}: use None (exact) or a float in (0, 1), e.g. 1e-3")
+  if impl is not None and resolve_impl(impl) != "chunked":
+    raise ValueError(
+      f"{name} only applies to the chunked kernel ({impl_name}='chunked' or 'auto'), got {impl_name}={impl!r}: "
+      f"set {impl_name}='chunked' or {name}=None"
+    )
 
 
-def check_skip(skip, skip_tolerance) -> None:
-  """skip: "tiles" (default) or "keys" (forward-only key-sparse prefill, which needs a tolerance)."""
+def check_skip_name(skip, *, name="skip") -> None:
+  """What skip_tolerance drops: one of SKIPS."""
   if skip not in SKIPS:
-    raise ValueError(f"skip must be one of {SKIPS}, got {skip!r}")
+    raise ValueError(f"{name}={skip!r}: the {name} must be one of {SKIPS}")
+
+
+def check_skip(skip, skip_tolerance, *, name="skip", tolerance_name="skip_tolerance") -> None:
+  """skip: "tiles" (default) or "keys" (forward-only key-sparse prefill, which needs a tolerance)."""
+  check_skip_name(skip, name=name)
   if skip == "keys" and skip_tolerance is None:
-    raise ValueError("skip='keys' drops keys under a tolerance: pass skip_tolerance=eps in (0, 1), e.g. 1e-3")
+    raise ValueError(
+      f"{name}='keys' drops keys under a tolerance: set {tolerance_name}=eps in (0, 1) (e.g. 1e-3) or {name}='tiles'"
+    )

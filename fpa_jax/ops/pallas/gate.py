@@ -25,9 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.common import STATS_DTYPE, dip
+from fpa_jax.ops.common import F32, dip
 
-F32 = STATS_DTYPE
 INF = float("inf")
 
 
