@@ -238,6 +238,29 @@ class AttentionSpec:
     return shard_local(local, args, axes, BTHK)
 
 
+def sow_gates(layer: nnx.Module, gates: GateTerms) -> None:
+  """Record (field, level) [B, T, KVH] as the layer's `nnx.Intermediate` "gates", only while an
+  `nnx.capture` collects them: flax's `sow` outside a capture would add a Variable to the layer
+  (its state would change under a training step), so the plain forward sows nothing."""
+  if hasattr(layer, "__captures__"):  # what Module.sow itself checks for a capture in progress
+    layer.sow(nnx.Intermediate, "gates", (gates.field, gates.level))
+
+
+def with_gates(model, *args, **kwargs):
+  """model(*args, **kwargs) and the gate outputs of every `FirstPassageAttention` in it, from the same
+  forward pass (`nnx.capture` of what the layers sow, `sow_gates`) -> (out, (field, level)), each
+  [L, B, T, KVH] fp32 with the layers in the model's order (a scanned stack's layer axis first;
+  zeros for a layer without a gate). `model`: any NNX module made of these layers (`DecoderLM`,
+  a model of your own); the evictability objective and the gate statistics read them
+  (`fpa_jax.losses`)."""
+  out, inter = nnx.capture(model, nnx.Intermediate)(*args, **kwargs)
+  found = sorted((path, v.get_value()) for path, v in nnx.to_flat_state(inter) if path[-1] == "gates")
+  if not found:
+    raise ValueError("with_gates: the model has no FirstPassageAttention layer (nothing sowed 'gates')")
+  stack = lambda i: jnp.concatenate([a[i] if a[i].ndim == 4 else a[i][None] for _, calls in found for a in calls])
+  return out, (stack(0), stack(1))
+
+
 @functools.lru_cache(maxsize=None)
 def attention_spec(cfg: ModelConfig) -> AttentionSpec:
   """The `AttentionSpec` of a layer of `cfg` (a ModelConfig): the one place impl, block size,
@@ -458,12 +481,12 @@ class FirstPassageAttention(nnx.Module):
     positions: jax.Array | None = None,
     *,
     cache: AttentionCache | None = None,
-    return_gates: bool = False,
     budget=None,
   ):
-    """Parallel: x [B, T, D] -> y [B, T, D]; return_gates=True -> (y, (field, level)), the gate's
-    outputs that the attention used, each [B, T, KVH] fp32 (zeros without a gate), from the same
-    forward pass (`fpa_jax.losses`). budget=(capacity, recent) int scalars: attend only over the keys
+    """Parallel: x [B, T, D] -> y [B, T, D]. Under `nnx.capture(..., nnx.Intermediate)` the layer
+    sows `gates` = (field, level), the gate outputs the attention used, each [B, T, KVH] fp32
+    (zeros without a gate), from the same forward pass (`sow_gates`; `with_gates`,
+    `fpa_jax.losses`). budget=(capacity, recent) int scalars: attend only over the keys
     an `fpa_budget` cache of that size would hold (`ops.budget.budgeted_attention`, quadratic
     whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
     `AttentionCache`): -> (y, the cache after x); see the class docstring."""
@@ -472,6 +495,7 @@ class FirstPassageAttention(nnx.Module):
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
     q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
     g = self.gate_terms(x, None if cache is None else cache.carry)
+    sow_gates(self, g)
     if cache is not None:
       o, cache = cache.attend(spec, q, k, v, g)
       return self.output(o, x), cache
@@ -487,5 +511,4 @@ class FirstPassageAttention(nnx.Module):
       # to fpa_attention(field, field)): the honest cost baseline.
       op, args = spec.op_args(g)
       o = self.parallel_attention(op, q, k, v, args, segment_ids)
-    y = self.output(o, x)  # [B, T, D]
-    return (y, (g.field, g.level)) if return_gates else y
+    return self.output(o, x)  # [B, T, D]

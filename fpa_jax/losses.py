@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fpa_jax.layers import with_gates
 from fpa_jax.ops import budget as BL
 from fpa_jax.ops import evictability as E
 from fpa_jax.ops.penalty import first_passage_penalty
@@ -128,7 +129,7 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
     logits = model(batch["inputs"], batch["segment_ids"], budget=budget)
     s, n = _ce_sum(logits, batch)
     return s, {"lm_sum": s, "count": n, **metrics}
-  logits, gates = model(batch["inputs"], batch["segment_ids"], return_gates=True, budget=budget)
+  logits, gates = with_gates(model, batch["inputs"], batch["segment_ids"], budget=budget)
   s, n = _ce_sum(logits, batch)
   hinge, ev = evict_terms(gates, batch["segment_ids"], cfg, step, k_evict)
   total = s + jax.lax.stop_gradient(n) * (cfg.evict_weight * hinge)
@@ -166,7 +167,7 @@ def eval_terms(model, batch: dict, with_gate_stats: bool) -> tuple[jax.Array, ja
   """-> (sum of masked CEs, target tokens, `gate_stats` or {}): the trainer's eval of one batch."""
   if not with_gate_stats:
     return *lm_loss(model, batch), {}
-  logits, gates = model(batch["inputs"], batch["segment_ids"], return_gates=True)
+  logits, gates = with_gates(model, batch["inputs"], batch["segment_ids"])
   cut = lambda a: a[..., :STATS_ROWS, :STATS_LEN, :]  # noqa: E731  [L, B, T, KVH]
   seg = batch["segment_ids"]
   stats = gate_stats(tuple(map(cut, gates)), None if seg is None else seg[:STATS_ROWS, :STATS_LEN])

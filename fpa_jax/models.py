@@ -40,6 +40,7 @@ from fpa_jax.layers import (
   _param,
   normal,
   precision_scope,
+  with_gates,
 )
 from fpa_jax.sharding import BTD, BTV, EMBED, LAYERS, VOCAB, constrain
 
@@ -118,20 +119,17 @@ class Block(nnx.Module):
     positions: jax.Array | None = None,
     *,
     cache: AttentionCache | None = None,
-    return_gates: bool = False,
     budget=None,
   ):
     """x [B, T, D] -> [B, T, D]; with a cache (an `AttentionCache`) -> (x, the cache after x);
-    return_gates=True (parallel mode) -> (x, (field, level)), each [B, T, KVH] fp32; budget: see
-    `FirstPassageAttention`."""
+    budget: see `FirstPassageAttention`."""
     x = constrain(x, BTD)  # block boundary: batch over `data` under the trainer's mesh
-    h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, return_gates=return_gates, budget=budget)
-    extra = cache is not None or return_gates  # (h, new cache) or (h, gates)
-    if extra:
-      h, out = h
+    h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, budget=budget)
+    if cache is not None:
+      h, cache = h
     x = constrain(x + h, BTD)  # [B, T, D]
     x = constrain(x + self.mlp(self.mlp_norm(x)), BTD)
-    return (x, out) if extra else x
+    return x if cache is None else (x, cache)
 
 
 class DecoderLM(nnx.Module):
@@ -171,9 +169,9 @@ class DecoderLM(nnx.Module):
     defined logits, the same in every attn_impl.
 
     return_gates=True -> (logits, (field, level)): every layer's gate outputs as the attention
-    used them, each stacked [L, B, T, KVH] fp32 in both layouts (scan_layers stacks them as the
-    scan's output; zeros for a layer without a gate), from the same forward pass (the evictability
-    objective, `fpa_jax.losses`). Parallel mode only.
+    used them, each stacked [L, B, T, KVH] fp32 in both layouts (zeros for a layer without a gate),
+    from the same forward pass: `layers.with_gates(model, tokens, ...)`, what the layers sow (the
+    evictability objective, `fpa_jax.losses`). Parallel mode only.
 
     budget=(capacity, recent) int32 scalars (parallel mode, gated attention): every layer attends
     only over the keys an `fpa_budget` cache of `capacity` keys per (row, kv head), with `recent`
@@ -189,6 +187,8 @@ class DecoderLM(nnx.Module):
       raise ValueError("return_gates and budget are for the parallel (training) forward, not cached mode")
     if budget is not None and (not isinstance(budget, (tuple, list)) or len(budget) != 2):
       raise ValueError(f"budget must be a (capacity, recent) pair of int scalars, got {budget!r}")
+    if return_gates:
+      return with_gates(self, tokens, segment_ids, positions, budget=budget)
     tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete
     x = constrain(embed_tokens(self.embed[...], tokens).astype(self.dtype), BTD)  # [B, T, D]
     if cache is not None:
@@ -200,33 +200,22 @@ class DecoderLM(nnx.Module):
       return self.logits(x), cache
 
     def apply(block, x, segment_ids, positions, budget):
-      return block(x, segment_ids, positions, return_gates=return_gates, budget=budget)
+      return block(x, segment_ids, positions, budget=budget)
 
     if self.cfg.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.cfg.remat])
     if not self.cfg.scan_layers:
-      per_layer = []
       for block in self.blocks:
         x = apply(block, x, segment_ids, positions, budget)
-        if return_gates:
-          x, g = x
-          per_layer.append(g)
-      if return_gates:
-        return self.logits(x), tuple(jnp.stack(a) for a in zip(*per_layer))
       return self.logits(x)
 
     # The block is traced once and looped by XLA (compile time flat in depth); segment_ids and
-    # positions are the same for every layer (in_axes None). With return_gates the per-layer
-    # (field, level) are the scan's stacked output [L, ...].
-    out_axes = (nnx.Carry, 0) if return_gates else nnx.Carry
-
-    @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None), out_axes=out_axes, transform_metadata=_LAYER_AXIS)
+    # positions are the same for every layer (in_axes None). What the layers sow (`with_gates`)
+    # comes out stacked [L, ...] with the scanned state.
+    @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS)
     def scan(x, block, segment_ids, positions, budget):
       return apply(block, x, segment_ids, positions, budget)
 
-    if return_gates:
-      x, gates = scan(x, self.blocks, segment_ids, positions, budget)
-      return self.logits(x), gates
     return self.logits(scan(x, self.blocks, segment_ids, positions, budget))
 
   def layer_blocks(self) -> list[Block]:

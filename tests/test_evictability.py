@@ -18,6 +18,7 @@ from flax import nnx
 
 from fpa_jax import configs as C
 from fpa_jax import losses, train
+from fpa_jax.layers import with_gates
 from fpa_jax.models import build_model
 from fpa_jax.ops import evictability as E
 
@@ -280,7 +281,7 @@ def test_bad_settings_raise(kw, match):
 
 
 # ------------------------------------------------------------------------------------------------
-# return_gates: the gate's outputs from the same forward pass, both layouts
+# with_gates: the gate's outputs from the same forward pass (what the layers sow), both layouts
 # ------------------------------------------------------------------------------------------------
 
 
@@ -293,15 +294,20 @@ def test_return_gates_equal_the_gate(batch, scan, attention):
   @jax.jit
   def probe(state, tok, seg):
     m = nnx.merge(gdef, state)
-    logits, gates = m(tok, seg, return_gates=True)
+    logits, gates = with_gates(m, tok, seg)
+    sugar = m(tok, seg, return_gates=True)[1]  # DecoderLM's shorthand for the same capture
     x, ref = jnp.take(m.embed[...], tok, axis=0), []
     for block in m.layer_blocks():  # the gate applied directly to each block's normed input
       ref.append(block.attn.gate(block.attn_norm(x)))
       x = block(x, seg)
-    return logits, gates, m(tok, seg), tuple(jnp.stack(a) for a in zip(*ref))
+    plain = m(tok, seg)
+    assert not nnx.state(m, nnx.Intermediate)  # outside a capture the layers sow nothing: same state
+    return logits, gates, sugar, plain, tuple(jnp.stack(a) for a in zip(*ref))
 
   tok, seg = batch["inputs"], batch["segment_ids"]
-  logits, (field, level), plain, (f_ref, l_ref) = probe(state, tok, seg)
+  logits, (field, level), sugar, plain, (f_ref, l_ref) = probe(state, tok, seg)
+  assert_bitwise(sugar[0], field)
+  assert_bitwise(sugar[1], level)
   L, b, t, kvh = cfg.n_layers, *tok.shape, cfg.kv_heads
   assert field.shape == level.shape == (L, b, t, kvh)
   assert_close(logits, plain, n=cfg.d_model * L)
