@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fpa_jax.inference import pool as P
+from fpa_jax.inference import pool
 from fpa_jax.inference.cache import Decode, LayerCache, LayerCaches, Prefill, init_cache, reset_rows
 from fpa_jax.inference.policies import (
   Policy,
@@ -84,7 +84,7 @@ def layer_query_bounds(model: DecoderLM) -> list[jax.Array]:
 
 def init_caches(
   model: DecoderLM, batch: int, policy: Policy, n_keys: int, slots: int | None = None
-) -> tuple[LayerCache, ...] | P.GlobalCache:
+) -> tuple[LayerCache, ...] | pool.GlobalCache:
   """One empty `LayerCache` per layer with the policy's thresholds (fpa_global: the shared pool).
 
   n_keys: the most keys a sequence can have (the N in the `fpa` tolerance threshold).
@@ -96,7 +96,7 @@ def init_caches(
   cfg = model.cfg
   if policy.is_global and slots is None:
     g = policy.pool_slots(cfg.n_layers, cfg.kv_heads)
-    return P.init_global_cache(batch, g, cfg.n_layers, cfg.kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype))
+    return pool.init_global_cache(batch, g, cfg.n_layers, cfg.kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype))
   coefs = caps = [None] * cfg.n_layers
   if policy.name == "fpa" and policy.bound == "keys":
     us = layer_logit_bounds(model)
@@ -172,7 +172,7 @@ def _select_rows(rows: jax.Array, new, old):
   """Per row b: new if rows[b] else old (the per-head threshold terms [H] are shared); a LayerCache
   or a whole `pool.GlobalCache` (every leaf has the batch first)."""
   pick = lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o)
-  if isinstance(new, P.GlobalCache):
+  if isinstance(new, pool.GlobalCache):
     return jax.tree.map(pick, new, old)
   shared = ("threshold", "key_coef", "key_cap")
   return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in shared})
@@ -193,9 +193,9 @@ def _split_on_one_device(model: DecoderLM):
 def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
   """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
   `pool.GlobalCache`)."""
-  if isinstance(caches, P.GlobalCache):
-    logits, done = model(tokens[:, None], positions=positions[:, None], cache=P.PoolStep(caches, policy, positions))
-    return logits[:, 0], P.pool_evict(done.cache, policy, positions)
+  if isinstance(caches, pool.GlobalCache):
+    logits, done = model(tokens[:, None], positions=positions[:, None], cache=pool.PoolStep(caches, policy, positions))
+    return logits[:, 0], pool.pool_evict(done.cache, policy, positions)
   run = Decode(policy, positions, step=step, measure=measure)
   logits, done = model(tokens[:, None], positions=positions[:, None], cache=LayerCaches(tuple(caches), run))
   caches = done.layers
@@ -206,8 +206,8 @@ def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=N
 
 def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
   """(max keys held by any (layer, row, head) [], keys held [L, B, KVH]), fp32."""
-  if isinstance(caches, P.GlobalCache):
-    held = P.held(caches).astype(jnp.float32)
+  if isinstance(caches, pool.GlobalCache):
+    held = pool.held(caches).astype(jnp.float32)
   else:
     held = jnp.stack([jnp.sum(c.alive, axis=1) for c in caches]).astype(jnp.float32)  # [L, B, H]
   return jnp.max(held), held
@@ -215,7 +215,7 @@ def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
 
 def _overflow(caches) -> jax.Array:
   """[] bool: a thresholded policy ran out of capacity (never for the pool: fpa_global has no threshold)."""
-  if isinstance(caches, P.GlobalCache):
+  if isinstance(caches, pool.GlobalCache):
     return jnp.zeros((), bool)
   return jnp.any(jnp.stack([c.overflow for c in caches]))
 
@@ -238,7 +238,7 @@ def prefill_parallel(model: DecoderLM, prompt, lengths, policy: Policy, n_keys: 
   caches = done.layers
   if policy.is_global:
     cfg = model.cfg
-    caches = P.pool_from_caches(
+    caches = pool.pool_from_caches(
       global_evict(caches, policy, lengths - 1), policy.pool_slots(cfg.n_layers, cfg.kv_heads)
     )
   return logits, caches
@@ -380,7 +380,7 @@ def _generate_program(
       tok, t = xs
       active = t < lengths
       logits, new = _step(model, caches, tok, jnp.full((b,), t, jnp.int32), policy)
-      if isinstance(new, P.GlobalCache):
+      if isinstance(new, pool.GlobalCache):
         caches = _select_rows(active, new, caches)
       else:
         caches = tuple(_select_rows(active, n, o) for n, o in zip(new, caches))
