@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from fpa_jax import cli
 from fpa_jax.data.passkey import EVAL_DEPTHS, EVAL_MULTIPLES, passkey_eval_examples
 from fpa_jax.data.tokenizers import ByteTokenizer
 from fpa_jax.inference import POLICIES, cached_logits, generate, make_policy
@@ -744,7 +745,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="generate the answer with this prefill (default: teacher-forced exact match, one pass per prompt)",
   )
   g.add_argument("--eval-tokens", type=int, default=16384, help="tokens per pass when --batch-size is not given")
-  return ap.parse_args(argv)
+  return cli.parse(ap, argv)
 
 
 def _text_rows(cfg, a, seq_len: int, batch: int):

@@ -1,9 +1,9 @@
 """Generate text from a trained run with a first-passage KV cache.
 
-    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "def main(" --max_new_tokens 64
+    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "def main(" --max-new-tokens 64
     python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa_budget --budget 0.25
     python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa --tolerance 1e-3
-    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa_global --budget 0.25 --head_cap 0.5
+    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa_global --budget 0.25 --head-cap 0.5
     python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy snapkv --budget 0.25
 
 Prints the generated text, then one line of cache statistics (policy, capacity, peak fraction of
@@ -17,11 +17,12 @@ import argparse
 import json
 import sys
 
+from fpa_jax import cli
 from fpa_jax.inference.policies import POLICIES
 
 
 def _budget(raw: str) -> float | int:
-  """'0.25' -> a fraction, '128' -> a key count (also --head_cap)."""
+  """'0.25' -> a fraction, '128' -> a key count (also --head-cap)."""
   try:
     return int(raw)
   except ValueError:
@@ -32,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap = argparse.ArgumentParser(prog="python -m fpa_jax.generate", description=__doc__.split("\n\n")[0])
   ap.add_argument("--workdir", required=True, help="a training workdir (python -m fpa_jax.train --workdir ...)")
   ap.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
-  ap.add_argument("--max_new_tokens", type=int, default=64)
+  ap.add_argument("--max-new-tokens", type=int, default=64)
   ap.add_argument("--policy", default="full", choices=POLICIES)
   ap.add_argument("--budget", type=_budget, help="fraction of prompt + new tokens (0.25) or a key count (128)")
   ap.add_argument("--tolerance", type=float, help="policy fpa: attention mass evicted keys may carry")
@@ -42,14 +43,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--recent", type=int, help="fpa_budget, fpa_global, snapkv: last keys never evicted (default budget/8)"
   )
   ap.add_argument(
-    "--head_cap", type=_budget, help="fpa_global: max keys per layer and head in the pool (default: none)"
+    "--head-cap", type=_budget, help="fpa_global: max keys per layer and head in the pool (default: none)"
   )
   ap.add_argument("--temperature", type=float, default=0.0)
-  ap.add_argument("--top_k", type=int)
+  ap.add_argument("--top-k", type=int)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--prefill", choices=("parallel", "decode"))
-  ap.add_argument("--data_dir", help="where an spm tokenizer lives (default: the run's data_dir)")
-  return ap.parse_args(argv)
+  ap.add_argument("--data-dir", help="where an spm tokenizer lives (default: the run's data_dir)")
+  return cli.parse(ap, argv)
 
 
 def main(argv=None) -> int:

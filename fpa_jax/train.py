@@ -3,7 +3,7 @@
     python -m fpa_jax.train --config tiny --attention fpa --task text --steps 50 --workdir /tmp/run
     python -m fpa_jax.train --config small --attention fox --task passkey --steps 2000 --set seq_len=1024 \
         --set batch_size=8 --workdir runs/fox --mesh data=4,model=2 --set lr=3e-4 --set grad_accum=2 \
-        [--profile_steps 10:12]
+        [--profile-steps 10:12]
 
 Rerunning a command with a larger --steps resumes from the latest checkpoint in --workdir (model,
 optimizer, step and data iterator). The cosine horizon is `lr_decay_steps` (default: --steps);
@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fpa_jax import cli
 from fpa_jax import configs as C
 from fpa_jax import data as D  # its modules (grain, TFDS) load on first use, in make_data
 from fpa_jax import sharding as S
@@ -508,7 +509,7 @@ def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
     return None
   a, sep, b = spec.partition(":")
   if not sep or not a.strip().isdigit() or not b.strip().isdigit() or not 1 <= int(a) <= int(b):
-    raise ValueError(f"--profile_steps {spec!r}: expected A:B with 1 <= A <= B (steps as in metrics.jsonl)")
+    raise ValueError(f"--profile-steps {spec!r}: expected A:B with 1 <= A <= B (steps as in metrics.jsonl)")
   return int(a), int(b)
 
 
@@ -580,7 +581,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[C.Config, argparse.Namesp
   ap.add_argument("--steps", type=int)
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--mesh", help="e.g. data=4,model=2 (product = device count); default all on data")
-  ap.add_argument("--data_dir")
+  ap.add_argument("--data-dir")
   ap.add_argument(
     "--set",
     dest="sets",
@@ -589,17 +590,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[C.Config, argparse.Namesp
     metavar="KEY=VALUE",
     help="override any config field, repeatable (e.g. --set lr=3e-4 --set dtype=bfloat16)",
   )
-  ap.add_argument("--no_progress", action="store_true")
+  ap.add_argument("--no-progress", action="store_true")
   ap.add_argument(
-    "--profile_steps",
+    "--profile-steps",
     metavar="A:B",
     help="write a jax.profiler trace of steps A..B (1-based, inclusive) to <workdir>/profile",
   )
-  args = ap.parse_args(argv)
+  args = cli.parse(ap, argv)
   overrides = C.parse_overrides(C.CONFIGS[args.config], args.sets)
   for key in ("attention", "task", "steps", "mesh", "data_dir"):
     if getattr(args, key) is not None:
       overrides[key] = getattr(args, key)
+  base = C.CONFIGS[args.config]()
+  decay = overrides.get("lr_decay_steps", base.lr_decay_steps) or overrides.get("steps", base.steps)
+  if "warmup_steps" not in overrides and base.warmup_steps > decay:  # a smoke run shorter than the warmup
+    print(f"note: warmup_steps {base.warmup_steps} -> {decay}, the run's {decay} steps", file=sys.stderr)
+    overrides["warmup_steps"] = decay
   return C.get_config(args.config, **overrides), args
 
 

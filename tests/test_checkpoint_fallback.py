@@ -150,7 +150,7 @@ def test_cli_with_no_restorable_checkpoint_fails_with_one_message(tiny_run, tmp_
   wd, _ = _copy(tiny_run, tmp_path)
   for s in (2, 4):
     truncate_data_files(wd / "checkpoints" / str(s))
-  argv = ["--config", "tiny", "--task", "synthetic", "--steps", "4", "--workdir", str(wd), "--no_progress"]
+  argv = ["--config", "tiny", "--task", "synthetic", "--steps", "4", "--workdir", str(wd), "--no-progress"]
   argv += [f"--set={k}={v}" for k, v in KW.items() if k != "task"]
   assert main(argv) == 2
   err = capsys.readouterr().err

@@ -382,7 +382,7 @@ def test_generate_cli(trained_run, tmp_path, capsys):
 
   wd, _ = trained_run
   rc = cli.main(
-    ["--workdir", str(wd), "--prompt", "ab", "--max_new_tokens", "3", "--policy", "fpa_budget", "--budget", "0.5"]
+    ["--workdir", str(wd), "--prompt", "ab", "--max-new-tokens", "3", "--policy", "fpa_budget", "--budget", "0.5"]
   )
   out = capsys.readouterr().out.splitlines()
   assert rc == 0 and out[0].startswith("ab") and '"policy": "fpa_budget"' in out[-1]

@@ -69,7 +69,7 @@ def _cli(workdir, steps):
     "ckpt_every=6",
     "--set",
     "n_layers=1",
-    "--no_progress",
+    "--no-progress",
   ]
   # One simulated device: the resume path is the same on any mesh, and an 8-device step costs each
   # new process a sharded compile (the sharded step has its own test above).
@@ -302,8 +302,8 @@ def test_cli_profile_steps_writes_trace(tmp_path):
         str(tmp_path),
         "--set",
         "n_layers=1",
-        "--no_progress",
-        "--profile_steps",
+        "--no-progress",
+        "--profile-steps",
         "2:3",
       ]
     )
@@ -311,7 +311,7 @@ def test_cli_profile_steps_writes_trace(tmp_path):
   )
   files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "profile") for f in fs]
   assert files and any(os.path.getsize(f) > 0 for f in files), files
-  assert main(["--config", "tiny", "--workdir", str(tmp_path / "x"), "--profile_steps", "3:2"]) == 2
+  assert main(["--config", "tiny", "--workdir", str(tmp_path / "x"), "--profile-steps", "3:2"]) == 2
 
 
 def test_cooldown_schedule_decays_linearly_to_zero():
