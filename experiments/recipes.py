@@ -49,8 +49,14 @@ ONE_RECIPE: dict[str, dict[str, Any]] = {
   # the single-head gate started at FOX_B5 (FoX's term, read-outs from zero at the full lr: the passkey
   # study's fpa_fox5, whose retrofit kept passkey at 12.5% of the cache) with the late objective: the
   # LM default's gate found no retrieval on seed 2 in 3000 steps (recipe_late)
-  "fpa5_late": {**SINGLE_HEAD_GATE, "attention": "fpa", "gate_forget": True, "gate_bias_init": 5.0,
-                "step_bias_init": 0.0, **EVICT_LATE},  # fmt: skip
+  "fpa5_late": {
+    **SINGLE_HEAD_GATE,
+    "attention": "fpa",
+    "gate_forget": True,
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    **EVICT_LATE,
+  },  # fmt: skip
 }
 
 
