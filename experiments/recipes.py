@@ -9,6 +9,7 @@ one-recipe study (`experiments.one_recipe`) trains from scratch, seed by seed:
   recipe_no_objective  the same without the objective: the objective's text cost, paired by seed
   recipe_late          the objective ramped only once retrieval is learned (steps 1500..2100)
   recipe_late_fh0      recipe_late with no FoX head (`fox_heads=0`): every head can keep a far key alone
+  recipe_fh0_no_objective  recipe_late_fh0 without the objective (its text cost)
   fpa5_late            the single-head gate at FoX's start, full-lr read-outs, the late objective
 """
 
@@ -46,6 +47,8 @@ ONE_RECIPE: dict[str, dict[str, Any]] = {
   "recipe_no_objective": RECIPE_GATE,
   "recipe_late": {**RECIPE_GATE, **EVICT_LATE},
   "recipe_late_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE},
+  # recipe_late_fh0 without the objective: its text cost, paired by seed
+  "recipe_fh0_no_objective": {**RECIPE_GATE, "fox_heads": 0},
   # the single-head gate started at FOX_B5 (FoX's term, read-outs from zero at the full lr: the passkey
   # study's fpa_fox5, whose retrofit kept passkey at 12.5% of the cache) with the late objective: the
   # LM default's gate found no retrieval on seed 2 in 3000 steps (recipe_late)
