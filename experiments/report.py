@@ -1,11 +1,16 @@
-"""Regenerate the README's results from the files the studies wrote: no hand-typed numbers.
+"""Regenerate the README's and docs' results from the files the studies wrote: no hand-typed numbers.
 
     python -m experiments.report
 
-1. Writes results/claims.md: each claim of the paper beside what the studies here measured, read
-   from results/{scopes,dips,passkey,kv_compression,perplexity,bindings_lm,text_pareto}.json (a claim whose study has not
-   run yet says so).
-2. Copies tables into README.md, which marks each one as
+1. Writes results/claims.md, the README's claims table: one line per claim, its verdict and a link
+   to the evidence. From results/one_recipe/claims.json (`experiments.one_recipe`: every claim on
+   the same checkpoints) when it exists and has judged a claim, else from the separate studies' results
+   (results/{scopes,dips,passkey*,kv_compression*,perplexity*,bindings_lm,text_pareto,forget_speed}.json).
+   A verdict holds only when it holds on every seed (paired with FoX of the same seed where the
+   claim compares with FoX), else it says on how many: "k of n seeds", or "not met".
+2. Writes results/claims_studies.md (the separate studies' table, for docs/results.md) and
+   results/claims_detail.md (everything each study measured for each claim) and the tables collected across runs (dips_limits, passkey_pace, kv_lengths).
+3. Copies tables into README.md and every docs/**/*.md, which mark each one as
 
     <!-- results/NAME.md -->
     ...replaced...
@@ -17,6 +22,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -79,7 +85,7 @@ SHARED_INIT = ", FPA's other weights drawn as FoX's (the read-outs' side stream)
 
 
 def _passkey_seed(doc, label: str = "") -> str:
-  """Another seed's steps to competence (issue 20: does the LM gate learn retrieval as fast as FoX?);
+  """Another seed's steps to competence (does the LM gate learn retrieval as fast as FoX?);
   `label` says what differs from the main study's runs besides the seed."""
   if doc is None or not _methods(doc):
     return ""
@@ -112,9 +118,9 @@ def _passkey_pace_docs(root: Path) -> list[tuple[int, bool, dict]]:
 
 
 def passkey_pace(root: Path = ROOT) -> dict | None:
-  """Steps to passkey competence by seed (issue 20: does the LM default learn retrieval as fast as
-  FoX?): FoX from any of the study's runs, FPA methods from the shared-init runs only (their other
-  weights are FoX's of the same seed). {method: {seed: (first competent stage step or None,
+  """Steps to passkey competence by seed (does the LM default learn retrieval as fast as FoX?): FoX
+  from any of the study's runs, FPA methods from the shared-init runs only (their other weights are
+  FoX's of the same seed). {method: {seed: (first competent stage step or None,
   [(step, validation exact match)])}}."""
   runs: dict[str, dict[int, tuple]] = {}
   for seed, shared, doc in _passkey_pace_docs(root):
@@ -210,33 +216,7 @@ def _pace_claim(root: Path) -> str:
   return (
     f". Steps to 1x competence by seed {'/'.join(map(str, seeds))}{SHARED_INIT} (no: not within the steps trained; "
     f"in brackets the 1x validation exact match averaged over the stages to step {horizon} and seeds, and its "
-    f"paired difference from FoX's; `results/passkey_pace.md`): " + ", ".join(parts) + pace_target(root)
-  )
-
-
-def pace_target(root: Path = ROOT, method: str | None = None) -> str:
-  """Issue 20's passkey target, best seed against best seed: the LM default (`passkey.DEFAULT_METHOD`)
-  competent at 1x within FoX's best step budget, with >= 0.99 at 8x (test prompts) on that run."""
-  if method is None:
-    from experiments.passkey import DEFAULT_METHOD as method
-  docs = _passkey_pace_docs(root)
-  fox = [(doc[PACE_FOX]["steps"], s) for s, _, doc in docs if doc.get(PACE_FOX, {}).get("competent_1x")]
-  ours = [
-    (doc[method]["steps"], s, doc[method].get("8"))
-    for s, shared, doc in docs
-    if shared and doc.get(method, {}).get("competent_1x")
-  ]
-  if not fox:
-    return ""
-  budget, fox_seed = min(fox)
-  if not ours:
-    return f". Target (the LM default `{method}` competent within FoX's best budget, {budget} steps): NOT met (never competent)"
-  steps, seed, x8 = min(ours, key=lambda o: (o[0], -(o[2] or 0)))
-  met = steps <= budget and x8 is not None and x8 >= 0.99
-  return (
-    f". Target (the LM default `{method}` competent at 1x within FoX's best budget, {budget} steps on seed {fox_seed}, "
-    f"and >= 0.99 at 8x): its best seed {seed} at {steps} steps, 8x {x8 if x8 is None else f'{x8:.2f}'}: "
-    f"{'met' if met else 'NOT met'}, best seed against best seed"
+    f"paired difference from FoX's; `results/passkey_pace.md`): " + ", ".join(parts)
   )
 
 
@@ -288,7 +268,8 @@ def _kv(doc, decode=None, more=None, decode_more=None) -> str:
 
 
 def _kv_stale(doc) -> str:
-  """The pre-fix label for a KV study whose models' text rows predate issue 18: its `model_steps`
+  """The pre-fix label for a KV study whose models' text rows predate the text-pipeline fix
+  (rows drawn one file at a time): its `model_steps`
   entries are (steps, text_rows, commit) since the fix, a bare step count before it."""
   steps = doc.get("model_steps", {}).values()
   return "" if steps and all(isinstance(s, list) and "windows" in s for s in steps) else STALE_TEXT
@@ -322,7 +303,7 @@ def _kv_cells(doc, policies=KV_POLICIES, ci=False) -> str:
 
 def _ppl(doc, long=None, old=(None, None)) -> str:
   """The perplexity claim; `old` = the (short, long) runs trained on correlated batches (each batch
-  from one file, before issue 18), kept beside the current runs and labelled."""
+  from one file, before the text-pipeline fix), kept beside the current runs and labelled."""
   text = "not run yet on the fixed pipeline (`python -m experiments.perplexity`)" if doc is None else _ppl_one(doc)
   if long is not None:
     text += "; trained longer: " + _ppl_one(long)
@@ -436,7 +417,7 @@ def _kv_by_length(root: Path, model: str = "fpa_fox5_evict") -> str:
 
 
 def _speed(doc) -> str:
-  """issue 21's speed target (>= 2x attention on a model trained with the objective), per passkey model
+  """The speed target (>= 2x attention on a model trained with the objective: forgetting made useful), per passkey model
   at the smallest tolerance: key skipping's attention and prefill speed-ups, tile skipping's on the
   forward and backward pass (training), and the answers with keys skipped."""
   if doc is None:
@@ -486,7 +467,7 @@ def _dips_variants(root: Path) -> str:
 
 
 def dips_limits_table(root: Path = ROOT) -> str | None:
-  """results/dips_limits.md: FPA's coverage on `dips` (issue 20 §3) under each variant run into
+  """results/dips_limits.md: FPA's coverage on `dips` (what limits it: head dim, steps, ...) under each variant run into
   results/dips_limits/<variant>/dips.json (`python -m experiments.live_sets --task dips --methods fpa
   --seeds 5 ... --out-dir results/dips_limits/<variant>`), beside the study's default row."""
   default, variants = _load(root, "dips"), _dips_variant_runs(root)
@@ -513,7 +494,9 @@ def dips_limits_table(root: Path = ROOT) -> str | None:
   return head + "\n".join(rows) + "\n"
 
 
-def claims_table(root: Path = ROOT) -> str:
+def claims_detail(root: Path = ROOT) -> str:
+  """results/claims_detail.md: each claim beside everything the studies measured for it (long cells;
+  docs/results.md shows it, the README's table has one short line per claim)."""
   rows = [
     (
       "Single-layer FPA heads converge to target live-key sets where softmax and FoX fail on every seed "
@@ -551,11 +534,11 @@ def claims_table(root: Path = ROOT) -> str:
       _bindings(_load(root, "bindings_lm")),
     ),
     (
-      "On text, a model trained to forget gives up little for it, and its rule cuts the cache (issue 21)",
+      "On text, a model trained to forget gives up little for it, and its rule cuts the cache",
       _text_pareto(_load(root, "text_pareto"), _load(root, "perplexity_T3000")),
     ),
     (
-      "Forgetting turned into speed: >= 2x attention speed-up on a model trained to forget (issue 21)",
+      "Forgetting turned into speed: >= 2x attention speed-up on a model trained to forget",
       _speed(_load(root, "forget_speed")),
     ),
   ]
@@ -564,9 +547,263 @@ def claims_table(root: Path = ROOT) -> str:
   return "\n".join(lines) + "\n"
 
 
+# ---- the README's claims table: one line per claim, a verdict judged seed by seed ----------------
+
+
+def verdict(ok: list[bool]) -> str:
+  """A claim holds only when it holds on every seed (each paired with FoX of the same seed where the
+  claim compares with FoX); else it is met on k of n seeds, or not met."""
+  n, k = len(ok), sum(bool(x) for x in ok)
+  if n == 0:
+    return "not run"
+  if k == n:
+    return f"holds ({n} of {n} seed{'s' * (n != 1)})"
+  return f"{k} of {n} seeds" if k else f"not met (0 of {n} seeds)"
+
+
+LIVE_KEYS = ("target_mass_1x", "target_mass_2x", "coverage_1x", "coverage_2x")
+
+
+def live_set_seeds(doc: dict, method: str, thr: float = 0.95) -> dict[int, bool]:
+  """{seed: the method's heads reach mass and coverage >= thr at 1x and 2x} of a live-set study."""
+  e = doc[method]
+  ids = e.get("seed_ids", list(range(e["seeds"])))
+  return {s: all(e[k][i] >= thr for k in LIVE_KEYS if k in e) for i, s in enumerate(ids)}
+
+
+def _live_row(doc, task: str, variants: str = "") -> tuple[str, str]:
+  if doc is None or "fpa" not in doc:
+    return "not run", f"`python -m experiments.live_sets --task {task}`"
+  fpa = live_set_seeds(doc, "fpa")
+  rivals = [live_set_seeds(doc, m) for m in ("fox", "softmax") if m in doc]
+  ok = [fpa[s] and not any(r.get(s) for r in rivals) for s in fpa]
+  counts = ", ".join(f"{m} {sum(live_set_seeds(doc, m).values())}/{doc[m]['seeds']}" for m in FAMILIES if m in doc)
+  return verdict(ok), f"seeds succeeding: {counts}{variants}"
+
+
+def _dips_variant_short(root: Path) -> str:
+  out = []
+  for name, doc in _dips_variant_runs(root):
+    if "fox" in doc:
+      hd, steps = _head_dim_steps(doc, "fpa")
+      out.append(f"; head dim {hd}, {steps} steps: fpa {doc['fpa']['successes']}/{doc['fpa']['seeds']}")
+  return "".join(out)
+
+
+def passkey_seeds(root: Path = ROOT, method: str | None = None) -> dict[int, bool]:
+  """{seed: the LM default competent at 1x (validation >= the study's bar) no later than FoX of the
+  same seed (or within FoX's steps where FoX never got there), and >= 0.99 at 8x on the test prompts}."""
+  if method is None:
+    from experiments.passkey import DEFAULT_METHOD as method
+  runs = passkey_pace(root)
+  if runs is None or method not in runs:
+    return {}
+  x8 = {s: doc[method].get("8") for s, shared, doc in _passkey_pace_docs(root) if shared and method in doc}
+  fox, out = runs[PACE_FOX], {}
+  for s, (first, _) in sorted(runs[method].items()):
+    if s in fox:
+      budget = fox[s][0] if fox[s][0] is not None else fox[s][1][-1][0]
+      out[s] = first is not None and first <= budget and (x8.get(s) or 0) >= 0.99
+  return out
+
+
+def _passkey_row(root: Path) -> tuple[str, str]:
+  from experiments.passkey import DEFAULT_METHOD as method
+
+  runs, ok = passkey_pace(root), passkey_seeds(root, method)
+  if not ok:
+    return "not run", "`python -m experiments.passkey`"
+  step = lambda m, s: str(runs[m][s][0] or "no")  # noqa: E731
+  seeds = sorted(ok)
+  return verdict(list(ok.values())), (
+    f"steps to 1x competence by seed {'/'.join(map(str, seeds))}: `{method}` (the LM default) "
+    f"{'/'.join(step(method, s) for s in seeds)}, FoX {'/'.join(step(PACE_FOX, s) for s in seeds)}"
+  )
+
+
+def _kv_row(root: Path) -> tuple[str, str]:
+  doc = _load(root, "kv_compression_n100/kv_compression") or _load(root, "kv_compression")
+  if doc is None or not doc.get("cells"):
+    return "not run", "`python -m experiments.kv_compression`"
+  acc = lambda m, p, b: doc["cells"].get(f"{m}/{p}", {}).get(b, {}).get("accuracy")  # noqa: E731
+  models = sorted({k.split("/")[0] for k in doc["cells"]})
+  fpa = [m for m in models if not m.startswith("fox") and acc(m, "fpa_budget", "0.25") is not None]
+  if not fpa:
+    return "not run", "no FPA model under `fpa_budget` yet"
+  best = max(fpa, key=lambda m: (acc(m, "fpa_budget", "0.25"), acc(m, "fpa_budget", "0.125") or 0))
+  a25, a12 = acc(best, "fpa_budget", "0.25"), acc(best, "fpa_budget", "0.125")
+  fox = [acc(m, p, "0.25") for m in models if m.startswith("fox") for p in KV_POLICIES]
+  fox = [x for x in fox if x is not None]
+  return verdict([a25 >= 0.99]), (
+    f"`{best}` (one seed) at {doc['multiple']}x, {doc['n_prompts']} prompts: {a25:.2f} at 25% of the cache, "
+    + (f"{a12:.2f} at 12.5%" if a12 is not None else "12.5% not run")
+    + (f"; FoX's best policy at 25%: {max(fox):.2f}" if fox else "")
+  )
+
+
+PPL_DEFAULT = ("fpa_lm_warmc10_fh1", "fpa_lm", "fpa")  # the LM default's row, else the earliest FPA row
+
+
+def _paired(doc: dict, m: str, base: str) -> list[float]:
+  """bpb(m) / bpb(base) - 1 per seed both ran."""
+  b = dict(zip(doc[base].get("seeds", range(len(doc[base]["bpb"]))), doc[base]["bpb"]))
+  mine = zip(doc[m].get("seeds", range(len(doc[m]["bpb"]))), doc[m]["bpb"])
+  return [x / b[s] - 1 for s, x in mine if s in b]
+
+
+def _ppl_row(root: Path) -> tuple[str, str]:
+  doc = _load(root, "perplexity_T3000") or _load(root, "perplexity")
+  m = next((m for m in PPL_DEFAULT if doc is not None and "bpb" in doc.get(m, {})), None)
+  if doc is None or m is None or "fox" not in doc:
+    return "not run", "`python -m experiments.perplexity`"
+  pair = _paired(doc, m, "fox")
+  return verdict([x <= 0.02 for x in pair]), (
+    f"`{m}` / FoX bits per byte after {doc['recipe']['steps']} steps, by seed: "
+    + ", ".join(f"{100 * x:+.1f}%" for x in pair)
+  )
+
+
+BINDINGS_RECIPE = "fpa_evict"  # the recipe the quickstart and notebook 03 train
+
+
+def _bindings_row(root: Path) -> tuple[str, str]:
+  doc = _load(root, "bindings_lm")
+  if doc is None or not doc.get(BINDINGS_RECIPE, {}).get("evals"):
+    return "not run", "`python -m experiments.bindings_lm`"
+  k = str(doc.get("summary", {}).get("multiple", 4))
+  ok, gaps = [], []
+  for ev in doc[BINDINGS_RECIPE]["evals"]:
+    c = ev.get(k, {})
+    a = {p: c.get(p, {}).get("acc") for p in ("full", "fpa_budget 12.5%", "window 12.5%", "h2o 12.5%")}
+    if None in a.values():
+      continue
+    rule = a["fpa_budget 12.5%"]
+    ok.append(a["full"] - rule <= 0.01 and rule - a["window 12.5%"] >= 0.10 and rule - a["h2o 12.5%"] >= 0.10)
+    gaps.append((100 * (rule - a["full"]), 100 * (rule - a["h2o 12.5%"])))
+  pts = lambda xs: "/".join(f"{x:+.1f}" for x in xs)  # noqa: E731
+  return verdict(ok), (
+    f"`{BINDINGS_RECIPE}` at {k}x, learned rule at 12.5% of the cache, by seed: {pts(g for g, _ in gaps)} "
+    f"points vs the full cache, {pts(h for _, h in gaps)} over h2o (target: within 1; >= 10 over window and h2o)"
+  )
+
+
+def _evict_cost_row(root: Path) -> tuple[str, str]:
+  doc = _load(root, "perplexity_T3000")
+  if doc is None or not all("bpb" in doc.get(m, {}) for m in ("fpa_lm", "fpa_lm_evict")):
+    return "not run", "`python -m experiments.perplexity --methods fpa_lm fpa_lm_evict --steps 3000`"
+  pair = _paired(doc, "fpa_lm_evict", "fpa_lm")
+  return verdict([x <= 0.01 for x in pair]), (
+    "`fpa_lm_evict` / `fpa_lm` bits per byte, by seed: " + ", ".join(f"{100 * x:+.2f}%" for x in pair)
+  )
+
+
+def _text_cache_row(root: Path, meth: str = "fpa_lm_evict") -> tuple[str, str]:
+  doc = _load(root, "text_pareto")
+  if doc is None or meth not in doc.get("runs", {}):
+    return "not run", "`python -m experiments.text_pareto`"
+  from experiments.text_pareto import smallest_within
+
+  budgets, ok, parts = doc["recipe"]["budgets"], [], []
+  for seed, run in sorted(doc["runs"][meth].items()):
+    s = {"budgets": budgets} | {f"{meth}/{k}/{p}": c["bpb"] for k, cells in run.items() for p, c in cells.items()}
+    pair = [(smallest_within(s, meth, k, "fpa_budget"), smallest_within(s, meth, k, "window")) for k in run]
+    ok.append(all(r is not None and (w is None or r < w) for r, w in pair))
+    pct = lambda xs: "/".join(f"{100 * x:g}%" if x else "none" for x in xs)  # noqa: E731
+    parts.append(f"{pct(r for r, _ in pair)} (window {pct(w for _, w in pair)})")
+  return verdict(ok), (
+    f"`{meth}`: smallest cache within 1% of the full cache's bits per byte at {'x / '.join(run)}x, by seed: "
+    + ", ".join(parts)
+  )
+
+
+def _speed_row(root: Path) -> tuple[str, str]:
+  doc = _load(root, "forget_speed")
+  if doc is None or not doc.get("rows"):
+    return "not run", "`python -m experiments.forget_speed`"
+
+  def gain(r):
+    c = r["tolerances"][min(r["tolerances"], key=float)]
+    return r["attention_s"] / c["attention_s_keys"], r["attention_grad_s"] / c["attention_grad_s_tiles"]
+
+  m = max(doc["rows"], key=lambda m: gain(doc["rows"][m])[0])
+  att, train = gain(doc["rows"][m])
+  return verdict([att >= 2.0]), (
+    f"`{m}` (one seed), skip='keys' at {doc['multiple']}x: attention {att:.2f}x; training (tile skipping) {train:.2f}x"
+  )
+
+
+def claims_rows(root: Path = ROOT) -> list[tuple[str, str, str, str]]:
+  """(claim, verdict, evidence, link) of every claim, from the studies' results files."""
+  dips = _dips_variant_short(root)
+  rows = [
+    ("Single-layer FPA heads learn nested-scope live-key sets where softmax and FoX fail",
+     *_live_row(_load(root, "scopes"), "scopes"), "docs/results/live_sets.md"),
+    ("... and the general case (levels per key, dips per token)",
+     *_live_row(_load(root, "dips"), "dips", dips), "docs/results/live_sets.md"),
+    ("The LM default learns passkey retrieval as fast as FoX and keeps it at 8x the training length",
+     *_passkey_row(root), "docs/results/passkey.md"),
+    ("... and keeps it with the KV cache cut to 25% by the learned rule",
+     *_kv_row(root), "docs/results/kv_compression.md"),
+    ("Perplexity on par with FoX (within 2%)", *_ppl_row(root), "docs/results/perplexity.md"),
+    ("Nested bindings beyond the training length, kept by the learned rule at 12.5% of the cache",
+     *_bindings_row(root), "docs/results/bindings_lm.md"),
+    ("Training to forget costs <= 1% bits per byte on text",
+     *_evict_cost_row(root), "docs/results/perplexity.md"),
+    ("On text the learned rule needs a smaller cache than a window",
+     *_text_cache_row(root), "docs/results/text_pareto.md"),
+    (">= 2x attention speed-up on a model trained to forget",
+     *_speed_row(root), "docs/results/kv_compression.md"),
+  ]  # fmt: skip
+  return rows
+
+
+ONE_RECIPE_CLAIMS = "results/one_recipe/claims.json"
+
+
+def _cell(text: str) -> str:
+  return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def claims_table(root: Path = ROOT, studies: bool = False, base: str = "") -> str:
+  """results/claims.md, the README's claims table: one line per claim, its verdict and a link to the
+  evidence. From `experiments.one_recipe`'s claims.json (one recipe, every claim on the same
+  checkpoints) when it exists and judges at least one claim, else (or with `studies`) from the separate studies' results files, its
+  links relative to `base` (the folder of the page that shows it; the repository root by default)."""
+  path = root / ONE_RECIPE_CLAIMS
+  recipe = json.loads(path.read_text()) if path.exists() and not studies else []
+  if any(not str(c.get("verdict", "not run")).startswith("not run") for c in recipe):
+    lines = [
+      "Every claim on the same checkpoints of one recipe, paired with FoX by seed (`python -m experiments.one_recipe`):",
+      "",
+      "| claim | verdict | evidence |",
+      "|---|---|---|",
+    ]
+    for c in recipe:
+      text = _cell(c.get("evidence") or "evidence")
+      link = f"[{text}]({c['link']})" if c.get("link") else text
+      lines.append(f"| {_cell(c['claim'])} | {_cell(c['verdict'])} | {link} |")
+    return "\n".join(lines) + "\n"
+  lines = [
+    "Each claim judged on every seed its study ran (paired with FoX of the same seed where it compares with FoX):",
+    "",
+    "| claim | verdict | evidence |",
+    "|---|---|---|",
+  ]
+  rel = lambda link: os.path.relpath(link, base or ".")  # noqa: E731  (links from the page that shows it)
+  lines += [f"| {c} | {v} | [{_cell(e)}]({rel(link)}) |" for c, v, e, link in claims_rows(root)]
+  return "\n".join(lines) + "\n"
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+  """The markdown files whose results blocks `render` fills: README.md and every docs/**/*.md."""
+  return [root / "README.md"] + sorted((root / "docs").rglob("*.md"))
+
+
 def main(argv=None) -> int:
   (ROOT / "results").mkdir(exist_ok=True)
   (ROOT / "results" / "claims.md").write_text(claims_table())
+  (ROOT / "results" / "claims_studies.md").write_text(claims_table(studies=True, base="docs"))
+  (ROOT / "results" / "claims_detail.md").write_text(claims_detail())
   dips = dips_limits_table()
   if dips is not None:
     (ROOT / "results" / "dips_limits.md").write_text(dips)
@@ -577,11 +814,15 @@ def main(argv=None) -> int:
   lengths = kv_lengths_table()
   if lengths is not None:
     (ROOT / "results" / "kv_lengths.md").write_text(lengths + "\n")
-  path = ROOT / "README.md"
-  old = path.read_text()
-  new = render(old)
-  path.write_text(new)
-  print(f"README.md: {len(BLOCK.findall(new))} results blocks, {'updated' if new != old else 'unchanged'}")
+  for path in pages():
+    if not path.exists():
+      continue
+    old = path.read_text()
+    new = render(old)
+    if new != old:
+      path.write_text(new)
+    name = path.relative_to(ROOT)
+    print(f"{name}: {len(BLOCK.findall(new))} results blocks, {'updated' if new != old else 'unchanged'}")
   return 0
 
 

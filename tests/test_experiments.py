@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_report_claims_table_reads_results(tmp_path):
   )
   ppl = {"fpa": {"bpb": [2.0, 2.2]}, "fox": {"bpb": [2.0, 2.0]}, "recipe": {"steps": 300}, "meta": {}}
   (tmp_path / "results" / "perplexity.json").write_text(json.dumps(ppl))
-  md = report.claims_table(tmp_path)
+  md = report.claims_detail(tmp_path)
   assert "fpa 5/5, fox 0/5" in md and "after 300 steps" in md and "fpa / fox = 1.050" in md
   assert "trained longer" not in md and "not run yet (`python -m experiments.passkey`)" in md
   # the longer run, passkey (competent or not at 1x) and both kv prefills join the same rows
@@ -88,7 +89,7 @@ def test_report_claims_table_reads_results(tmp_path):
     "model_steps": {"fpa": 30},
   }
   (tmp_path / "results" / "kv_compression_decode" / "kv_compression.json").write_text(json.dumps(dec))
-  md = report.claims_table(tmp_path)
+  md = report.claims_detail(tmp_path)
   assert "trained longer: held-out bits per byte after 1200 steps" in md and "fpa_fox5 / fox = 1.100" in md
   assert "fpa 0.80 (1x 0.90, 30 steps)" in md and "not competent at 1x" in md and "fox 0.00" not in md
   assert (
@@ -107,7 +108,7 @@ def test_report_claims_table_reads_results(tmp_path):
   summary |= {"fpa_evict_h2o": 0.5, "fpa_evict_seeds": 1}
   blm = {"fpa": {"evals": [{}, {}, {}]}, "fox": {"evals": [{}]}, "summary": summary, "meta": {}}
   (tmp_path / "results" / "bindings_lm.json").write_text(json.dumps(blm))
-  md = report.claims_table(tmp_path)
+  md = report.claims_detail(tmp_path)
   assert (
     "(seeds: fpa 3, fox 1): `fpa` (3 seeds): the learned rule at 12.5% of the cache, 4x: 89.5 vs its full cache 90.0"
     in md
@@ -240,7 +241,7 @@ def test_dips_limits_table_collects_the_variant_runs(tmp_path):
   for m in ("fpa", "fox"):
     d64[m]["successes"] = d64[m]["successes_coverage"]
   (tmp_path / "results" / "dips_limits" / "d64" / "dips.json").write_text(json.dumps(d64))
-  assert "; with head dim 64 and 1500 steps (`d64`): fpa 1/2, fox 0/2 |" in report.claims_table(tmp_path)
+  assert "; with head dim 64 and 1500 steps (`d64`): fpa 1/2, fox 0/2 |" in report.claims_detail(tmp_path)
 
 
 def test_perplexity_evict_cost_claim_is_paired_by_seed():
@@ -298,8 +299,9 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
   # seed 0: 600 <= 600; seed 1: FoX never competent, FPA neither: not counted
   gap = (fpa0 - fox0 + fpa1 - fox1) / 2
   assert f"| `fpa_lm5` | 600 | not in 900 (best 0.950 at 600) | 1/2 | {(fpa0 + fpa1) / 2:.3f} ({gap:+.3f}) |" in md
-  # issue 20's target, best seed against best seed; val histories alone record no competence
-  assert report.pace_target(tmp_path, "fpa_lm5") == ""
+  # the verdict, seed by seed: competent no later than FoX of the same seed (within FoX's steps where
+  # FoX never was) and >= 0.99 at 8x; no best seed against best seed
+  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: False, 1: False}  # no 8x score yet
 
   def write(**changes):
     for name, kw in changes.items():
@@ -307,17 +309,14 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
         docs[name][m] |= fields
       (tmp_path / "results" / f"{name}.json").write_text(json.dumps(docs[name]))
 
-  seed1 = "passkey_shared_init_seed1/passkey"
-  write(passkey={"fox_b5": {"competent_1x": True, "steps": 600}})  # FoX's best: 600 on seed 0
-  assert report.pace_target(tmp_path, "fpa_lm5").endswith("NOT met (never competent)")
-  write(**{seed1: {"fpa_lm5": {"competent_1x": True, "steps": 600, "8": 1.0}}})
-  assert report.pace_target(tmp_path, "fpa_lm5").endswith(
-    "600 steps on seed 0, and >= 0.99 at 8x): its best seed 1 at 600 steps, 8x 1.00: met, best seed against best seed"
-  )
-  write(**{seed1: {"fpa_lm5": {"8": 0.95}}})
-  assert "8x 0.95: NOT met" in report.pace_target(tmp_path, "fpa_lm5")
-  write(**{seed1: {"fpa_lm5": {"steps": 900, "8": 1.0}}})
-  assert "at 900 steps, 8x 1.00: NOT met" in report.pace_target(tmp_path, "fpa_lm5")
+  shared0, seed1 = "passkey_shared_init/passkey", "passkey_shared_init_seed1/passkey"
+  write(**{shared0: {"fpa_lm5": {"8": 1.0}}})
+  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: False}
+  assert report.verdict(list(report.passkey_seeds(tmp_path, "fpa_lm5").values())) == "1 of 2 seeds"
+  write(**{seed1: {"fpa_lm5": {"val_history": hist(0.9, 0.95, 0.99), "8": 1.0}}})  # at 900: FoX's 900 steps
+  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: True}
+  write(**{shared0: {"fpa_lm5": {"8": 0.95}}})  # competent in time, but not at 8x
+  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: False, 1: True}
   report.pace_plot(tmp_path / "results" / "passkey_pace.png", tmp_path)
   assert (tmp_path / "results" / "passkey_pace.png").stat().st_size > 0
 
@@ -335,3 +334,58 @@ def test_write_prefixed_and_write_study_write_every_file(tmp_path, capsys):
   U.write_study(tmp_path, "s", {"v": [1]}, lambda r: f"v={r['v']}\n", lambda r, p: p.write_bytes(b"png"))
   assert json.loads((tmp_path / "s.json").read_text()) == {"v": [1]}
   assert (tmp_path / "s.md").read_text() == "v=[1]\n" and (tmp_path / "s.png").read_bytes() == b"png"
+
+
+def test_report_verdicts_count_seeds():
+  assert report.verdict([True, True, True]) == "holds (3 of 3 seeds)"
+  assert report.verdict([True]) == "holds (1 of 1 seed)"
+  assert report.verdict([True, False, True]) == "2 of 3 seeds"
+  assert report.verdict([False, False]) == "not met (0 of 2 seeds)"
+  assert report.verdict([]) == "not run"
+
+
+def test_report_claims_table_one_line_per_claim(tmp_path):
+  """The README's table: one row per claim (claim | verdict | evidence link), from one_recipe's
+  claims.json when it has judged a claim, else from the studies' files; no tracker numbers in it."""
+  (tmp_path / "results").mkdir()
+  (tmp_path / "results" / "scopes.json").write_text(
+    json.dumps({
+      "fpa": {"seeds": 2, "seed_ids": [0, 1], **{k: [0.99, 0.99] for k in report.LIVE_KEYS}},
+      "fox": {"seeds": 2, "seed_ids": [0, 1], **{k: [0.99, 0.5] for k in report.LIVE_KEYS}},
+      "meta": {},
+    })
+  )  # fmt: skip
+  md = report.claims_table(tmp_path)
+  rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]
+  assert len(rows) == len(report.claims_rows(tmp_path)) and all(ln.count(" | ") == 2 for ln in rows)
+  assert (
+    "| 1 of 2 seeds | [seeds succeeding: fpa 2/2, fox 1/2](docs/results/live_sets.md) |" in rows[0]
+  )  # seed 0: FoX too
+  assert "| not run | [`python -m experiments.passkey`](docs/results/passkey.md) |" in md
+  assert "](results/live_sets.md)" in report.claims_table(tmp_path, studies=True, base="docs")  # links from docs/
+  out = tmp_path / "results" / "one_recipe"
+  out.mkdir()
+  claims = [
+    {"claim": "passkey at 8x", "target": ">= 0.99", "verdict": "not run", "evidence": "", "link": "results/one_recipe/one_recipe.md"},
+  ]  # fmt: skip
+  (out / "claims.json").write_text(json.dumps(claims))
+  assert report.claims_table(tmp_path) == md  # nothing judged yet: the studies' table stays
+  claims += [
+    {"claim": "perplexity | on par", "target": "<= 2%", "verdict": "2 of 3 seeds", "evidence": "seed 0: +0.1%", "link": "results/one_recipe/one_recipe.md"},
+  ]  # fmt: skip
+  (out / "claims.json").write_text(json.dumps(claims))
+  md = report.claims_table(tmp_path)
+  assert "| passkey at 8x | not run | [evidence](results/one_recipe/one_recipe.md) |" in md
+  assert "| perplexity \\| on par | 2 of 3 seeds | [seed 0: +0.1%](results/one_recipe/one_recipe.md) |" in md
+  assert len([ln for ln in md.splitlines() if ln.startswith("| ")]) == 1 + len(claims)
+  assert report.claims_table(tmp_path, studies=True) != md
+  for text in (md, report.claims_table(tmp_path, studies=True), report.claims_detail(tmp_path)):
+    assert not re.search(r"\bissues?[\s_-]*#?\d+", text, re.I), text
+
+
+def test_report_renders_readme_and_docs(tmp_path):
+  """`python -m experiments.report` fills the results blocks of README.md and every docs/**/*.md."""
+  (tmp_path / "docs" / "results").mkdir(parents=True)
+  (tmp_path / "README.md").touch()
+  (tmp_path / "docs" / "results" / "study.md").touch()
+  assert report.pages(tmp_path) == [tmp_path / "README.md", tmp_path / "docs" / "results" / "study.md"]
