@@ -199,7 +199,7 @@ def memory_main(args, argv) -> dict:
 
 
 def memory_markdown(out: dict) -> str:
-  """The --memory results as a README table."""
+  """The --memory results as a docs/training.md table."""
   o = out["overrides"]
   lines = [
     f"`{out['command'].strip()}`: config `{out['config']}` ({out['attention']}, {o['n_layers']} layers, "
@@ -301,7 +301,7 @@ def _write_scan(path: str, scan: dict) -> None:
 
 
 def scan_markdown(out: dict) -> str:
-  """The --scan results as a README table (one row per depth x layout x remat)."""
+  """The --scan results as a docs/training.md table (one row per depth x layout x remat)."""
   o = out["overrides"]
   lines = [
     SCAN_HEADING,
@@ -447,7 +447,7 @@ def main(argv=None) -> dict:
 
 
 def markdown(out: dict) -> str:
-  """The results as a README table."""
+  """The results as a docs/training.md table."""
   cfg = C.get_config(out["config"], **out["overrides"])
   lines = [
     f"`{out['command'].strip()}`: config `{out['config']}` (d_model {cfg.d_model}, {cfg.n_layers} layers, "

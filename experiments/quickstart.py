@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     "  python -m experiments.kv_compression            # study 3: passkey at 8x with a compressed cache\n"
     "  python -m experiments.bindings_lm               # nested bindings at 1x..8x, every cache policy\n"
     "  python -m experiments.perplexity                # study 4: bits per byte, loss by position\n"
-    "  python -m experiments.report                    # README results from results/"
+    "  python -m experiments.report                    # README and docs results from results/"
   )
   return 0
 

@@ -113,7 +113,7 @@ class ModelConfig(_Part):
   d_ff: int = _field(0, V.integer(0, "0 = round_up(8/3 * d_model, 64)"))  # SwiGLU hidden dim
   attention: str = _field("fpa", V.choice(ATTENTIONS))
   # one of ATTN_IMPLS; auto = chunked on every backend (pallas is opt-in until its compiled path has passed on an
-  # accelerator: README, "Verifying the Pallas kernels"); quadratic for debugging
+  # accelerator: docs/ops.md, "Verifying the Pallas kernels"); quadratic for debugging
   attn_impl: str = _field("auto", _impl, free_on_resume=True)
   # chunked tile size; 0 -> ops default (shrinks for short sequences)
   block_size: int = _field(0, V.integer(0, "0 = the ops default"), free_on_resume=True)

@@ -31,7 +31,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 # Duplicates of paths the default run covers elsewhere, and long end-to-end trainings: run on demand
-# with `-m slow` (README, "Tests"). One place, so the default run's cost is visible and easy to
+# with `-m slow` (docs/testing.md). One place, so the default run's cost is visible and easy to
 # tune; each entry is a test's node id below tests/ (a whole function, or one parametrized case).
 SLOW = {
   # end-to-end scripts and notebooks (their library paths have fast tests of their own)

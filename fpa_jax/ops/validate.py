@@ -38,7 +38,7 @@ def check_impl(impl: Implementation, block_size: int | None = None, *, name="imp
 def resolve_impl(impl: Implementation, grouped: bool = False) -> str:
   """ "auto": the XLA-tiled "chunked" on every backend. The Pallas kernels are opt-in
   (impl="pallas") until their compiled Mosaic / Triton path has passed on an accelerator (only the
-  CPU interpreter has run them; README "Verifying the Pallas kernels on an accelerator"). `grouped`
+  CPU interpreter has run them; docs/ops.md, "Verifying the Pallas kernels on an accelerator"). `grouped`
   (kv_heads < heads) is kept for callers; it will matter again when auto can pick Pallas. Other
   names pass through."""
   del grouped
