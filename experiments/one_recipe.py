@@ -216,6 +216,14 @@ def eval_one(method: str, seed: int, args, argv, log) -> dict | None:
       save("passkey", pk)
       log(f"[one_recipe] {method} seed {seed}: passkey {m}x {c['accuracy']:.3f}")
   M = args.cache_multiple
+  needle = res.get("needle", {})
+  for m in sorted({1, M}):  # why retrieval holds or fails at length: the gate's penalty on the needle, per head
+    if str(m) not in needle and args.needle_prompts:
+      from experiments.needle_penalty import needle_stats
+
+      per = max(1, args.needle_prompts // len(DEPTHS))
+      needle[str(m)] = needle_stats(model, [e for d in DEPTHS for e in passkey_eval_examples(L, m, d, n=per, seed=0)])
+      save("needle", needle)
   exs = [e for d in DEPTHS for e in passkey_eval_examples(L, M, d, n=args.n // len(DEPTHS), seed=0)]
   cache = res.get("cache", {})
   for pre, pol, lab, kw in cache_cells(args):
@@ -509,6 +517,8 @@ def report(out_dir: Path, recipe_m: str = "recipe_late_fh0", base_m: str = "reci
     md += "\n## Compression axis (kvpress: fraction removed), 8x, parallel prefill\n\n" + compression_table(evals)
     if any(k.startswith("decode/") for e in evals.values() for k in e.get("cache", {})):
       md += "\n### Decode prefill\n\n" + compression_table(evals, "decode")
+    if any(e.get("needle") for e in evals.values()):
+      md += "\n## Per head: the gate's penalty on the needle at the question\n\n" + needle_table(evals)
     v = verdicts(runs, evals, recipe_m, base_m)
     if any(m == recipe_m for m, _ in evals):  # the README's claims come from here once the recipe is scored
       U.write_json(out_dir / "claims.json", v)
@@ -519,6 +529,31 @@ def report(out_dir: Path, recipe_m: str = "recipe_late_fh0", base_m: str = "reci
   if runs:
     pace_plot(runs, out_dir / "one_recipe_pace.png")
   return md
+
+
+def needle_table(evals: dict) -> str:
+  """Per (method, seed, layer, head): the needle's penalty and the question's attention mass on it at
+  1x and at the cache multiple (`experiments.needle_penalty.needle_stats`, means over the prompts)."""
+  rows = []
+  for (m, s), e in sorted(evals.items()):
+    nd = e.get("needle") or {}
+    mults = sorted(nd, key=int)
+    if len(mults) < 2:
+      continue
+    lo, hi = mults[0], mults[-1]
+    for a, b in zip(nd[lo], nd[hi]):
+      rows.append([f"`{m}`", s, a["layer"], a["head"]] + [f"{x:.2f}" for x in (a["needle_penalty"], b["needle_penalty"], a["median_penalty"], b["median_penalty"], a["needle_mass"], b["needle_mass"])])  # fmt: skip
+  if not rows:
+    return ""
+  x = f"{hi}x"
+  head = ["method", "seed", "layer", "kv head", "needle penalty 1x", f"... {x}", "median penalty 1x", f"... {x}"]
+  return (
+    U.md_table(head + ["needle mass 1x", f"... {x}"], rows)
+    + "\nneedle penalty: the least penalty over the needle sentence's tokens at the question (0 = live); "
+    "needle mass: the attention the question's first query head of the group gives the needle (its penalty "
+    "included). A head that retrieves at 1x and not at 8x shows where: a penalty grown with length, or the "
+    "mass spread over more keys at the same penalty.\n"
+  )
 
 
 def json_words(cov: dict) -> str:
@@ -567,6 +602,12 @@ def parse_args(argv=None):
   ap.add_argument("--pos-multiple", type=int, default=8, help="loss by position out to this multiple of L")
   ap.add_argument("--pos-docs", type=int, default=32, help="validation documents >= 8L long, for loss by position")
   ap.add_argument("--heldout-windows", type=int, default=512)
+  ap.add_argument(
+    "--needle-prompts",
+    type=int,
+    default=10,
+    help="prompts at 1x and the cache multiple for the per-head needle penalty",
+  )
   ap.add_argument("--speed", action="store_true", help="also time prefill with skip='keys' against exact")
   ap.add_argument("--skip-eps", type=float, default=1e-3)
   ap.add_argument(

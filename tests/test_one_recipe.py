@@ -77,7 +77,7 @@ def test_tiny_run_trains_evaluates_and_resumes(tmp_path):
     "--train-len", "288", "--passkey-rows", "4", "--small-data", "--data-dir", str(tmp_path / "data"),
     "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out"), "--n", "5", "--multiples", "1",
     "--cache-multiple", "2", "--pos-multiple", "2", "--pos-docs", "2", "--heldout-windows", "8",
-    "--policies", "fpa_budget", "window", "--budgets", "0.25",
+    "--policies", "fpa_budget", "window", "--budgets", "0.25", "--claims-method", "recipe",
   ]  # fmt: skip
   O.main(argv)
   out = tmp_path / "out"
@@ -85,9 +85,20 @@ def test_tiny_run_trains_evaluates_and_resumes(tmp_path):
   assert ev["step"] == 4 and ev["text"]["bpb"] > 0 and ev["text"]["heldout"]
   assert set(ev["cache"]) == {"parallel/full/1", "parallel/fpa/tol", "parallel/fpa_budget/0.25", "parallel/window/0.25"}
   assert (out / "claims.json").exists() and (out / "one_recipe_pace.png").stat().st_size > 0
+  assert {r["head"] for r in ev["needle"]["2"]} == {0, 1} and "the gate's penalty on the needle" in (
+    out / "one_recipe.md"
+  ).read_text()
   before = (out / "eval" / "recipe_s0.json").read_text()
   O.main(argv)  # everything done: nothing retrained or rescored
   assert (out / "eval" / "recipe_s0.json").read_text() == before
+
+
+def test_needle_table_pairs_1x_with_the_long_prompts():
+  head = lambda pen, mass: [{"layer": 0, "head": 0, "needle_penalty": pen, "median_penalty": 1.0, "needle_mass": mass}]
+  evals = {("r", 0): {"needle": {"1": head(0.0, 0.9), "8": head(7.5, 0.01)}}, ("fox", 0): {"needle": {"1": head(0, 1)}}}
+  md = O.needle_table(evals)
+  assert "| `r` | 0 | 0 | 0 | 0.00 | 7.50 | 1.00 | 1.00 | 0.90 | 0.01 |" in md and "`fox`" not in md
+  assert O.needle_table({("fox", 0): {"needle": {"1": head(0, 1)}}}) == ""
 
 
 @pytest.mark.parametrize("bad", [["--methods", "nope"], ["--prefills", "both"]])
