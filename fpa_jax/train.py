@@ -346,6 +346,8 @@ def train(
   non-finite loss or gradient norm is skipped on device; the next log / checkpoint step raises
   NonFiniteLossError without saving, so the last checkpoint predates the first bad step.
   `profile_steps=(A, B)`: a `jax.profiler` trace of steps A..B in <workdir>/profile.
+  `progress`: a tqdm bar (True), silence (False), or by default (None) a bar on a terminal and one
+  `log` line per logged step when stderr is a pipe or a file.
   """
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   cfg = config.validate(training=True)  # refuses what cannot be trained (skip='keys')
@@ -386,6 +388,8 @@ def train(
 
   logger = _Logger(workdir)
   tty = sys.stderr.isatty() if progress is None else progress
+  # progress=None into a pipe or a log file: one plain line per logged step instead of a bar
+  lines = progress is None and not tty and jax.process_index() == 0
   bar = None
   if tty and jax.process_index() == 0:
     from tqdm import tqdm
@@ -449,6 +453,8 @@ def train(
         t_window, tok_window = time.perf_counter(), 0.0
         if bar is not None:
           bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        elif lines:
+          log(f"[train] step {done}/{cfg.steps} loss {last['loss']:.4f} tok/s {rec['tokens_per_s']:.0f}")
       if is_ckpt:  # only reached when every step since the last sync was finite
         with jax.transfer_guard_device_to_host("allow"):
           ckpt.save(done, state, pipeline.get_state(), cfg.to_dict())

@@ -387,3 +387,24 @@ def test_generate_cli(trained_run, tmp_path, capsys):
   out = capsys.readouterr().out.splitlines()
   assert rc == 0 and out[0].startswith("ab") and '"policy": "fpa_budget"' in out[-1]
   assert cli.main(["--workdir", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+
+
+def test_export_round_trip_and_mismatch(tmp_path):
+  """export_model / load_exported: the same logits after the round trip; arrays that do not fit the
+  config are refused with the parameter's name."""
+  from fpa_jax.inference import export_model, load_exported
+  from fpa_jax.models import DecoderLM
+
+  cfg = C.get_config("tiny")
+  model = DecoderLM(cfg.model, rngs=nnx.Rngs(params=5))
+  export_model(model, cfg, tmp_path / "m", meta={"command": "test"})
+  got, cfg2, meta = load_exported(tmp_path / "m")
+  t = jnp.arange(24)[None] % cfg.model.vocab_size
+  assert_bitwise(got(t), model(t))
+  assert cfg2 == cfg and meta == {"command": "test"}
+  z = dict(np.load(tmp_path / "m" / "params.npz"))
+  name = sorted(z)[0]
+  z[name] = z[name][..., :1]
+  np.savez(tmp_path / "m" / "params.npz", **z)
+  with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+    load_exported(tmp_path / "m")

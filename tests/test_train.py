@@ -128,6 +128,11 @@ def test_no_retracing_in_process(tmp_path):
   cfg = C.get_config("tiny", task="synthetic", steps=5, ckpt_every=3, n_layers=1)
   out = train(cfg, workdir=str(tmp_path), progress=False, mesh=S.make_mesh(None, devices=jax.devices()[:1]))
   assert out["traces"] == 1 and [r["step"] for r in out["history"]] == [1, 2, 3, 4, 5]
+  lines: list[str] = []  # the default progress into a pipe (pytest's stderr): a line per logged step
+  train(
+    C.replace(cfg, steps=7), workdir=str(tmp_path), log=lines.append, mesh=S.make_mesh(None, devices=jax.devices()[:1])
+  )
+  assert [ln.split()[2] for ln in lines if ln.startswith("[train] step")] == ["6/7", "7/7"]
 
 
 @pytest.mark.parametrize("att", C.ATTENTIONS)

@@ -34,7 +34,7 @@ from fpa_jax.inference.decode import (
   layer_query_bounds,
   prefill_parallel,
 )
-from fpa_jax.inference.loading import load_model, read_metrics
+from fpa_jax.inference.loading import export_model, load_exported, load_model, read_metrics
 from fpa_jax.inference.policies import (
   POLICIES,
   Policy,
@@ -48,6 +48,8 @@ from fpa_jax.inference.policies import (
 from fpa_jax.inference.pool import GlobalCache, PoolStep, PoolView, SlotPool, pool_decode_attend, pool_evict
 
 __all__ = [
+  "export_model",
+  "load_exported",
   "load_model",
   "read_metrics",
   "generate",

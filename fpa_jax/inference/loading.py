@@ -62,6 +62,51 @@ def load_model(workdir: str | os.PathLike, *, step: int | None = None) -> tuple[
   return nnx.merge(graphdef, state[0]), cfg
 
 
+def export_model(model: DecoderLM, cfg: C.Config, path: str | os.PathLike, *, meta: dict | None = None) -> None:
+  """Write a trained model as one portable folder: `params.npz` (every nnx.Param, float arrays keyed
+  by their path in the module graph) and `config.json` (the run's Config plus `meta`, e.g. the command
+  that trained it). No orbax, no optimizer state: small models ship with a repository this way and
+  load with `load_exported` on any machine."""
+  import numpy as np
+
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  flat = {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  np.savez(os.path.join(path, "params.npz"), **flat)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump({"config": cfg.to_dict(), "meta": meta or {}}, f, indent=1, sort_keys=True)
+
+
+def load_exported(path: str | os.PathLike) -> tuple[DecoderLM, C.Config, dict]:
+  """(model, Config, meta) from an `export_model` folder. Raises if the arrays do not match the
+  config's parameters one for one (names and shapes), naming the first mismatch."""
+  import numpy as np
+
+  path = os.fspath(path)
+  with open(os.path.join(path, "config.json")) as f:
+    saved = json.load(f)
+  cfg = config_from_dict(saved["config"])
+  model = DecoderLM(cfg.model, rngs=nnx.Rngs(params=0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  with np.load(os.path.join(path, "params.npz")) as z:
+    arrays = dict(z)
+  flat = nnx.to_flat_state(params)
+  names = {".".join(map(str, k)) for k, _ in flat}
+  if names != set(arrays):
+    raise ValueError(
+      f"{path}/params.npz does not match its config: missing {sorted(names - set(arrays))[:3]}, "
+      f"unexpected {sorted(set(arrays) - names)[:3]}"
+    )
+  for k, v in flat:
+    a = arrays[".".join(map(str, k))]
+    if a.shape != v[...].shape:
+      raise ValueError(
+        f"{path}/params.npz: {'.'.join(map(str, k))} has shape {a.shape}, the config wants {v[...].shape}"
+      )
+    v[...] = jax.numpy.asarray(a, v[...].dtype)
+  return nnx.merge(graphdef, params, rest), cfg, saved.get("meta", {})
+
+
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:
   """The run's metrics.jsonl as a list of records (step, loss, ...)."""
   path = os.path.join(os.fspath(workdir), "metrics.jsonl")
