@@ -10,8 +10,13 @@
    seed 0: the LM loss plus the evictability objective) trained on nested named bindings
    (`fpa_jax.data.bindings`), then decoded token by token at 2x and 4x its training length with the
    cache under each policy: how many keys each keeps and how often it still answers the queries
-   right, the far ones (a binding made before long closed inner scopes) apart. The full study with FoX, stack and softmax and 3 seeds is `python -m experiments.bindings_lm`.
+   right, the far ones (a binding made before long closed inner scopes) apart. The model ships with
+   the repository (`experiments/assets/quickstart_lm/`: written by `--train`, which trains it with the
+   project's own trainer, about 10 min on 2 cores; its command and a check loss are in its
+   config.json, and tests/test_quickstart.py checks both). The full study with FoX, stack and softmax
+   and 3 seeds is `python -m experiments.bindings_lm`.
 Writes results/quickstart/{summary.json, live_sets.md, decode.md}; ends with the full study commands.
+Output is line-buffered, so a log file or CI shows each step as it happens.
 """
 
 from __future__ import annotations
@@ -34,6 +39,22 @@ LM_LEN = 128  # step 3's training length
 # step 3's recipe: the bindings study's FPA row that met the KV-compression targets over its 3 seeds
 # (results/bindings_lm.md): the evictability objective on top of the LM loss
 LM_METHOD = "fpa_evict"
+# step 3's model as `--train` exports it (`fpa_jax.inference.export_model`)
+ASSET = ROOT / "experiments" / "assets" / "quickstart_lm"
+
+
+def check_loss(model) -> float:
+  """Mean next-token loss of `model` on a fixed bindings batch: the number an exported model must
+  reproduce after loading (recorded at export, checked by the tests)."""
+  import jax.numpy as jnp
+  import optax
+
+  from fpa_jax.data.bindings import BindingsLM
+
+  b = next(BindingsLM(seq_len=LM_LEN, batch_size=4, seed=777))
+  logits = model(jnp.asarray(b["inputs"]))
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.asarray(b["targets"]))
+  return float(nll.mean())
 
 
 def live_keys_demo(text: str = DEMO) -> list[str]:
@@ -109,6 +130,31 @@ def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tu
   return rows, md
 
 
+def train_step3(a, argv) -> tuple[object, dict]:
+  """Train step 3's LM with the project's trainer (resumes from a.workdir) -> (model, meta for export)."""
+  from experiments import bindings_lm
+  from fpa_jax.data.bindings import BindingsLM
+
+  data = BindingsLM(seq_len=LM_LEN, batch_size=16)
+  study = bindings_lm.parse_args(["--steps", str(a.lm_steps), "--train-len", str(LM_LEN)])
+  if a.small:
+    study.d_model, study.heads = 32, 2
+  cfg = bindings_lm.study_config(a.lm_method, study, 0, data.vocab_size)
+  run = U.train_lm(cfg, os.path.join(a.workdir, f"{a.lm_method}_bindings_lm"), data)
+  model = run["model"]
+  meta = {
+    "command": U.command("experiments.quickstart", argv),
+    "commit": U.git_commit(),
+    "method": a.lm_method,
+    "steps": int(run["step"]),
+    "train_wall_s": run["train_wall_s"],
+    "cpus": os.cpu_count(),
+    "check_loss": check_loss(model),
+    "cfg": cfg,
+  }
+  return model, meta
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--workdir", default="runs/quickstart", help="checkpoints of the step-3 model (resumes)")
@@ -123,10 +169,19 @@ def main(argv=None) -> int:
     help="step 3: the bindings study's FPA recipe (fpa: the LM loss alone; fpa_evict: + the evictability "
     "objective; fpa_bloop: budget in the loop)",
   )
-  ap.add_argument("--small", action="store_true", help="tiny settings (tests)")
+  ap.add_argument(
+    "--train",
+    action="store_true",
+    help="step 3: train the LM (resumes from --workdir) and export it to --asset, instead of loading the shipped one",
+  )
+  ap.add_argument("--asset", default=str(ASSET), help="step 3's exported model (read, or written by --train)")
+  ap.add_argument(
+    "--small", action="store_true", help="tiny settings (tests); trains a tiny step-3 LM, exports nothing"
+  )
   a = ap.parse_args(argv)
   if a.small:
     a.seeds, a.head_steps, a.lm_steps = 1, 20, 4
+  sys.stdout.reconfigure(line_buffering=True)  # each line as it is printed, also into a pipe or a log
   out = Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   t0 = time.perf_counter()
@@ -159,36 +214,37 @@ def main(argv=None) -> int:
     "   4x its training length with each cache policy: far queries ask for a binding made before long,\n"
     "   closed inner scopes."
   )
-  from experiments import bindings_lm
-  from fpa_jax.data.bindings import BindingsLM
+  from fpa_jax.inference import export_model, load_exported
 
-  data = BindingsLM(seq_len=LM_LEN, batch_size=16)
-  study = bindings_lm.parse_args(["--steps", str(a.lm_steps), "--train-len", str(LM_LEN)])
-  if a.small:
-    study.d_model, study.heads = 32, 2
-  run = U.train_lm(
-    bindings_lm.study_config(a.lm_method, study, 0, data.vocab_size),
-    os.path.join(a.workdir, f"{a.lm_method}_bindings_lm"),
-    data,
-  )
-  model = run["model"]
+  if a.train or a.small:
+    model, meta = train_step3(a, argv)
+    if not a.small:
+      export_model(model, meta.pop("cfg"), a.asset, meta=meta)
+      print(f"   exported to {a.asset} (commit it: the quickstart loads it from there)")
+    else:
+      meta.pop("cfg")
+  else:
+    if not (Path(a.asset) / "params.npz").exists():
+      raise SystemExit(f"no exported model in {a.asset}: train one with --train (about 10 min on 2 cores)")
+    model, _, meta = load_exported(a.asset)
+    print(f"   loaded {a.asset} (trained by `{meta['command']}`, {meta['steps']} steps; --train retrains)")
   rows, parts = [], []
   for mult in (2, 4):
+    print(f"   decoding at {mult}x under 8 cache policies ...")
     r, md = cached_decode_table(model, mult * LM_LEN, n=4 if a.small else 16)
     rows += r
     parts.append(f"At {mult}x its training length ({mult * LM_LEN} tokens):\n\n{md}")
   md_cache = "\n".join(parts)
   md_cache += (
-    f"\nTraining this model took {run['train_wall_s'] / 60:.1f} min of the quickstart here "
-    f"({os.cpu_count()} cores; `{os.path.join(a.workdir, f'{a.lm_method}_bindings_lm', 'study_wall.json')}`).\n"
+    f"\nThe model: `{meta['command']}` ({meta['steps']} steps, {meta['train_wall_s'] / 60:.1f} min of training on "
+    f"{meta['cpus']} cores, commit {meta['commit'][:12]}).\n"
   )
   print(md_cache)
   (out / "decode.md").write_text(md_cache)
   summary = {
     "live_sets": res,
     "decode": rows,
-    "lm_loss": run["history"][-1]["loss"] if run["history"] else None,
-    "lm_train_wall_s": run["train_wall_s"],
+    "lm": {k: meta[k] for k in ("command", "commit", "steps", "train_wall_s", "check_loss")},
     "wall_s": round(time.perf_counter() - t0, 1),
   }
   (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))

@@ -44,3 +44,21 @@ def test_quickstart_smoke(tmp_path):
 
   assert quickstart.FPA_ROWS == FPA_ROWS and quickstart.LM_METHOD in FPA_ROWS
   assert all(0.0 <= r["far_accuracy"] <= 1.0 for r in summary["decode"])
+  assert summary["lm"]["steps"] == 4 and summary["lm"]["check_loss"] > 0
+
+
+def test_shipped_model_is_the_recipe_it_names():
+  """The exported step-3 model: its config is the bindings study's recipe at the recorded steps, and
+  it reproduces the loss recorded when `--train` exported it (the weights are the trained ones)."""
+  from experiments import bindings_lm
+  from fpa_jax.data.bindings import BindingsLM
+  from fpa_jax.inference import load_exported
+
+  model, cfg, meta = load_exported(quickstart.ASSET)
+  assert (
+    meta["command"].startswith("python -m experiments.quickstart --train") and meta["method"] == quickstart.LM_METHOD
+  )
+  study = bindings_lm.parse_args(["--steps", str(meta["steps"]), "--train-len", str(quickstart.LM_LEN)])
+  want = bindings_lm.study_config(meta["method"], study, 0, BindingsLM(seq_len=64, batch_size=1).vocab_size)
+  assert cfg.model == want.model and cfg.steps == meta["steps"]
+  assert abs(quickstart.check_loss(model) - meta["check_loss"]) < 1e-4 * max(1.0, meta["check_loss"])
