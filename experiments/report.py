@@ -771,17 +771,20 @@ def claims_table(root: Path = ROOT, studies: bool = False, base: str = "") -> st
   links relative to `base` (the folder of the page that shows it; the repository root by default)."""
   path = root / ONE_RECIPE_CLAIMS
   recipe = json.loads(path.read_text()) if path.exists() and not studies else []
+  rel = lambda link: os.path.relpath(link, base or ".")  # noqa: E731  (links from the page that shows it)
   if any(not str(c.get("verdict", "not run")).startswith("not run") for c in recipe):
     lines = [
-      "Every claim on the same checkpoints of one recipe, paired with FoX by seed (`python -m experiments.one_recipe`):",
+      "The live-set claims are single attention heads (`experiments.live_sets`); every other claim is judged on the "
+      "same checkpoints of one LM recipe, paired with FoX by seed (`python -m experiments.one_recipe`):",
       "",
       "| claim | verdict | evidence |",
       "|---|---|---|",
     ]
+    lines += [f"| {c} | {v} | [{_cell(e)}]({rel(link)}) |" for c, v, e, link in claims_rows(root)[:2]]
     for c in recipe:
       text = _cell(c.get("evidence") or "evidence")
-      link = f"[{text}]({c['link']})" if c.get("link") else text
-      lines.append(f"| {_cell(c['claim'])} | {_cell(c['verdict'])} | {link} |")
+      link = f"[{text}]({rel(c['link'])})" if c.get("link") else text
+      lines.append(f"| LM recipe: {_cell(c['claim'])} | {_cell(c['verdict'])} | {link} |")
     return "\n".join(lines) + "\n"
   lines = [
     "Each claim judged on every seed its study ran (paired with FoX of the same seed where it compares with FoX):",
@@ -789,7 +792,6 @@ def claims_table(root: Path = ROOT, studies: bool = False, base: str = "") -> st
     "| claim | verdict | evidence |",
     "|---|---|---|",
   ]
-  rel = lambda link: os.path.relpath(link, base or ".")  # noqa: E731  (links from the page that shows it)
   lines += [f"| {c} | {v} | [{_cell(e)}]({rel(link)}) |" for c, v, e, link in claims_rows(root)]
   return "\n".join(lines) + "\n"
 
