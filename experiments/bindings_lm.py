@@ -35,7 +35,7 @@ MODULE = "experiments.bindings_lm"
 # method -> config overrides (`experiments.recipes`: the LM gate for every gated method)
 METHODS = recipes.BINDINGS_LM
 POLICIES = ("fpa_budget", "window", "h2o")
-GATED = ("fpa", "fox", "stack", "fpa_evict", "fpa_bloop", "recipe")
+GATED = ("fpa", "fox", "stack", "fpa_evict", "fpa_bloop", "fpa_recipe")
 
 
 def policies(method: str, budgets: list[float]) -> list[tuple[str, dict]]:
@@ -127,7 +127,7 @@ def _stat(res: dict, method: str, mult: str, label: str, key: str = "acc") -> li
   return [e[mult][label][key] for e in res[method]["evals"] if label in e.get(mult, {})]
 
 
-FPA_ROWS = ("fpa", "fpa_evict", "fpa_bloop", "recipe")  # the FPA models the compression targets are checked on
+FPA_ROWS = ("fpa", "fpa_evict", "fpa_bloop", "fpa_recipe")  # the FPA models the compression targets are checked on
 
 
 def summarise(res: dict) -> dict:

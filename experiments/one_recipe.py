@@ -385,7 +385,7 @@ def compression_table(evals: dict, prefill: str = "parallel") -> str:
 
 
 def bindings_verdict(res: dict) -> dict:
-  """The nested-bindings claim from `experiments.bindings_lm`'s results (its `recipe` row: the
+  """The nested-bindings claim from `experiments.bindings_lm`'s results (its `fpa_recipe` row: the
   recommended recipe, unchanged): per seed at 4x, fpa_budget at 12.5% within 1 point of the full
   cache and >= 10 points above h2o at 12.5%."""
   claim = {
@@ -393,9 +393,9 @@ def bindings_verdict(res: dict) -> dict:
     "target": "the rule at 12.5% within 1 point of full and >= 10 above h2o, every seed",
     "link": "results/bindings_lm.md",
   }
-  row = res.get("recipe")
+  row = res.get("fpa_recipe")
   if not row or not row.get("evals"):
-    return {**claim, "verdict": "not run", "evidence": "python -m experiments.bindings_lm --methods recipe"}
+    return {**claim, "verdict": "not run", "evidence": "python -m experiments.bindings_lm --methods fpa_recipe"}
   ok, ev = [], []
   for seed, e in zip(row["seeds"], row["evals"]):
     c = e.get("4", {})

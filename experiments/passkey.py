@@ -52,7 +52,7 @@ METHODS = recipes.PASSKEY
 # the validation says (competence does not end a continuation early).
 RETROFIT = {"fpa_fox5_evict": "fpa_fox5", "fpa_fox5_cont": "fpa_fox5"}
 FAMILY = recipes.PASSKEY_FAMILY  # method -> its attention family
-# the method trained with the LM presets' gate (`configs.LM_DEFAULT`) at fox_b5's bias
+# the method trained with the LM gate of its time (`recipes.LM_FOX_HEAD`, the LM default before the one-recipe study) at fox_b5's bias
 DEFAULT_METHOD = "fpa_lm5_warmc10_fh1"
 MULTIPLES = (1, 2, 4, 8)
 DEPTHS = (0, 25, 50, 75, 100)

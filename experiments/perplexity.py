@@ -33,7 +33,7 @@ from experiments import recipes
 MODULE = "experiments.perplexity"
 # method -> config overrides (on top of the study's model/training settings; `experiments.recipes`)
 METHODS = recipes.PERPLEXITY
-# the row trained with the LM presets' gate (`configs.LM_DEFAULT`; tests/test_configs.py checks it)
+# the row trained with the LM gate of its time (`recipes.LM_FOX_HEAD`, the LM default before the one-recipe study)
 DEFAULT_ROW = "fpa_lm_warmc10_fh1"
 LN2 = math.log(2.0)
 

@@ -19,60 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fpa_jax.configs import LM_DEFAULT, SINGLE_HEAD_GATE
-
-# The evictability objective as the LM studies train it from scratch (`fpa_jax.losses`): the hinge
-# on the soft live fraction of keys older than 16 tokens, its target ramped (DMS) from 1 to 0.1 over
-# steps 300..1500, after the model has started to learn the task.
-EVICT_FROM_SCRATCH: dict[str, Any] = {
-  "evict_weight": 1.0,
-  "evict_target": 0.1,
-  "evict_window": 16,
-  "evict_ramp_start": 300,
-  "evict_ramp_steps": 1200,
-}
-
-# ... started late, as DMS retrofits a trained model but inside one run: from step 300 the hinge drove
-# every gate to forget everything (soft live fraction 0.02 by step 900, below the 0.1 target) before
-# retrieval was learned (`recipe`, seed 2: 1x validation 0.00 to step 1800).
-EVICT_LATE: dict[str, Any] = {**EVICT_FROM_SCRATCH, "evict_ramp_start": 1500, "evict_ramp_steps": 600}
-
-# FoX's forget gate at bias 5 (weak decay at init): the init at which FoX learns passkey retrieval
-# in the passkey study (bias 0, the FoX paper's, did not within its budget).
-FOX_B5: dict[str, Any] = {**SINGLE_HEAD_GATE, "attention": "fox", "gate_bias_init": 5.0}
-# The LM default's gate started exactly at FOX_B5 (the read-outs at 0, FoX's term at bias 5).
-RECIPE_GATE: dict[str, Any] = {**LM_DEFAULT, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0}
-
-# The one-recipe study's candidate the claims are judged on (`experiments.one_recipe --claims-method`),
-# and the row the other studies train as "recipe" (the bindings study).
-RECOMMENDED = "recipe_late_fh0"
-
-ONE_RECIPE: dict[str, dict[str, Any]] = {
-  "fox": FOX_B5,
-  "recipe": {**RECIPE_GATE, **EVICT_FROM_SCRATCH},
-  "recipe_no_objective": RECIPE_GATE,
-  "recipe_late": {**RECIPE_GATE, **EVICT_LATE},
-  "recipe_late_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE},
-  # recipe_late_fh0 without the objective: its text cost, paired by seed
-  "recipe_fh0_no_objective": {**RECIPE_GATE, "fox_heads": 0},
-  # recipe_late_fh0 with the library's default target, 25% of old keys live, not 10%: at 10% the
-  # objective cost +3.2% bits per byte and lost passkey beyond 1x against recipe_fh0_no_objective (seed 2)
-  "recipe_t25_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25},
-  # ... and a tenth of the weight
-  "recipe_t25w01_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25, "evict_weight": 0.1},
-  # the single-head gate started at FOX_B5 (FoX's term, read-outs from zero at the full lr: the passkey
-  # study's fpa_fox5, whose retrofit kept passkey at 12.5% of the cache) with the late objective: the
-  # LM default's gate found no retrieval on seed 2 in 3000 steps (recipe_late)
-  "fpa5_late": {
-    **SINGLE_HEAD_GATE,
-    "attention": "fpa",
-    "gate_forget": True,
-    "gate_bias_init": 5.0,
-    "step_bias_init": 0.0,
-    **EVICT_LATE,
-  },  # fmt: skip
-}
-
+from fpa_jax.configs import SINGLE_HEAD_GATE
 
 # ------------------------------------------------------------------------------------------------
 # The LM gate's earlier steps (docs/design.md, "The language-model default"). Each is a plain dict of
@@ -105,8 +52,64 @@ LM_WARM_CLIP: dict[str, Any] = {**LM_WARM, "gate_clip_apart": True}
 # read-outs after and slower.
 LM_FOX_FIRST: dict[str, Any] = {**LM_WARM_CLIP, "gate_lr_scale": 0.1}
 # ... with the first kv head of every layer held at FoX's term (`fox_heads`): a head the read-outs
-# cannot make forget, for retrieval. Equal to `configs.LM_DEFAULT` (tests/test_recipes.py).
+# cannot make forget, for retrieval: the LM default until the one-recipe study (docs/design.md).
 LM_FOX_HEAD: dict[str, Any] = {**LM_FOX_FIRST, "fox_heads": 1}
+
+
+# The evictability objective as the LM studies train it from scratch (`fpa_jax.losses`): the hinge
+# on the soft live fraction of keys older than 16 tokens, its target ramped (DMS) from 1 to 0.1 over
+# steps 300..1500, after the model has started to learn the task.
+EVICT_FROM_SCRATCH: dict[str, Any] = {
+  "evict_weight": 1.0,
+  "evict_target": 0.1,
+  "evict_window": 16,
+  "evict_ramp_start": 300,
+  "evict_ramp_steps": 1200,
+}
+
+# ... started late, as DMS retrofits a trained model but inside one run: from step 300 the hinge drove
+# every gate to forget everything (soft live fraction 0.02 by step 900, below the 0.1 target) before
+# retrieval was learned (`recipe`, seed 2: 1x validation 0.00 to step 1800).
+EVICT_LATE: dict[str, Any] = {**EVICT_FROM_SCRATCH, "evict_ramp_start": 1500, "evict_ramp_steps": 600}
+
+# FoX's forget gate at bias 5 (weak decay at init): the init at which FoX learns passkey retrieval
+# in the passkey study (bias 0, the FoX paper's, did not within its budget).
+FOX_B5: dict[str, Any] = {**SINGLE_HEAD_GATE, "attention": "fox", "gate_bias_init": 5.0}
+# The LM gate (LM_FOX_HEAD, the LM default these runs started from) started exactly at FOX_B5 (the
+# read-outs at 0, FoX's term at bias 5). Its `fox_heads=0` rows (`recipe_*_fh0`) are the library's
+# LM default now (`configs.LM_DEFAULT`, tests/test_recipes.py).
+RECIPE_GATE: dict[str, Any] = {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0}
+
+# The one-recipe study's candidate the claims are judged on (`experiments.one_recipe --claims-method`),
+# and the row the bindings study trains as "fpa_recipe".
+RECOMMENDED = "recipe_late_fh0"
+
+ONE_RECIPE: dict[str, dict[str, Any]] = {
+  "fox": FOX_B5,
+  "recipe": {**RECIPE_GATE, **EVICT_FROM_SCRATCH},
+  "recipe_no_objective": RECIPE_GATE,
+  "recipe_late": {**RECIPE_GATE, **EVICT_LATE},
+  "recipe_late_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE},
+  # recipe_late_fh0 without the objective: its text cost, paired by seed
+  "recipe_fh0_no_objective": {**RECIPE_GATE, "fox_heads": 0},
+  # recipe_late_fh0 with the library's default target, 25% of old keys live, not 10%: at 10% the
+  # objective cost +3.2% bits per byte and lost passkey beyond 1x against recipe_fh0_no_objective (seed 2)
+  "recipe_t25_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25},
+  # ... and a tenth of the weight
+  "recipe_t25w01_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25, "evict_weight": 0.1},
+  # the single-head gate started at FOX_B5 (FoX's term, read-outs from zero at the full lr: the passkey
+  # study's fpa_fox5, whose retrofit kept passkey at 12.5% of the cache) with the late objective: the
+  # LM default's gate found no retrieval on seed 2 in 3000 steps (recipe_late)
+  "fpa5_late": {
+    **SINGLE_HEAD_GATE,
+    "attention": "fpa",
+    "gate_forget": True,
+    "gate_bias_init": 5.0,
+    "step_bias_init": 0.0,
+    **EVICT_LATE,
+  },  # fmt: skip
+}
+
 
 # ------------------------------------------------------------------------------------------------
 # Each study's methods: method -> config overrides on top of the study's model and training settings
@@ -311,7 +314,7 @@ BINDINGS_LM: dict[str, dict[str, Any]] = {
   # the steps run through the cache an fpa_budget decode of 10%..30% of the training length would hold.
   "fpa_bloop": {**LM_GATE, "attention": "fpa", "budget_loop_prob": 0.5, "budget_loop_min": 0.1, "budget_loop_max": 0.3},
   # the one-recipe study's recommended recipe, unchanged (its nested-bindings claim)
-  "recipe": ONE_RECIPE[RECOMMENDED],
+  "fpa_recipe": ONE_RECIPE[RECOMMENDED],
 }
 
 # Does an FPA model whose read-outs stay still train as FoX does (`experiments.clip_coupling`)? Run ->

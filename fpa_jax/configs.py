@@ -138,7 +138,7 @@ class ModelConfig(_Part):
   )
   # gate parameterisation / init (fpa_jax.gates; the defaults: docs/design.md); exposed for ablations
   gate_init_std: float = _field(0.02, _GATE_INIT_STD, gate=True, free_on_resume=True)  # fox term: w_f ~ N(0, std)
-  gate_bias_init: float = _field(0.0, _GATE_BIAS, gate=True, free_on_resume=True)  # fox term: b_f (FoX's init: 0)
+  gate_bias_init: float = _field(0.0, _GATE_BIAS, gate=True, preset=True, free_on_resume=True)  # fox term: b_f (FoX's init: 0)
   gate_forget: bool = _field(False, V.flag(), gate=True, preset=True)  # stack/fpa: add FoX's log-sigmoid term
   # ablations: comma-separated read-outs from GATE_TERMS, replacing the default (checked with `attention`)
   gate_terms_override: str = _field("", V.text(), gate=True)
@@ -445,11 +445,12 @@ _BASE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 # The base defaults (and `tiny`'s): the gate of the single-head live-set studies (docs/design.md).
 SINGLE_HEAD_GATE: dict[str, Any] = {k: _BASE_DEFAULTS[k] for k in GATE_PRESET_FIELDS}
 # The one recommended language-model gate, the LM presets' default (`small`, `base110m`;
-# docs/design.md): FoX's term in the increment and the step / absolute / offset read-outs at scale 1,
-# started at 0 (the model is FoX at step 0) with their lr ramped from 0 to a tenth of the lr over
-# 1200 steps and their gradient clipped by its own norm; the first kv head of every layer held at
-# FoX's term (needs kv_heads >= 2; with one kv head set fox_heads=0).
+# docs/design.md): FoX's term in the increment at bias 5 (weak decay at init: sigmoid(5) = 0.993)
+# and the step / absolute / offset read-outs at scale 1, started at 0 (the model is FoX at step 0)
+# with their lr ramped from 0 to a tenth of the lr over 1200 steps and their gradient clipped by its
+# own norm, on every kv head (`fox_heads=0`).
 LM_DEFAULT: dict[str, Any] = {
+  "gate_bias_init": 5.0,
   "gate_forget": True,
   "step_scale": 1.0,
   "step_init_std": 0.0,
@@ -457,7 +458,7 @@ LM_DEFAULT: dict[str, Any] = {
   "absolute_init_std": 0.0,
   "offset_scale": 1.0,
   "offset_init_std": 0.0,
-  "fox_heads": 1,
+  "fox_heads": 0,
   "gate_lr_scale": 0.1,
   "gate_lr_warmup_steps": 1200,
   "gate_clip_apart": True,

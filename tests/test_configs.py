@@ -175,6 +175,7 @@ def test_lm_presets_use_the_lm_default_and_the_base_the_single_head_gate():
   assert cfg.gate_lr_warmup_steps == 0 and cfg.step_init_std == C.SINGLE_HEAD_GATE["step_init_std"]
   # the LM default's values (the library's one recommended LM recipe; docs/design.md)
   assert C.LM_DEFAULT == {
+    "gate_bias_init": 5.0,
     "gate_forget": True,
     "step_scale": 1.0,
     "step_init_std": 0.0,
@@ -182,7 +183,7 @@ def test_lm_presets_use_the_lm_default_and_the_base_the_single_head_gate():
     "absolute_init_std": 0.0,
     "offset_scale": 1.0,
     "offset_init_std": 0.0,
-    "fox_heads": 1,
+    "fox_heads": 0,
     "gate_lr_scale": 0.1,
     "gate_lr_warmup_steps": 1200,
     "gate_clip_apart": True,
@@ -215,6 +216,7 @@ def test_field_lists_come_from_the_fields():
     "fox_heads",
   )
   assert set(C.GATE_PRESET_FIELDS) == {
+    "gate_bias_init",
     "gate_forget",
     "step_scale",
     "absolute_scale",

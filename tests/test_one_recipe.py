@@ -111,10 +111,10 @@ def test_bindings_verdict_reads_the_recipe_row_seed_by_seed():
   cell = lambda full, rule, h2o: {
     "4": {"full": {"acc": full}, "fpa_budget 12.5%": {"acc": rule}, "h2o 12.5%": {"acc": h2o}}
   }
-  res = {"recipe": {"seeds": [0, 1], "evals": [cell(0.95, 0.945, 0.80), cell(0.95, 0.90, 0.85)]}}
+  res = {"fpa_recipe": {"seeds": [0, 1], "evals": [cell(0.95, 0.945, 0.80), cell(0.95, 0.90, 0.85)]}}
   v = O.bindings_verdict(res)
   assert v["verdict"] == "1 of 2 seeds" and "seed 1: rule 90.0 vs full 95.0, h2o 85.0" in v["evidence"]
   assert O.bindings_verdict({"fpa": {}})["verdict"] == "not run"
   from experiments.recipes import BINDINGS_LM, ONE_RECIPE, RECOMMENDED
 
-  assert BINDINGS_LM["recipe"] == ONE_RECIPE[RECOMMENDED]  # the same recipe, not a bindings variant
+  assert BINDINGS_LM["fpa_recipe"] == ONE_RECIPE[RECOMMENDED]  # the same recipe, not a bindings variant
