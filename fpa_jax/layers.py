@@ -293,6 +293,30 @@ class AttentionCache(Protocol):
   def attend(self, spec: AttentionSpec, q, k, v, gates: GateTerms) -> tuple[jax.Array, AttentionCache]: ...
 
 
+def check_layer_inputs(x, d_model: int, segment_ids=None, positions=None) -> tuple[int, int]:
+  """x [batch, seq, d_model] float; segment_ids, positions: None or int [batch, seq]. Raises
+  ValueError naming the argument (shapes are static: checked while tracing too) -> (batch, seq)."""
+  shape = getattr(x, "shape", None)
+  if shape is None or len(shape) != 3:
+    hint = " (add a batch axis: x[None])" if shape is not None and len(shape) == 2 else ""
+    raise ValueError(f"x must be [batch, seq, d_model] (rank 3), got shape {shape}{hint}")
+  if shape[-1] != d_model:
+    raise ValueError(f"x's last axis must be d_model={d_model} (the layer's width), got shape {tuple(shape)}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a float array (the block input, not token ids), got dtype {x.dtype}")
+  b, t = shape[:2]
+  for name, a in (("segment_ids", segment_ids), ("positions", positions)):
+    if a is None:
+      continue
+    if getattr(a, "shape", None) != (b, t):
+      raise ValueError(
+        f"{name} must be int [batch, seq] = {(b, t)} (x's first two axes), got shape {getattr(a, 'shape', None)}"
+      )
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array [batch, seq], got dtype {a.dtype}")
+  return b, t
+
+
 class FirstPassageAttention(nnx.Module):
   """Multi-head causal attention with a first-passage forget gate (one code path for all types).
 
@@ -491,7 +515,7 @@ class FirstPassageAttention(nnx.Module):
     whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
     `AttentionCache`): -> (y, the cache after x); see the class docstring."""
     cfg, spec = self.cfg, self.spec
-    b, t, _ = x.shape
+    b, t = check_layer_inputs(x, cfg.d_model, segment_ids, positions)
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
     q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
     g = self.gate_terms(x, None if cache is None else cache.carry)

@@ -428,7 +428,8 @@ def train(
           f"non-finite loss/grad at step {bad[0]} (loss={first['loss']}, grad_norm={first['grad_norm']}); "
           f"{len(bad)} bad step(s) skipped on device, stopped without saving. Last good checkpoint: "
           f"step {ckpt.latest_step()} in {ckpt.directory}. "
-          "Try a lower --set lr=..., a longer warmup, clip_norm>0 or dtype=float32."
+          "Try a lower lr, a longer warmup_steps, clip_norm > 0 or dtype='float32' (config fields: "
+          "get_config(..., lr=...), or --set lr=... on the command line)."
         )
       if is_log:
         last = m[-1][1]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _tol import assert_bitwise, assert_close
+from _tol import assert_bitwise, assert_close, rtol
 from fpa_jax import ops
 from fpa_jax.ops import chunked
 from fpa_jax.ops import reference_np as ref
@@ -156,6 +156,39 @@ def test_inf_level_sub_tiled_diagonal_matches_quadratic(monkeypatch):
     assert_close(x, w, n=12, err_msg=f"sub-tiled d/d{name}")
 
 
+# ----------------------------------------------------------------------------- field +inf, level -inf
+
+
+@pytest.fixture(scope="module")
+def other_inf_case():
+  """The other infinities `ops.validate.ALLOWED` allows: field +inf (a token that lowers no minimum,
+  a whole run of them in batch 0, head 1) and level -inf (a key never penalised), beside +inf levels."""
+  q, k, v, field, level, ct = _inputs(5)
+  rng = np.random.default_rng(5)
+  field = np.where(rng.random(field.shape) < 0.25, INF, field)
+  field[0, 3:7, 1] = INF
+  level = np.where(rng.random(level.shape) < 0.2, -INF, level)
+  args = (q, k, v, field, level)
+  return args, ct, ref.fpa_attention_np(*args), _grads(args, ct, "quadratic", None, None)[1]
+
+
+@pytest.mark.parametrize("impl,blk,tol", IMPLS)
+def test_field_plus_inf_and_level_minus_inf_every_impl_agrees(other_inf_case, impl, blk, tol):
+  args, ct, want, g_q = other_inf_case
+  out, g = _grads(args, ct, impl, blk, tol)
+  assert_close(out, want, n=T)
+  for name, x, w in zip(NAMES, g, g_q):
+    assert np.all(np.isfinite(x)), (impl, name)
+    assert_close(x, w, n=T, err_msg=f"{impl} d/d{name} vs quadratic")
+  assert np.all(g[3][np.isinf(args[3])] == 0.0), "a +inf field value is never the minimum that bites"
+  assert np.all(g[4][np.isneginf(args[4])] == 0.0), "a -inf level is never penalised"
+  if impl == "chunked" and tol is not None:  # the key-sparse forward too
+    j = lambda x: jnp.asarray(x, jnp.float32)
+    sparse = ops.fpa_attention(*map(j, args), block_size=blk, skip_tolerance=tol, skip="keys")
+    vmax = np.abs(args[2]).max()
+    assert np.abs(np.asarray(sparse) - want).max() <= 2 * tol * vmax + rtol(np.float32, T) * vmax
+
+
 # ----------------------------------------------------------------------------- FoX log_fgate > 0
 
 
@@ -243,7 +276,7 @@ def test_empty_inputs_give_empty_outputs_and_grads(b, t, impl):
 
 _O0_SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp
-from _tol import assert_bitwise, assert_close
+from _tol import assert_bitwise, assert_close, rtol
 from fpa_jax import ops
 rng = np.random.default_rng(0)
 b, t, h, d = 1, 10, 1, 2

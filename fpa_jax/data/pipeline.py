@@ -87,7 +87,8 @@ class _PackIterator(grain.DatasetIterator):
       if not self._split and not self._cut and len(mask) > L:
         raise ValueError(
           f"a document of {len(mask)} next-token pairs does not fit in seq_len={L}; "
-          f"set seq_len >= {len(mask)} (--set seq_len={len(mask)})"
+          f"set the config field seq_len >= {len(mask)} (get_config(..., seq_len={len(mask)}), or "
+          f"--set seq_len={len(mask)} on the command line)"
         )
       if remaining > space and not self._split and pos > 0:
         break  # does not fit: pad this row, start the document on a fresh one
@@ -149,7 +150,8 @@ def check_passkey_seq_len(src, seq_len: int, split: str = "train") -> None:
     raise ValueError(
       f"passkey split {split!r} has prompts of up to {target_len} tokens, longer than seq_len={seq_len}: "
       f"packing would cut each prompt so the answer never sees the needle. Set seq_len >= {target_len - 1} "
-      f"(e.g. --set seq_len={target_len} with a smaller batch, --set batch_size=8)"
+      f"(e.g. seq_len={target_len} with a smaller batch_size=8: get_config(..., seq_len={target_len}, "
+      f"batch_size=8), or --set seq_len={target_len} --set batch_size=8 on the command line)"
     )
 
 

@@ -159,6 +159,14 @@ def _scatter(x, slot, val):
   return x.at[bi, slot, hi].set(val.astype(x.dtype))
 
 
+def _sanitize(field, level):
+  """(field, level) [B, ..., H] fp32 with the entries `ops.validate.ALLOWED` does not allow replaced
+  by +inf (a field that lowers no minimum, a dead key), and the bad mask [B, ..., H] bool."""
+  f, l = field.astype(F32), level.astype(F32)
+  bad_f, bad_l = ~ops.validate.allowed("field", f), ~ops.validate.allowed("level", l)
+  return (jnp.where(bad_f, jnp.inf, f), jnp.where(bad_l, jnp.inf, l)), bad_f | bad_l
+
+
 # ------------------------------------------------------------------------------------------------
 # One token
 # ------------------------------------------------------------------------------------------------
@@ -190,8 +198,26 @@ def decode_attend(
       and report in `cache.lost` the full-cache attention mass the evicted keys would get.
   Returns:
     (out [B, 1, H, K], new cache).
+
+  Room: a cache of fewer slots than `policy.capacity` raises ValueError (its first free slot would be
+  a taken one); with `measure`, a concrete `step` >= the slots raises, and under jit such a step
+  writes nothing, sets `overflow` and returns NaN. Gate values `ops.validate.ALLOWED` does not allow
+  (NaN; a field of -inf): ValueError where concrete; under jit this step's output is NaN in the
+  kv head's query heads and the cache stores the token as dead (level +inf) and lowering no minimum
+  (field +inf), the values `ops.fpa_attention` computes with (in a model, a NaN field increment
+  stays NaN in the gate's running sum, so every later step is NaN too).
   """
-  f, l = field[:, 0].astype(F32), level[:, 0].astype(F32)  # [B, H]
+  slots = cache.pos.shape[1]
+  if not measure and slots < policy.capacity:
+    raise ValueError(
+      f"the cache has {slots} slots per (row, head), fewer than the {policy.capacity} keys policy {policy.name!r} "
+      f"may hold: make it with init_cache(batch, slots >= {policy.capacity}, ...)"
+    )
+  if measure and step is not None and not isinstance(step, jax.core.Tracer) and int(step) >= slots:
+    raise ValueError(f"measure=True writes slot step={int(step)}, but the cache has {slots} slots: use slots >= steps")
+  ops.validate.check_gate_values("field", field)
+  ops.validate.check_gate_values("level", level)
+  (f, l), bad = _sanitize(field[:, 0], level[:, 0])  # [B, H]
   occupied = cache.pos >= 0
   run_min = jnp.where(occupied, R.advance_run_min(cache.run_min, f), jnp.inf)
   cache = cache._replace(run_min=run_min)
@@ -207,6 +233,8 @@ def decode_attend(
   overflow = cache.overflow | (full if policy.thresholded else False)
   if measure:
     slot = jnp.broadcast_to(step, full.shape).astype(jnp.int32)
+    no_room = slot >= slots  # only reachable under jit: the scatters below drop the write
+    overflow = overflow | no_room
   else:
     slot = jnp.argmin(alive, axis=1).astype(jnp.int32)  # first free slot
   cache = cache._replace(
@@ -236,6 +264,8 @@ def decode_attend(
   if policy.name == "h2o":  # the attention mass each key received (snapkv keeps its prefill score)
     cache = cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1))
   cache = cache._replace(lost=lost)
+  nan_rows = bad | no_room if measure else bad  # [B, KVH]
+  out = jnp.where(nan_rows[:, :, None, None], jnp.nan, out)
   return out.reshape(b, h, -1).astype(q.dtype)[:, None], cache
 
 
@@ -330,10 +360,15 @@ def prefill_attend(
     out: the prompt's attention output [B, T, H, K] where the caller ran it (a layer's prefill,
     `Prefill`: the layer's own impl and skipping, `AttentionSpec.parallel`); None: run here by
     `ops.fpa_attention`'s chunked kernel with `block_size`.
+  Disallowed gate values (`ops.validate.ALLOWED`): as in `decode_attend`; the op makes the rows from
+  the bad token on NaN.
   """
   b, t, h = k.shape[:3]  # the cache's heads: kv heads
   if out is None:
     out = ops.fpa_attention(q, k, v, field, level, scale=scale, block_size=block_size)
+  ops.validate.check_gate_values("field", field)
+  ops.validate.check_gate_values("level", level)
+  (field, level), _ = _sanitize(field, level)
   t_idx = jnp.arange(t)[None, :, None]
   valid = t_idx < lengths[:, None, None]  # [B, T, 1]
   f = jnp.where(valid, field.astype(F32), jnp.inf)

@@ -30,7 +30,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.inference.cache import LayerCache, _argmax_lex
+from fpa_jax.inference.cache import LayerCache, _argmax_lex, _sanitize
 from fpa_jax.inference.policies import Policy
 from fpa_jax.ops import recurrent as R
 from fpa_jax.ops.common import F32
@@ -155,13 +155,14 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   Args as `cache.decode_attend`: q [B, 1, H, K]; k, v [B, 1, KVH, K]; field, level, cum [B, 1, KVH];
   positions [B]. The KVH new keys go to the first KVH free slots of the row: `pool_evict` after
   the previous step (or `pool_from_caches` after a prefill) left at most G - L * KVH keys, so
-  there are always enough (were there not, keys would be overwritten: the caller's invariant).
+  there are always enough; were there not (a pool built by hand), a kv head without a free slot
+  writes nothing and its query heads get NaN: no key is ever overwritten.
   Returns (out [B, 1, H, K], the view with the new pool and this layer's carry).
   """
   pool, layer = view.pool, view.layer
   b, g = pool.pos.shape
   kvh = k.shape[2]
-  f, lv = field[:, 0].astype(F32), level[:, 0].astype(F32)  # [B, KVH]
+  (f, lv), bad = _sanitize(field[:, 0], level[:, 0])  # [B, KVH]; disallowed values as in decode_attend
   head = pool.owner - layer * kvh  # the slot's kv head if this layer owns it
   mine = pool.alive & (head >= 0) & (head < kvh)  # [B, G]
   f_slot = jnp.take_along_axis(f, jnp.clip(head, 0, kvh - 1), axis=1)  # [B, G] its head's field
@@ -181,7 +182,8 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   free = ~pool.alive
   rank = jnp.cumsum(free, axis=1) - 1  # [B, G] index of each free slot among the free ones
   pick = free[:, None, :] & (rank[:, None, :] == jnp.arange(kvh)[None, :, None])  # [B, KVH, G]
-  slot = jnp.argmax(pick, axis=2)  # [B, KVH] the j-th free slot for kv head j
+  no_room = ~jnp.any(pick, axis=2)  # [B, KVH]: fewer free slots than kv heads (the invariant broken)
+  slot = jnp.where(no_room, g, jnp.argmax(pick, axis=2))  # [B, KVH] the j-th free slot; g: dropped
   bi = jnp.arange(b)[:, None]
   put = lambda x, val: x.at[bi, slot].set(val.astype(x.dtype))
   tags = jnp.broadcast_to(layer * kvh + jnp.arange(kvh, dtype=jnp.int32)[None], (b, kvh))
@@ -202,6 +204,7 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   live = _head_mask(pool, layer, kvh)[:, :, None, :]  # each group over its own (layer, kv head) slots
   p = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
   out = jnp.einsum("bhgs,bsk->bhgk", p.astype(pool.v.dtype), pool.v, preferred_element_type=F32)
+  out = jnp.where((no_room | bad)[:, :, None, None], jnp.nan, out)
   new = dataclasses.replace(view, pool=pool, carry=cum[:, 0].astype(F32))
   return out.reshape(b, h, dk).astype(q.dtype)[:, None], new
 

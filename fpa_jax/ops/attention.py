@@ -20,8 +20,18 @@ Edge cases, the same in every impl (tests/test_ops_edges.py):
     row whose other keys are all dead attends to itself alone. Values and gradients stay finite;
     the gradient w.r.t. a dead key's level is 0. (The penalty is `common.dip`: level - min field
     where level > min field, else 0, which is relu of the difference wherever that is defined.)
+  * level_j = -inf: key j is never penalised (penalty 0 for every query; level gradient 0).
+  * field_t = +inf: token t lowers no key's minimum (as padding; field gradient 0 there).
   * batch 0 or seq 0: the empty [batch, seq, heads, v_dim] output (and empty gradients).
   * log_fgate > 0 (FoX): ValueError on concrete arrays; under jit clamped to 0 (`fox_attention`).
+  * values that are not allowed (`validate.ALLOWED`): NaN anywhere, a field of -inf, a log_fgate
+    of +-inf (tests/test_no_silent_wrongs.py). A concrete array raises ValueError naming the
+    argument, the count and the first position. Under jit (values unknown) the output is NaN in
+    exactly the query rows (b, i, h) with a bad entry of kv head h // G at a position t <= i of row
+    b, whatever the segments, and every other row is what the finite inputs give (those rows never
+    read the entry: it is replaced before any impl runs); the gradient is NaN at the bad entries
+    and as for finite inputs elsewhere (the NaN rows pass no cotangent back). docs/ops.md,
+    "Non-finite inputs", says why these values and not others.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from fpa_jax.ops import chunked as _chunked
 from fpa_jax.ops import pallas as _pallas
 from fpa_jax.ops import sparse as _sparse
 from fpa_jax.ops import validate as _v
-from fpa_jax.ops.penalty import first_passage_penalty
+from fpa_jax.ops.penalty import penalty_matrix
 from fpa_jax.ops.quadratic import masked_softmax_attention
 from fpa_jax.ops.recurrent import recurrent_attention
 
@@ -93,7 +103,8 @@ def fpa_attention(
       gradient raises ValueError.
   Returns:
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
-    Infinite levels and empty inputs: see the module docstring.
+    Infinite gates, disallowed values (NaN, a field of -inf: ValueError where concrete, NaN rows from
+    the bad token on under jit) and empty inputs: see the module docstring.
   """
   _v.check_impl(impl, block_size)
   b, t, h, kvh, d = _v.check_qkv(q, k, v)
@@ -101,6 +112,8 @@ def fpa_attention(
   _v.check_gate("field", field, (b, t, kvh))
   _v.check_gate("level", level, (b, t, kvh))
   _v.check_segment_ids(segment_ids, (b, t))
+  _v.check_gate_values("field", field)
+  _v.check_gate_values("level", level)
   scale = _v.default_scale(scale, d)
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
@@ -124,15 +137,35 @@ def fpa_attention(
 
 # The computation after validation, one jitted program per (impl, scale, tiles, tolerance, shapes):
 # an eager call (a notebook, a test) compiles the kernel once instead of dispatching it op by op;
-# under an outer jit it is inlined.
+# under an outer jit it is inlined. Disallowed gate values (only reachable here under jit) are
+# replaced before any impl sees them and their rows made NaN after it (`validate.poison_rows`), so
+# every impl gives the same result for them.
 @functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance", "skip"))
 def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
+  gates, bad = _v.sanitize_gates({"field": field, "level": level})
+  out = _fpa_impl(
+    q,
+    k,
+    v,
+    gates["field"],
+    gates["level"],
+    segment_ids,
+    impl=impl,
+    scale=scale,
+    block_size=block_size,
+    skip_tolerance=skip_tolerance,
+    skip=skip,
+  )
+  return _v.poison_rows(out, bad)
+
+
+def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
   if impl == "pallas":
     return _pallas.pallas_attention(
       q, k, v, _chunked.FPAGate(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
     )
   if impl == "quadratic":
-    bias = -first_passage_penalty(_bht(field), _bht(level))
+    bias = -penalty_matrix(_bht(field), _bht(level))
     return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
   if impl == "recurrent":
     return recurrent_attention(
@@ -184,7 +217,8 @@ def fox_attention(
     log_fgate: [batch, seq, kv_heads] log forget gate, <= 0 (e.g. jax.nn.log_sigmoid(...)). A
       concrete array with a positive entry raises ValueError; under jit (a tracer) positive
       entries are clamped to 0 (forget gate 1, gradient 0 there) before any impl sees them, so
-      every impl computes the same, defined result.
+      every impl computes the same, defined result. Non-finite entries (NaN, +-inf): ValueError
+      where concrete; under jit NaN rows from the bad token on, as in `fpa_attention`.
     skip_tolerance, skip: as in `fpa_attention` (chunked only); the tile floor is min_J c - max_I c,
       a key's floor for query block I is c_j - max_I c.
     Others as in `fpa_attention`.
@@ -197,6 +231,7 @@ def fox_attention(
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
   _v.check_skip(skip, skip_tolerance)
+  _v.check_gate_values("log_fgate", log_fgate)
   _v.check_log_fgate(log_fgate)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
@@ -218,8 +253,16 @@ def fox_attention(
 @functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance", "skip"))
 def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
   # The one place all impls share: chunked / pallas tile c_i - c_j, the others the FPA special
-  # case, which agree only for a monotone c.
-  c = jnp.cumsum(_v.clamp_log_fgate(log_fgate), axis=1)
+  # case, which agree only for a monotone c. Non-finite entries: as in `_fpa_core`.
+  gates, bad = _v.sanitize_gates({"log_fgate": log_fgate})
+  c = jnp.cumsum(_v.clamp_log_fgate(gates["log_fgate"]), axis=1)
+  out = _fox_impl(
+    q, k, v, c, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance, skip=skip
+  )
+  return _v.poison_rows(out, bad)
+
+
+def _fox_impl(q, k, v, c, segment_ids, *, impl, scale, block_size, skip_tolerance, skip):
   if impl == "pallas":
     return _pallas.pallas_attention(
       q, k, v, _chunked.FoXGate(c), scale=scale, segment_ids=segment_ids, block_sizes=block_size
@@ -246,7 +289,7 @@ def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_
       block_size=block_size,
       skip_tolerance=skip_tolerance,
     )
-  return _fpa_core(q, k, v, c, c, segment_ids, impl=impl, scale=scale, block_size=None, skip_tolerance=None)
+  return _fpa_impl(q, k, v, c, c, segment_ids, impl=impl, scale=scale, block_size=None, skip_tolerance=None)
 
 
 def softmax_attention(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fpa_jax.ops import validate as _v
 from fpa_jax.ops.common import STATS_DTYPE, dip
 
 
@@ -32,13 +33,24 @@ def first_passage_penalty(field: jax.Array, level: jax.Array) -> jax.Array:
     level: [..., T] level l_j per key.
   Returns:
     [..., T, T] fp32, penalty[..., i, j] (query i, key j) >= 0 for j <= i, +inf for j > i.
+    Disallowed values (`validate.ALLOWED`: a NaN, a field of -inf) raise ValueError where concrete;
+    under jit every row i at or after the first one is NaN, as the attention ops' rows.
   """
   if field.shape != level.shape:
     raise ValueError(f"field and level must have the same shape [..., T], got {field.shape} and {level.shape}")
   if field.ndim < 1:
     raise ValueError("field and level need a trailing time axis [..., T]")
-  field = field.astype(STATS_DTYPE)
-  level = level.astype(STATS_DTYPE)
+  axes = tuple(f"axis {a}" for a in range(field.ndim - 1)) + ("position",)
+  _v.check_gate_values("field", field, axes)
+  _v.check_gate_values("level", level, axes)
+  gates, bad = _v.sanitize_gates({"field": field, "level": level})
+  rows = jnp.cumsum(bad, axis=-1, dtype=jnp.int32) > 0  # [..., T]
+  return jnp.where(rows[..., :, None], jnp.nan, penalty_matrix(gates["field"], gates["level"]))
+
+
+def penalty_matrix(field: jax.Array, level: jax.Array) -> jax.Array:
+  """`first_passage_penalty` of fp32 gates holding only allowed values, without the checks (the
+  quadratic impl, whose caller has checked and replaced them): [..., T] -> [..., T, T]."""
   t = field.shape[-1]
   i = jnp.arange(t)[:, None]
   j = jnp.arange(t)[None, :]

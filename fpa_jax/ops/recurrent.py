@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fpa_jax.ops import validate as _v
 from fpa_jax.ops.common import STATS_DTYPE, dip
 
 
@@ -82,43 +83,74 @@ def first_passage_penalty_of(level: jax.Array, run_min: jax.Array) -> jax.Array:
 
 def cache_penalty(cache: FPACache) -> jax.Array:
   """[B, S, KVH] fp32 current penalty of every cached key (0 for the newest, whatever its level:
-  run_min is +inf there; +inf for a level of +inf once a finite field value has been seen; junk in
-  empty slots)."""
-  return first_passage_penalty_of(cache.level, cache.run_min)
+  run_min is +inf there; +inf for a level of +inf once a finite field value has been seen; NaN where
+  a disallowed gate value reached the key's state, see `decode_step`; junk in empty slots)."""
+  nan = jnp.isnan(cache.level) | jnp.isnan(cache.run_min)
+  return jnp.where(nan, jnp.nan, first_passage_penalty_of(cache.level, cache.run_min))
 
 
 def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
   """One token: update the cache with (k, v, field, level), then attend with q.
 
   Args:
-    cache: FPACache with length < capacity.
+    cache: FPACache with length < capacity. A full cache raises ValueError where its length is
+      concrete; under jit a step on a full cache writes nothing: it returns the cache unchanged
+      (length stays at the capacity) and an output of NaN, never a key over the last slot.
     q: [B, H, K]; k: [B, KVH, K]; v: [B, KVH, Kv]; field, level: [B, KVH]; segment: optional [B] int.
   Returns:
     (out [B, H, Kv] in q's dtype, new cache).
+
+  Non-finite gates (`validate.ALLOWED`: field finite or +inf, level not NaN): a concrete field or
+  level with a disallowed entry raises ValueError. Under jit the cache remembers it as NaN state (a
+  bad level: the new key's level; a bad field: the running min of every key held and of the new
+  one) and every step of a (row, kv head) whose cache holds NaN state outputs NaN in that kv head's
+  query heads, whatever the segments: the steps at and after the bad token, as `fpa_attention`'s
+  rows (the `recurrent` impl is this scan).
   """
   b, h, d = q.shape
-  kvh = cache.k.shape[2]
+  capacity, kvh = cache.k.shape[1], cache.k.shape[2]
+  if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) >= capacity:
+    raise ValueError(
+      f"decode_step: the cache is full (length {int(cache.length)} = capacity {capacity}): make it with "
+      f"init_cache(..., capacity=N) for N >= the number of tokens to decode"
+    )
+  _v.check_gate_values("field", field, ("batch", "kv head"))
+  _v.check_gate_values("level", level, ("batch", "kv head"))
   seg = jnp.zeros((b,), jnp.int32) if segment is None else segment.astype(jnp.int32)
   pos = cache.length
+  full = pos >= capacity  # only reachable under jit
+  slot = jnp.minimum(pos, capacity - 1)
+  # Disallowed gate values become NaN state: jnp.minimum carries a NaN field into every running min.
+  f, l = field.astype(STATS_DTYPE), level.astype(STATS_DTYPE)
+  f_bad = ~_v.allowed("field", f)
+  f = jnp.where(f_bad, jnp.nan, f)
+  l = jnp.where(_v.allowed("level", l), l, jnp.nan)
   # Keys already cached see this token inside their range (j, now]; the new key sees none.
-  run_min = advance_run_min(cache.run_min, field)
+  run_min = jnp.where(full, cache.run_min, advance_run_min(cache.run_min, f))
+
+  def put(buf, new):  # write slot `slot` unless the cache is full
+    old = jax.lax.dynamic_slice_in_dim(buf, slot, 1, 1)
+    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(full, old, new.astype(buf.dtype)), slot, 1)
+
   cache = FPACache(
-    k=jax.lax.dynamic_update_slice_in_dim(cache.k, k[:, None].astype(cache.k.dtype), pos, 1),
-    v=jax.lax.dynamic_update_slice_in_dim(cache.v, v[:, None].astype(cache.v.dtype), pos, 1),
-    level=jax.lax.dynamic_update_slice_in_dim(cache.level, level.astype(STATS_DTYPE)[:, None], pos, 1),
-    run_min=jax.lax.dynamic_update_slice_in_dim(
-      run_min, jnp.full((b, 1, run_min.shape[-1]), jnp.inf, STATS_DTYPE), pos, 1
-    ),
-    segment=jax.lax.dynamic_update_slice_in_dim(cache.segment, seg[:, None], pos, 1),
-    length=pos + 1,
+    k=put(cache.k, k[:, None]),
+    v=put(cache.v, v[:, None]),
+    level=put(cache.level, l[:, None]),
+    run_min=put(run_min, jnp.where(f_bad, jnp.nan, jnp.inf)[:, None]),
+    segment=put(cache.segment, seg[:, None]),
+    length=jnp.where(full, pos, pos + 1),
   )
-  valid = (jnp.arange(cache.k.shape[1]) <= pos)[None, :] & (cache.segment == seg[:, None])  # [B, S]
+  s_idx = jnp.arange(capacity)
+  valid = (s_idx <= slot)[None, :] & (cache.segment == seg[:, None])  # [B, S]
   qg = q.reshape(b, kvh, h // kvh, d)  # query head h reads kv head h // G
   s = jnp.einsum("bhgd,bshd->bhgs", qg, cache.k, preferred_element_type=STATS_DTYPE) * scale
   pen = jnp.where(valid[:, :, None], cache_penalty(cache), 0.0).transpose(0, 2, 1)  # [B, KVH, S]
   logits = jnp.where(valid[:, None, None, :], s - pen[:, :, None], -jnp.inf)
   p = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bhgs,bshd->bhgd", p.astype(cache.v.dtype), cache.v, preferred_element_type=STATS_DTYPE)
+  held = (s_idx < cache.length)[None, :, None]
+  poisoned = jnp.any(held & (jnp.isnan(cache.level) | jnp.isnan(cache.run_min)), axis=1)  # [B, KVH]
+  out = jnp.where(poisoned[:, :, None, None] | full, jnp.nan, out)
   return out.reshape(b, h, -1).astype(q.dtype), cache
 
 

@@ -7,6 +7,8 @@ an error names the argument or field the user wrote."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ import numpy as np
 # Re-exported: the names are defined once in `common` (imported by chunked / pallas as well).
 from fpa_jax.ops.common import BLOCKED, IMPLS, SKIPS, STATS_DTYPE, BlockSizes, Implementation, Skip
 
-__all__ = ["BLOCKED", "IMPLS", "SKIPS", "STATS_DTYPE", "BlockSizes", "Implementation", "Skip"]
+__all__ = ["BLOCKED", "IMPLS", "SKIPS", "STATS_DTYPE", "BlockSizes", "Implementation", "Skip", "GateName"]
 
 
 def _is_float(x) -> bool:
@@ -168,3 +170,104 @@ def check_skip(skip, skip_tolerance, *, name="skip", tolerance_name="skip_tolera
     raise ValueError(
       f"{name}='keys' drops keys under a tolerance: set {tolerance_name}=eps in (0, 1) (e.g. 1e-3) or {name}='tiles'"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Non-finite gate values (docs/ops.md, "Non-finite inputs")
+# ------------------------------------------------------------------------------------------------
+
+# The per-token gate arrays the ops take, by their argument names.
+GateName = Literal["field", "level", "log_fgate"]
+
+# What each gate may hold besides finite numbers, and the value a disallowed entry is replaced by
+# inside the kernels (it never reaches an output: every row that could read it is NaN).
+#   field  +inf: a token that lowers no key's minimum (padding, a "transparent" token). -inf is not
+#          allowed: the gates make the field a running sum, where -inf is an overflow, and it would
+#          kill every earlier key for good (segment_ids say "forget everything before" instead).
+#   level  +inf: a dead key (weight exactly 0 once a finite field value follows it); -inf: a key
+#          that is never penalised (penalty 0 for every query).
+#   log_fgate  finite only: -inf (a forget gate of exactly 0) turns FoX's cumulative sum into
+#          -inf - -inf for every later pair; +inf is not a log probability (finite positive
+#          entries are clamped to 0 under jit, `clamp_log_fgate`).
+ALLOWED: dict[str, str] = {
+  "field": "finite or +inf (a token that lowers no minimum)",
+  "level": "finite, +inf (a dead key) or -inf (a key never penalised)",
+  "log_fgate": "finite (<= 0, e.g. jax.nn.log_sigmoid(f) of a finite f)",
+}
+FILL: dict[str, float] = {"field": float("inf"), "level": float("inf"), "log_fgate": 0.0}
+
+
+def allowed(name: GateName, x):
+  """bool array, True where the gate `name` holds an allowed value (`ALLOWED`); jnp or numpy in."""
+  xp = np if isinstance(x, np.ndarray) else jnp
+  if name == "field":
+    return x > -xp.inf  # False for NaN and -inf
+  if name == "level":
+    return ~xp.isnan(x)
+  return xp.isfinite(x)
+
+
+def check_gate_values(name: GateName, x, axes: tuple[str, ...] = ("batch", "position", "kv head")) -> None:
+  """ValueError if a concrete gate array holds a value `ALLOWED` does not allow, naming the argument,
+  how many entries and where the first one is. Tracers pass (under jit the ops make the rows that
+  read such an entry NaN: `poison_rows`). A device-to-host copy of the gate, as `check_log_fgate`.
+  `axes` names x's axes in the message."""
+  if isinstance(x, jax.core.Tracer):
+    return
+  a = np.asarray(x).astype(np.float32)  # numpy, not jnp: see check_log_fgate
+  if not a.size:
+    return
+  bad = ~allowed(name, a)
+  n = int(bad.sum())
+  if not n:
+    return
+  counts = {"NaN": np.isnan(a), "-inf": np.isneginf(a), "+inf": np.isposinf(a)}
+  found = ", ".join(f"{int(m.sum())} {k}" for k, m in counts.items() if (m & bad).any())
+  first = tuple(int(i) for i in np.argwhere(bad)[0])
+  where = ", ".join(f"{axis} {i}" for axis, i in zip(axes, first))
+  raise ValueError(
+    f"{name} has {n} {'entry that is' if n == 1 else 'entries that are'} not allowed ({found}; the first at {where}): "
+    f"{name} must be {ALLOWED[name]}. Find where the gate computing {name} overflows or divides by zero "
+    f"(under jit these entries make every query row from their position on NaN)"
+  )
+
+
+@jax.custom_vjp
+def _replace(x, bad, fill):
+  return jnp.where(bad, fill, x)
+
+
+def _replace_fwd(x, bad, fill):
+  return _replace(x, bad, fill), bad
+
+
+def _replace_bwd(bad, g):
+  # The gradient w.r.t. a disallowed entry is NaN (so a gate's parameters get a NaN gradient, as a
+  # NaN would give them in any differentiable computation); every other entry's passes unchanged.
+  return jnp.where(bad, jnp.nan, g), None, None
+
+
+_replace.defvjp(_replace_fwd, _replace_bwd)
+
+
+def sanitize_gates(gates: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
+  """Gates {name: [B, T, KVH]} -> (the gates fp32 with disallowed entries replaced by `FILL`, the bad
+  mask [B, T, KVH] bool: any gate disallowed at that token). Gradient: NaN at the replaced entries."""
+  out, bad = {}, None
+  for name, x in gates.items():
+    x = x.astype(STATS_DTYPE)
+    b = ~allowed(name, x)
+    out[name] = _replace(x, b, jnp.asarray(FILL[name], STATS_DTYPE))
+    bad = b if bad is None else bad | b
+  return out, bad
+
+
+def poison_rows(out: jax.Array, bad: jax.Array) -> jax.Array:
+  """out [B, T, H, Kv] with NaN in every row (b, i, h) where the gates of kv head h // G (G = H / KVH)
+  hold a disallowed entry at some position t <= i, whatever the segments; bad [B, T, KVH] bool. Those
+  rows pass no cotangent back (the NaN is a constant)."""
+  b, t, h, dv = out.shape
+  kvh = bad.shape[-1]
+  rows = jnp.cumsum(bad, axis=1, dtype=jnp.int32) > 0  # [B, T, KVH]: at or after a bad token
+  o = out.reshape(b, t, kvh, h // kvh, dv)
+  return jnp.where(rows[:, :, :, None, None], jnp.asarray(jnp.nan, out.dtype), o).reshape(out.shape)
