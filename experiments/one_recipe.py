@@ -6,7 +6,8 @@ seed on one data mix at one step budget, then the same checkpoints scored on eve
     python -m experiments.one_recipe --phase report                                             # tables
 
 The methods are `experiments.recipes.ONE_RECIPE` (the candidates and their ablations); the verdicts
-judge `--claims-method` (the recipe) against `fox` and its no-objective twin `--base-method`.
+judge `--claims-method` (the recipe) against `fox`, and the recipe with the evictability objective
+(`--objective-methods`, each setting) against the recipe.
 
 Training: small byte LMs (2 layers, d_model 128, 4 heads) at L=512 on the passkey study's mix
 (`experiments.passkey.PasskeyTextMix`: 6 passkey prompts + 2 `fpa_text` rows per batch of 8, answer
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from experiments.recipes import ONE_RECIPE, RECOMMENDED
+from experiments.recipes import OBJECTIVE_METHODS, ONE_RECIPE, RECOMMENDED
 
 MODULE = "experiments.one_recipe"
 METHODS = ONE_RECIPE
@@ -405,11 +406,42 @@ def bindings_verdict(res: dict) -> dict:
     ok.append(full - rule <= 0.01 and rule - h2o >= 0.10)
     ev.append(f"seed {seed}: rule {100 * rule:.1f} vs full {100 * full:.1f}, h2o {100 * h2o:.1f}")
   n, k = len(ok), sum(ok)
-  verdict = "not run" if not n else "holds" if k == n else f"{k} of {n} seeds"
+  verdict = "not run" if not n else f"holds ({n} of {n} seeds)" if k == n else f"{k} of {n} seeds"
   return {**claim, "verdict": verdict, "evidence": ", ".join(ev)}
 
 
-def verdicts(runs: dict, evals: dict, recipe_m: str, base_m: str, bindings: dict | None = None) -> list[dict]:
+def objective_verdict(evals: dict, recipe_m: str, objective_ms: tuple[str, ...]) -> dict:
+  """The evictability objective's text cost: each setting in `objective_ms` (the recipe plus the
+  objective) against the recipe by seed. Holds when one setting costs <= +0.5% bits per byte on
+  every seed it ran; the evidence also gives each run's passkey at 8x (what the objective did to
+  retrieval beyond the training length)."""
+  claim = {
+    "claim": "the objective's text cost",
+    "target": f"bpb <= +0.5% against `{recipe_m}` (the recipe without it), by seed",
+    "link": "results/one_recipe/one_recipe.md",
+  }
+  ok: dict[str, list[bool]] = {}
+  ev = []
+  for om in objective_ms:
+    for (m, s), e in sorted(evals.items()):
+      a, b = e.get("text"), evals.get((recipe_m, s), {}).get("text")
+      if m != om or om == recipe_m or not (a and b):
+        continue
+      c = a["bpb"] / b["bpb"] - 1
+      ok.setdefault(om, []).append(c <= 0.005)
+      p8 = e.get("passkey", {}).get("8", {}).get("accuracy")
+      ev.append(f"`{om}` seed {s}: {100 * c:+.2f}%" + ("" if p8 is None else f" (8x {p8:.2f})"))
+  if not ok:
+    return {**claim, "verdict": "not run", "evidence": ""}
+  good = [om for om, v in ok.items() if all(v)]
+  n = sum(map(len, ok.values()))
+  verdict = f"holds (`{good[0]}`)" if good else f"not met (0 of {len(ok)} settings, {n} runs)"
+  return {**claim, "verdict": verdict, "evidence": ", ".join(ev)}
+
+
+def verdicts(
+  runs: dict, evals: dict, recipe_m: str, objective_ms: tuple[str, ...] = (), bindings: dict | None = None
+) -> list[dict]:
   """The targets as written, every seed paired with FoX: holds / k of n seeds / not run."""
   link = "results/one_recipe/one_recipe.md"
   seeds = sorted(s for (m, s) in evals if m == recipe_m and ("fox", s) in evals)
@@ -421,7 +453,7 @@ def verdicts(runs: dict, evals: dict, recipe_m: str, base_m: str, bindings: dict
       verdict = "not run"
     else:
       k = sum(done.values())
-      verdict = "holds" if k == len(done) else f"{k} of {len(done)} seeds"
+      verdict = f"holds ({k} of {k} seeds)" if k == len(done) else f"{k} of {len(done)} seeds"
     out.append({"claim": name, "target": target, "verdict": verdict, "evidence": evidence, "link": link})
 
   ev = {s: (evals[(recipe_m, s)], evals[("fox", s)]) for s in seeds}
@@ -508,16 +540,7 @@ def verdicts(runs: dict, evals: dict, recipe_m: str, base_m: str, bindings: dict
       for s, (r, _) in ev.items()
     ),
   )
-  cost = {}
-  for s in seeds:
-    a, b = evals.get((recipe_m, s), {}).get("text"), evals.get((base_m, s), {}).get("text")
-    cost[s] = None if not (a and b) or recipe_m == base_m else a["bpb"] / b["bpb"] - 1
-  claim(
-    "the objective's text cost",
-    f"bpb <= +0.5% against `{base_m}` (the recipe without it), by seed",
-    {s: None if c is None else c <= 0.005 for s, c in cost.items()},
-    ", ".join(f"seed {s}: {100 * c:+.2f}%" for s, c in cost.items() if c is not None),
-  )
+  out.append(objective_verdict(evals, recipe_m, objective_ms))
   out.append(bindings_verdict(bindings or {}))
   return out
 
@@ -525,7 +548,7 @@ def verdicts(runs: dict, evals: dict, recipe_m: str, base_m: str, bindings: dict
 def report(
   out_dir: Path,
   recipe_m: str = RECOMMENDED,
-  base_m: str = "recipe_fh0_no_objective",
+  objective_ms: tuple[str, ...] = OBJECTIVE_METHODS,
   bindings_path: str = "results/bindings_lm.json",
 ) -> str:
   runs, evals = load_train(out_dir), load_eval(out_dir)
@@ -545,7 +568,7 @@ def report(
       md += "\n### Decode prefill\n\n" + compression_table(evals, "decode")
     if any(e.get("needle") for e in evals.values()):
       md += "\n## Per head: the gate's penalty on the needle at the question\n\n" + needle_table(evals)
-    v = verdicts(runs, evals, recipe_m, base_m, U.read_json(Path(bindings_path), {}))
+    v = verdicts(runs, evals, recipe_m, tuple(objective_ms), U.read_json(Path(bindings_path), {}))
     if any(m == recipe_m for m, _ in evals):  # the README's claims come from here once the recipe is scored
       U.write_json(out_dir / "claims.json", v)
     md += f"\n## Verdicts (`{recipe_m}` against `fox`, paired by seed)\n\n" + U.md_table(
@@ -638,7 +661,11 @@ def parse_args(argv=None):
   ap.add_argument("--skip-eps", type=float, default=1e-3)
   ap.add_argument("--claims-method", choices=list(METHODS), default=RECOMMENDED, help="the row the verdicts judge")
   ap.add_argument(
-    "--base-method", choices=list(METHODS), default="recipe_fh0_no_objective", help="its no-objective twin"
+    "--objective-methods",
+    nargs="+",
+    choices=list(METHODS),
+    default=list(OBJECTIVE_METHODS),
+    help="the recipe with the evictability objective, each setting judged against it (the objective's cost)",
   )
   ap.add_argument("--bindings-results", default="results/bindings_lm.json", help="the nested-bindings claim's source")
   ap.add_argument("--runs-dir", default="runs/one_recipe")
@@ -661,7 +688,7 @@ def main(argv=None) -> str:
     for seed in args.seeds:
       for method in args.methods:
         eval_one(method, seed, args, argv, log)
-  md = report(out_dir, args.claims_method, args.base_method, args.bindings_results)
+  md = report(out_dir, args.claims_method, args.objective_methods, args.bindings_results)
   print(md)
   return md
 

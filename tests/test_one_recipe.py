@@ -43,16 +43,21 @@ def test_verdicts_hold_only_on_every_seed(tmp_path):
     _eval("recipe", 1, 2.01, 0.98, 1.0, 0.90, 0.3, nll=(1.0, 1.12)),
   ]
   _write(tmp_path, runs, evals)
-  md = O.report(tmp_path, "recipe", "recipe_no_objective")
+  md = O.report(tmp_path, "recipe", ("recipe_no_objective",))
   v = {c["claim"]: c for c in json.loads((tmp_path / "claims.json").read_text())}
   assert v["FoX baseline competent at 1x on every seed"]["verdict"] == "1 of 2 seeds"
   # seed 1: FoX never competent, the recipe at 1200: no later than FoX
-  assert v["passkey pace: competent no later than FoX"]["verdict"] == "holds"
+  assert v["passkey pace: competent no later than FoX"]["verdict"] == "holds (2 of 2 seeds)"
   assert v["perplexity on par with FoX"]["verdict"] == "1 of 2 seeds"  # seed 1 is +0.5%: no best-seed rule
   assert v["perplexity by position to 8x"]["verdict"].startswith("not met (1 of 2")
   assert v["passkey at 8x the training length"]["verdict"] == "1 of 2 seeds"
   assert v["passkey kept with the KV cache cut to 25% / 12.5%"]["verdict"] == "1 of 2 seeds"
   assert v["the objective's text cost"]["verdict"] == "not run"  # no recipe_no_objective row
+  with_obj = {("o1", 0): {"text": {"bpb": 2.0}, "passkey": {"8": {"accuracy": 0.2}}}, ("o1", 1): {"text": {"bpb": 2.0}},
+              ("o2", 0): {"text": {"bpb": 1.991}}, ("r", 0): {"text": {"bpb": 1.99}}, ("r", 1): {"text": {"bpb": 2.1}}}  # fmt: skip
+  c = O.objective_verdict(with_obj, "r", ("o1",))
+  assert c["verdict"] == "not met (0 of 1 settings, 2 runs)" and "`o1` seed 0: +0.50% (8x 0.20)" in c["evidence"]
+  assert O.objective_verdict(with_obj, "r", ("o1", "o2"))["verdict"] == "holds (`o2`)"  # on every seed it ran
   assert "| `recipe` | 1 | 1200 |" in md and "removed 0.875" in md
 
 
