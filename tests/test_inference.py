@@ -268,9 +268,11 @@ def test_parallel_prefill_keeps_the_same_keys_as_decode():
     lengths = jnp.array([16, 11])
     pos16 = jnp.broadcast_to(jnp.arange(16), (2, 16))
     run = K.Prefill(pol, lengths)
-    prefill = jax.jit(lambda state, c: nnx.merge(graphdef, state)(prompt, positions=pos16, cache=K.LayerCaches(c, run)))
-    _, par = prefill(state, caches)  # jitted: an eager prefill dispatches the chunked kernel op by op
-    par = par.layers
+    # jitted (an eager prefill dispatches the chunked kernel op by op); the per-layer caches come out
+    prefill = jax.jit(
+      lambda state, c: nnx.merge(graphdef, state)(prompt, positions=pos16, cache=K.LayerCaches(c, run))[1].layers
+    )
+    par = prefill(state, caches)
     step = jax.jit(lambda state, c, tok, t: D._step(nnx.merge(graphdef, state), c, tok, jnp.full((2,), t), pol)[1])
     dec = D.init_caches(m, 2, pol, 17)
     for t in range(16):
