@@ -22,8 +22,10 @@ carry itself and the bias c_i - c_j.
 
 Cost. The chunk's own attention is materialised, [T, T] per (row, kv head) (a chunk is a turn of a
 conversation, not a book: prefill a long prompt in several chunks); the cached slots are read in
-blocks of `block_size` with an online softmax, so the cache adds O(T * block_size) memory and
-O(T * S) work, never an [S, S] or a re-run over the cached tokens.
+blocks of `block_size` with an online softmax, up to the last valid slot of any row and head (a
+data-dependent loop length: the op is for inference, forward only), so the cache adds
+O(T * block_size) memory and O(T * held slots) work, never an [S, S] or a re-run over the cached
+tokens. `inference.cache` fills its slots from the first, so that bound is about the keys it holds.
 
 Non-finite values (`validate.ALLOWED`): the chunk's gates as in `attention.fpa_attention` (NaN
 rows from a bad token on); a NaN in a valid slot's cached level or running min makes every row of
@@ -223,7 +225,10 @@ def _attend(q, k, v, field, level, cached: CachedKeys, *, scale, block_size):
       pv = jnp.einsum("bhgij,bjhd->bhgid", p.astype(cv.dtype), take(cv), preferred_element_type=F32)
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
-    state = jax.lax.fori_loop(0, nb, block, state)
+    # Only the blocks up to the last valid slot (of any row and head): an empty or half-full cache
+    # costs what it holds, not its capacity (a decode cache keeps its keys in the first slots).
+    last = jnp.max(jnp.where(valid, jnp.arange(nb * blk)[None, :, None] + 1, 0))
+    state = jax.lax.fori_loop(0, (last + blk - 1) // blk, block, state)
   _, l, acc = state
   out = jnp.moveaxis(acc / l[..., None], 3, 1)  # [B, T, KVH, G, Kv]
   out = jnp.where(poisoned[:, None, :, None, None], jnp.nan, out)
