@@ -138,7 +138,9 @@ class ModelConfig(_Part):
   )
   # gate parameterisation / init (fpa_jax.gates; the defaults: docs/design.md); exposed for ablations
   gate_init_std: float = _field(0.02, _GATE_INIT_STD, gate=True, free_on_resume=True)  # fox term: w_f ~ N(0, std)
-  gate_bias_init: float = _field(0.0, _GATE_BIAS, gate=True, preset=True, free_on_resume=True)  # fox term: b_f (FoX's init: 0)
+  gate_bias_init: float = _field(
+    0.0, _GATE_BIAS, gate=True, preset=True, free_on_resume=True
+  )  # fox term: b_f (FoX's init: 0)
   gate_forget: bool = _field(False, V.flag(), gate=True, preset=True)  # stack/fpa: add FoX's log-sigmoid term
   # ablations: comma-separated read-outs from GATE_TERMS, replacing the default (checked with `attention`)
   gate_terms_override: str = _field("", V.text(), gate=True)

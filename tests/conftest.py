@@ -45,6 +45,7 @@ SLOW = {
   "test_experiments.py::test_kv_compression_tiny_run",
   "test_experiments.py::test_forget_speed_records_every_layer_and_rebuilds_with_skipping",  # + the retrofit run's
   "test_experiments.py::test_bench_decode_tiny_run_writes_results",
+  "test_experiments.py::test_bench_prefix_tiny_run_writes_results",  # its library paths: test_prefix.py
   "test_experiments.py::test_bench_attention_tiny_run_writes_results",
   "test_live_sets.py::test_run_smoke_writes_results_and_resumes",
   "test_evictability.py::test_train_logs_evict_metrics",

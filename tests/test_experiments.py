@@ -153,6 +153,20 @@ def test_bench_decode_tiny_run_writes_results(tmp_path):
   assert "| 2x (64) | fpa_budget | 20 |" in (tmp_path / "bench_decode.md").read_text()
 
 
+def test_bench_prefix_tiny_run_writes_results(tmp_path):
+  from experiments import bench_prefix
+
+  res = bench_prefix.main(
+    ["--config", "tiny", "--turns", "2", "--turn-tokens", "8", "--repeats", "1", "--out", str(tmp_path / "bp")]
+  )
+  assert len(res["reprefill"]["turn_ms"]) == 2 and res["methods"]["chunked_full"]["cache_bytes"] > 0
+  from _tol import rtol
+
+  # the same logits up to fp32 reduction order (tiny: d_model 32 x 2 layers; untrained logits are < 1)
+  assert res["methods"]["chunked_full"]["last_turn_max_abs_diff_vs_reprefill"] <= rtol("float32", 64)
+  assert "python -m experiments.bench_prefix --config tiny" in (tmp_path / "bp.md").read_text()
+
+
 def test_kv_compression_tiny_run(tmp_path, monkeypatch):
   """Train-free smoke run on a 1-step model: every requested cell written, reruns skip them."""
   from experiments import kv_compression

@@ -5,23 +5,27 @@
     tokens, stats = generate(model, prompts, 32, policy="fpa_budget", budget=0.25)
     tokens, stats = generate(model, prompts, 32, policy="fpa_global", budget=0.25)  # one budget per row
     logits, stats = cached_logits(model, tokens, policy="fpa", tolerance=1e-3)   # studies
+    logits, conv = extend(model, turn_1, max_len=4096, policy="fpa_budget", budget=512)  # chunk by chunk
+    logits, conv = extend(model, turn_2, conv)
 
 Policies and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache` (fpa_global's
 shared slot pool: `.pool`). A model's layers attend against a cache through one protocol
-(`fpa_jax.layers.AttentionCache`): `cache.CacheView` (a layer's cache with a `Decode` step or a
-`Prefill`) and `pool.PoolView`; `DecoderLM` takes them as a `models.ModelCache` (`LayerCaches`,
+(`fpa_jax.layers.AttentionCache`): `cache.CacheView` (a layer's cache with a `Decode` step, a
+`Prefill` or an `Extend` chunk) and `pool.PoolView`; `DecoderLM` takes them as a `models.ModelCache` (`LayerCaches`,
 `pool.PoolStep`).
 """
 
 from fpa_jax.inference.cache import (
   CacheView,
   Decode,
+  Extend,
   LayerCache,
   LayerCaches,
   Prefill,
   decode_attend,
   init_cache,
   prefill_attend,
+  prefill_chunk,
   snapkv_scores,
 )
 from fpa_jax.inference.decode import (
@@ -34,6 +38,7 @@ from fpa_jax.inference.decode import (
   layer_query_bounds,
   prefill_parallel,
 )
+from fpa_jax.inference.conversation import Conversation, extend
 from fpa_jax.inference.loading import export_model, load_exported, load_model, read_metrics
 from fpa_jax.inference.policies import (
   POLICIES,
@@ -54,6 +59,8 @@ __all__ = [
   "read_metrics",
   "generate",
   "cached_logits",
+  "extend",
+  "Conversation",
   "init_caches",
   "layer_logit_bounds",
   "layer_query_bounds",
@@ -72,9 +79,11 @@ __all__ = [
   "CacheView",
   "Decode",
   "Prefill",
+  "Extend",
   "init_cache",
   "decode_attend",
   "prefill_attend",
+  "prefill_chunk",
   "POLICIES",
   "Policy",
   "PolicyName",

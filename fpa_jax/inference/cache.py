@@ -8,9 +8,11 @@ eviction and its threshold are one decision for the whole group.
 A slot holds one key of one (row, kv head): its k, v, level, and the running min of the field since it
 was written (its first-passage state). Slots are reused once their key is evicted, so the cache has
 a fixed capacity and static shapes; a whole generation compiles once. `decode_attend` is one token,
-`prefill_attend` a whole prompt through the parallel kernel: pure functions of (cache, q, k, v,
-field, level, cum). The layer calls neither directly: it calls `attend(spec, q, k, v, gates)` on a
-`CacheView` (a `LayerCache` with a `Decode` or `Prefill`), which calls them with the layer's spec.
+`prefill_attend` a whole prompt through the parallel kernel, `prefill_chunk` a chunk of new tokens
+after what the cache holds (a conversation prefilled turn by turn): pure functions of (cache, q, k,
+v, field, level, cum). The layer calls none of them directly: it calls `attend(spec, q, k, v, gates)`
+on a `CacheView` (a `LayerCache` with a `Decode`, `Prefill` or `Extend`), which calls them with the
+layer's spec.
 """
 
 from __future__ import annotations
@@ -379,11 +381,21 @@ def prefill_attend(
   score = None
   if policy.name == "snapkv":
     score = snapkv_scores(q, k, field, level, lengths, scale=scale, window=policy.obs_window, kernel=policy.kernel)
+  last = jnp.take_along_axis(cum.astype(F32), (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
+  return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, lengths, last, score)
+
+
+def _keep_best(cache: LayerCache, policy: Policy, k, v, level, run_min, pen, pos, valid, lengths, carry, score=None):
+  """The cache of the keys the policy keeps among N candidates: k, v [B, N, KVH, K]; level, run_min,
+  pen, score [B, N, KVH] fp32; pos [B, N, KVH] int; valid [B, N, KVH] bool (a real key); lengths [B]
+  the keys each row has seen (positions >= lengths - W are protected); carry [B, KVH] the gate's
+  running sum after them. Its S slots get the most wanted candidates (`_keep_order`); the rest go."""
+  b, t, h = pen.shape
   thr = cache.key_threshold(k) if policy.thresholded else None
   order, keep = _keep_order(policy, pen, pos, valid, thr, lengths, score)
   score = jnp.zeros_like(pen) if score is None else score
   s = cache.k.shape[1]
-  if t < s:  # fewer tokens than slots: pad the candidates with never-kept entries
+  if t < s:  # fewer candidates than slots: pad them with never-kept entries
     pad = lambda x, c: jnp.concatenate([x, jnp.full((b, s - t) + x.shape[2:], c, x.dtype)], axis=1)
     order = jnp.concatenate([order, jnp.broadcast_to(jnp.arange(t, s)[None, :, None], (b, s - t, h))], 1)
     k, v, level, run_min, pos, keep, score = (
@@ -398,8 +410,7 @@ def prefill_attend(
   idx = order[:, :s]  # [B, S, H]
   take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 3 else idx[..., None], axis=1)
   kept = take(keep)
-  last = jnp.take_along_axis(cum.astype(F32), (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
-  cache = cache._replace(
+  return cache._replace(
     k=take(k).astype(cache.k.dtype),
     v=take(v).astype(cache.v.dtype),
     level=take(level.astype(F32)),
@@ -407,10 +418,86 @@ def prefill_attend(
     pos=jnp.where(kept, take(pos), -1),
     alive=kept,
     score=jnp.where(kept, take(score), 0.0),
-    carry=last,
+    carry=carry,
     overflow=cache.overflow | (policy.thresholded & (jnp.sum(keep, 1) > s)),
   )
-  return out, cache
+
+
+# ------------------------------------------------------------------------------------------------
+# A chunk after the cache
+# ------------------------------------------------------------------------------------------------
+
+CHUNKABLE = ("full", "fpa", "fpa_threshold", "fpa_budget", "window", "sink_window")
+
+
+def check_chunk_policy(policy: Policy) -> None:
+  """The policies `prefill_chunk` runs: those that rank keys by their penalty, position or nothing.
+  h2o (attention mass received), snapkv (a prompt's last window) and fpa_global (a budget across
+  layers) rank by what one chunk cannot see: ValueError naming what to use."""
+  if policy.name not in CHUNKABLE:
+    raise ValueError(
+      f"policy {policy.name!r} cannot prefill chunk by chunk (it ranks keys by what a chunk does not see: "
+      f"attention mass, a prompt's last window or every layer's penalties): use one of {CHUNKABLE}, or "
+      "prefill the whole prompt (generate(prefill='parallel'))"
+    )
+
+
+def prefill_chunk(
+  cache: LayerCache,
+  q,
+  k,
+  v,
+  field,
+  level,
+  cum,
+  *,
+  policy: Policy,
+  scale: float,
+  lengths: jax.Array,
+  offsets: jax.Array,
+  block_size: int | None = None,
+):
+  """A chunk of new tokens per row after the cache: attend, then keep what the policy keeps.
+
+  Each query of the chunk attends to the cache's alive keys with their first-passage state and to
+  the chunk's keys up to itself (`ops.prefix.prefix_attention`: exact, as if the cached keys' tokens
+  were in the same parallel call). Then every cached key's running min is lowered by the chunk's
+  field, the chunk's keys get theirs (a reverse cumulative min, as in `prefill_attend`), and the
+  policy keeps the cache's S best of the cached and the new keys by `prefill_attend`'s rule (the
+  last W positions protected). A whole prompt as one chunk into an empty cache gives exactly the
+  cache `prefill_attend` builds. Under the `fpa` tolerance policy every evicted key carried <= eps
+  of each later query's attention (penalties never decrease, `policies.tolerance_threshold`); under
+  a budget each query of a chunk sees at most the budget of cached keys plus its chunk's keys.
+
+  Args:
+    q: [B, T, H, K]; k, v: [B, T, KVH, K]; field, level, cum: [B, T, KVH] (cum: the gate's running
+      sums, continued from `cache.carry`).
+    lengths: [B] the chunk's tokens per row (0 <= L <= T; right padding, never attended to by a real
+      query nor kept). offsets: [B] the position of each row's first chunk token (tokens seen so far).
+    block_size: cached slots per online-softmax step of the attention.
+  Returns:
+    (out [B, T, H, K], the cache after the chunk). Policies: `CHUNKABLE` (`check_chunk_policy`).
+    Disallowed gate values (`ops.validate.ALLOWED`): as in `prefill_attend`.
+  """
+  check_chunk_policy(policy)
+  b, t, h = k.shape[:3]
+  cached = ops.prefix.CachedKeys(cache.k, cache.v, cache.level, cache.run_min, cache.alive)
+  out = ops.prefix.prefix_attention(q, k, v, field, level, cached, scale=scale, block_size=block_size)
+  (f, l), _ = _sanitize(field, level)
+  t_idx = jnp.arange(t, dtype=jnp.int32)[None, :, None]
+  real = t_idx < lengths[:, None, None]  # [B, T, 1]
+  f = jnp.where(real, f, jnp.inf)  # padding lowers no minimum
+  run_old = jnp.where(cache.pos >= 0, R.advance_run_min(cache.run_min, f.min(axis=1)), jnp.inf)
+  cat = lambda a, c: jnp.concatenate([a, c], axis=1)
+  k, v = cat(cache.k, k.astype(cache.k.dtype)), cat(cache.v, v.astype(cache.v.dtype))
+  level = cat(cache.level, l)
+  run_min = cat(run_old, R.suffix_run_min(f, axis=1))
+  pos = cat(cache.pos, jnp.broadcast_to(offsets[:, None, None] + t_idx, (b, t, h)).astype(jnp.int32))
+  valid = cat(cache.alive, jnp.broadcast_to(real, (b, t, h)))
+  last = jnp.take_along_axis(cum.astype(F32), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+  carry = jnp.where((lengths > 0)[:, None], last, cache.carry)
+  pen = R.first_passage_penalty_of(level, run_min)
+  return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, offsets + lengths, carry)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -449,12 +536,26 @@ class Prefill:
 
 
 @dataclasses.dataclass(frozen=True)
+class Extend:
+  """A chunk of new tokens per row after the cache (`prefill_chunk`): the policy, the chunk's
+  `lengths` [B] and `offsets` [B] (the position of its first token in each row)."""
+
+  policy: Policy
+  lengths: jax.Array
+  offsets: jax.Array
+
+  def attend(self, state: LayerCache, spec, q, k, v, gates):
+    kw = dict(policy=self.policy, scale=spec.scale, lengths=self.lengths, offsets=self.offsets)
+    return prefill_chunk(state, q, k, v, gates.field, gates.level, gates.cum, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheView:
-  """One layer's `LayerCache` with what this call does (`Decode` or `Prefill`): the
+  """One layer's `LayerCache` with what this call does (`Decode`, `Prefill` or `Extend`): the
   `layers.AttentionCache` the layer calls."""
 
   state: LayerCache
-  run: Decode | Prefill
+  run: Decode | Prefill | Extend
 
   @property
   def carry(self) -> jax.Array:
@@ -471,7 +572,7 @@ class LayerCaches:
   per-layer caches (`DecoderLM(..., cache=LayerCaches(caches, Decode(...))).layers` after)."""
 
   layers: tuple[LayerCache, ...]
-  run: Decode | Prefill
+  run: Decode | Prefill | Extend
 
   def layer(self, i: int) -> CacheView:
     return CacheView(self.layers[i], self.run)

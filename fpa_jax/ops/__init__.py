@@ -3,6 +3,7 @@
 from fpa_jax.ops.attention import IMPLS, Implementation, fox_attention, fpa_attention, softmax_attention
 from fpa_jax.ops.budget import budget_keep, budgeted_attention
 from fpa_jax.ops.penalty import first_passage_penalty
+from fpa_jax.ops.prefix import CachedKeys, fox_prefix_attention, prefix_attention
 from fpa_jax.ops.recurrent import FPACache, cache_penalty, decode_step, init_cache
 
 __all__ = [
@@ -12,6 +13,9 @@ __all__ = [
   "fox_attention",
   "softmax_attention",
   "first_passage_penalty",
+  "prefix_attention",
+  "fox_prefix_attention",
+  "CachedKeys",
   "budget_keep",
   "budgeted_attention",
   "FPACache",

@@ -92,6 +92,54 @@ def fpa_attention_np(q, k, v, field, level, scale=None, segment_ids=None):
   return _attend_np(q, k, v, lambda b, h: -penalty_np(field[b, :, h], level[b, :, h]), scale, segment_ids)
 
 
+def fpa_prefix_attention_np(
+  q, k, v, field, level, cached_k, cached_v, cached_level, cached_run_min, cached_valid, scale=None
+):
+  """A chunk after a cache (`fpa_jax.ops.prefix.prefix_attention`), float64 loops.
+
+  Query i of the chunk attends to every valid cached slot s with penalty level_s - lowest where
+  level_s > lowest, lowest = min(run_min_s, field_0, ..., field_i) (run_min_s: the min of the
+  field since the key was written), and to chunk keys j <= i with `penalty_np`.
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, Kv]; field, level: [B, T, H] (the chunk);
+    cached_k: [B, S, H, K]; cached_v: [B, S, H, Kv]; cached_level, cached_run_min: [B, S, H];
+    cached_valid: [B, S, H] bool. Heads ungrouped (repeat kv heads first).
+  Returns:
+    [B, T, H, Kv] float64.
+  """
+  q, k, v, ck, cv = (np.asarray(x, np.float64) for x in (q, k, v, cached_k, cached_v))
+  field, level, clev, cmin = (np.asarray(x, np.float64) for x in (field, level, cached_level, cached_run_min))
+  valid = np.asarray(cached_valid, bool)
+  bsz, t, heads, d = q.shape
+  scale = d**-0.5 if scale is None else float(scale)
+  out = np.zeros((bsz, t, heads, v.shape[-1]))
+  for b in range(bsz):
+    for h in range(heads):
+      pen = penalty_np(field[b, :, h], level[b, :, h])
+      for i in range(t):
+        logits, vals = [], []
+        lowest_chunk = min(float(field[b, s, h]) for s in range(i + 1))
+        for s in range(ck.shape[1]):
+          if not valid[b, s, h]:
+            continue
+          lowest = min(float(cmin[b, s, h]), lowest_chunk)
+          lv = float(clev[b, s, h])
+          dot = sum(q[b, i, h, e] * ck[b, s, h, e] for e in range(d))
+          logits.append(scale * dot - (lv - lowest if lv > lowest else 0.0))
+          vals.append(cv[b, s, h])
+        for j in range(i + 1):
+          dot = sum(q[b, i, h, e] * k[b, j, h, e] for e in range(d))
+          logits.append(scale * dot - pen[i, j])
+          vals.append(v[b, j, h])
+        m = max(logits)
+        w = [math.exp(x - m) for x in logits]
+        z = sum(w)
+        for wj, vj in zip(w, vals):
+          out[b, i, h] += (wj / z) * vj
+  return out
+
+
 def fox_attention_np(q, k, v, log_fgate, scale=None, segment_ids=None):
   """Forgetting Attention with the cumsum-difference bias c_i - c_j, c = cumsum(log_fgate).
 

@@ -207,27 +207,32 @@ def allowed(name: GateName, x):
   return xp.isfinite(x)
 
 
-def check_gate_values(name: GateName, x, axes: tuple[str, ...] = ("batch", "position", "kv head")) -> None:
+def check_gate_values(
+  name: GateName, x, axes: tuple[str, ...] = ("batch", "position", "kv head"), *, label: str | None = None, mask=None
+) -> None:
   """ValueError if a concrete gate array holds a value `ALLOWED` does not allow, naming the argument,
   how many entries and where the first one is. Tracers pass (under jit the ops make the rows that
   read such an entry NaN: `poison_rows`). A device-to-host copy of the gate, as `check_log_fgate`.
-  `axes` names x's axes in the message."""
-  if isinstance(x, jax.core.Tracer):
+  `axes` names x's axes in the message; `label` the argument (default `name`, whose rule applies);
+  `mask` (bool, x's shape): only the True entries are checked (the filled slots of a cache)."""
+  if isinstance(x, jax.core.Tracer) or isinstance(mask, jax.core.Tracer):
     return
   a = np.asarray(x).astype(np.float32)  # numpy, not jnp: see check_log_fgate
   if not a.size:
     return
   bad = ~allowed(name, a)
+  if mask is not None:
+    bad &= np.asarray(mask, bool)
   n = int(bad.sum())
   if not n:
     return
   counts = {"NaN": np.isnan(a), "-inf": np.isneginf(a), "+inf": np.isposinf(a)}
-  found = ", ".join(f"{int(m.sum())} {k}" for k, m in counts.items() if (m & bad).any())
+  found = ", ".join(f"{int((m & bad).sum())} {k}" for k, m in counts.items() if (m & bad).any())
   first = tuple(int(i) for i in np.argwhere(bad)[0])
   where = ", ".join(f"{axis} {i}" for axis, i in zip(axes, first))
   raise ValueError(
-    f"{name} has {n} {'entry that is' if n == 1 else 'entries that are'} not allowed ({found}; the first at {where}): "
-    f"{name} must be {ALLOWED[name]}. Find where the gate computing {name} overflows or divides by zero "
+    f"{label or name} has {n} {'entry that is' if n == 1 else 'entries that are'} not allowed ({found}; the first "
+    f"at {where}): {label or name} must be {ALLOWED[name]}. Find where the gate computing it overflows or divides by zero "
     f"(under jit these entries make every query row from their position on NaN)"
   )
 

@@ -1,0 +1,137 @@
+"""A conversation prefilled chunk by chunk: each call runs only its new tokens against the cache the
+previous calls left, under an eviction policy.
+
+    from fpa_jax.inference import extend
+    logits, conv = extend(model, turn_1, max_len=4096, policy="fpa_budget", budget=512)
+    logits, conv = extend(model, turn_2, conv)          # turn 2 attends to what turn 1 left
+    logits, conv = extend(model, next_token[:, None], conv)   # one token: a decode step
+
+Shape legend: B batch, T tokens of the call, V vocab, L layers, KVH kv heads.
+
+Each layer runs `inference.cache.prefill_chunk`: the chunk's queries attend to the cached keys with
+their first-passage state and to the chunk causally (`ops.prefix.prefix_attention`, exact), then the
+policy keeps the cache's slots' worth of the cached and new keys. With the `full` policy the logits
+of every chunk equal the model's parallel logits over the whole conversation (up to fp32 reduction
+order); with an evicting policy each query sees the keys the cache kept plus its own chunk's.
+Re-running the whole conversation at every turn costs O(N^2) over N tokens; chunk by chunk costs
+O(T * (S + T)) per chunk of T tokens against S slots (`experiments/bench_prefix.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fpa_jax.inference.cache import Extend, LayerCache, LayerCaches, check_chunk_policy
+from fpa_jax.inference.decode import init_caches
+from fpa_jax.inference.policies import Policy, make_policy
+from fpa_jax.models import DecoderLM, check_tokens
+
+TRACES = {"extend": 0}  # Python traces of the program (tests: one per shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+  """What `extend` leaves for the next call: every layer's `LayerCache`, the tokens each row has
+  seen (`seen` [B] int, on the host: the next chunk's first position), the resolved policy and
+  `max_len`, the most tokens a row may hold (the N of the `fpa` tolerance bound; what a float budget
+  is a fraction of)."""
+
+  caches: tuple[LayerCache, ...]
+  seen: np.ndarray
+  policy: Policy
+  max_len: int
+
+  def keys_held(self) -> np.ndarray:
+    """[L, B, KVH] keys each (layer, row, kv head) holds."""
+    return np.stack([np.asarray(jnp.sum(c.alive, axis=1)) for c in self.caches])
+
+  def nbytes(self) -> int:
+    """Bytes the cache allocates, every array of every layer (as `decode.cache_bytes` counts)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.caches)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
+def _extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: Policy):
+  TRACES["extend"] += 1
+  model = nnx.merge(graphdef, state)
+  positions = seen[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  logits, done = model(tokens, positions=positions, cache=LayerCaches(tuple(caches), Extend(policy, lengths, seen)))
+  return logits, done.layers
+
+
+def extend(
+  model: DecoderLM,
+  tokens,
+  conversation: Conversation | None = None,
+  *,
+  lengths=None,
+  max_len: int | None = None,
+  policy: str = "full",
+  budget: float | int | None = None,
+  tolerance: float | None = None,
+  threshold: float | None = None,
+  recent: int | None = None,
+  bound: str | None = None,
+) -> tuple[jax.Array, Conversation]:
+  """Run `tokens` [B, T] (right-padded, `lengths` [B] in [0, T], default T) after `conversation`.
+
+  The first call (conversation=None) starts one with an empty cache under the policy: `max_len`
+  (required) is the most tokens a row will hold, and policy, budget, tolerance, threshold, recent,
+  bound are `policies.make_policy`'s (policies `cache.CHUNKABLE`; a float budget is a fraction of
+  max_len). Later calls pass the conversation and no policy argument.
+
+  Returns:
+    (logits [B, T, V] fp32 of the chunk's tokens (padding rows: junk), the conversation after it).
+  Raises ValueError before tracing on bad tokens or lengths, a policy argument with a conversation,
+  or a chunk that would take a row past max_len (the cache would drop keys the policy did not choose
+  and the tolerance bound would no longer hold).
+  """
+  tokens = check_tokens(tokens, model.cfg.vocab_size)
+  b, t = tokens.shape
+  given = dict(budget=budget, tolerance=tolerance, threshold=threshold, recent=recent, bound=bound)
+  if conversation is None:
+    if max_len is None or isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+      raise ValueError(
+        f"the first extend() call starts a conversation: pass max_len=N (an int >= 1), the most tokens a row "
+        f"will hold, got max_len={max_len!r}"
+      )
+    pol = make_policy(policy, max_len, **given)
+    check_chunk_policy(pol)
+    conversation = Conversation(init_caches(model, b, pol, max_len), np.zeros((b,), np.int64), pol, max_len)
+  else:
+    passed = sorted(k for k, val in given.items() if val is not None) + (["policy"] if policy != "full" else [])
+    if passed or max_len is not None:
+      raise ValueError(
+        f"extend(..., conversation) continues under the conversation's own policy and max_len: drop "
+        f"{passed + (['max_len'] if max_len is not None else [])}"
+      )
+    if conversation.seen.shape != (b,):
+      raise ValueError(f"tokens must have the conversation's batch of {conversation.seen.shape[0]} rows, got {b}")
+  lengths = np.full((b,), t) if lengths is None else np.asarray(lengths)
+  if (
+    lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer) or np.any(lengths < 0) or np.any(lengths > t)
+  ):
+    raise ValueError(f"lengths must be [batch]={b} ints in [0, {t}], got {lengths.tolist()}")
+  after = conversation.seen + lengths
+  if np.any(after > conversation.max_len):
+    raise ValueError(
+      f"this chunk takes rows {np.flatnonzero(after > conversation.max_len).tolist()} to {int(after.max())} tokens, "
+      f"past the conversation's max_len={conversation.max_len}: start it with a larger max_len"
+    )
+  graphdef, state = nnx.split(model)
+  logits, caches = _extend_program(
+    graphdef,
+    state,
+    conversation.caches,
+    tokens,
+    jnp.asarray(lengths, jnp.int32),
+    jnp.asarray(conversation.seen, jnp.int32),
+    policy=conversation.policy,
+  )
+  return logits, dataclasses.replace(conversation, caches=tuple(caches), seen=after)
