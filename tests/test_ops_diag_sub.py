@@ -1,4 +1,4 @@
-"""Sub-tiled diagonal tiles of the chunked kernel (`chunked.DIAG_SUB`): a diagonal tile of n >=
+"""Sub-tiled diagonal tiles of the chunked kernel (`bias.DIAG_SUB`): a diagonal tile of n >=
 2 * DIAG_SUB tokens takes its bias from per-sub-tile statistics instead of an in-tile scan. It
 must agree with the in-tile scan (`_diag_bias`) and the numpy loop penalty in values, and with the
 scan's pullback in gradients; end to end, chunked at such blocks must match `quadratic`.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from _tol import assert_bitwise, assert_close
-from fpa_jax.ops import chunked
+from fpa_jax.ops import bias
 from fpa_jax.ops import reference_np as ref
 from test_ops_grad import assert_grads_close, assert_loss_close, jax_grads, make_inputs
 
@@ -33,16 +33,16 @@ def _tile_inputs(seed, n, gates, lead=(2, 3)):
 
 def _sub_bias(lvl, phi):
   """The sub-tiled bias of one tile, [..., n] -> [..., n, n], through `FPAGate.stats`' path."""
-  a, c, ps = chunked._sub_stats(phi[..., None, :], chunked._diag_sub(phi.shape[-1]))
-  return chunked._diag_bias_tiled(lvl, a[..., 0, :, :], c[..., 0, :, :], ps[..., 0, :, :])
+  a, c, ps = bias._sub_stats(phi[..., None, :], bias._diag_sub(phi.shape[-1]))
+  return bias._diag_bias_tiled(lvl, a[..., 0, :, :], c[..., 0, :, :], ps[..., 0, :, :])
 
 
 @pytest.mark.parametrize("n,sub", [(16, 8), (32, 8), (24, 8), (64, 16)])
 @pytest.mark.parametrize("gates", ["walk", "ties"])
 def test_sub_tiled_bias_equals_in_tile_scan_and_loop_penalty(monkeypatch, n, sub, gates):
-  monkeypatch.setattr(chunked, "DIAG_SUB", sub)
+  monkeypatch.setattr(bias, "DIAG_SUB", sub)
   lvl, phi = _tile_inputs(0, n, gates)
-  got, want = np.asarray(jax.jit(_sub_bias)(lvl, phi)), np.asarray(jax.jit(chunked._diag_bias)(lvl, phi))
+  got, want = np.asarray(jax.jit(_sub_bias)(lvl, phi)), np.asarray(jax.jit(bias._diag_bias)(lvl, phi))
   causal = np.tril(np.ones((n, n), bool))
   # min and relu are exact in fp32: the two formulations agree bitwise on the causal part.
   assert_bitwise(got[..., causal], want[..., causal])
@@ -55,12 +55,12 @@ def test_sub_tiled_bias_equals_in_tile_scan_and_loop_penalty(monkeypatch, n, sub
 @pytest.mark.parametrize("n,sub", [(32, 8), (64, 16)])
 @pytest.mark.parametrize("gates", ["walk", "ties"])
 def test_sub_tiled_bias_pullback_matches_in_tile_scan(monkeypatch, n, sub, gates):
-  monkeypatch.setattr(chunked, "DIAG_SUB", sub)
+  monkeypatch.setattr(bias, "DIAG_SUB", sub)
   lvl, phi = _tile_inputs(1, n, gates)
   # Cotangents only on the causal part, as in the kernel (masked logits get exactly 0).
   ct = jnp.asarray(np.random.default_rng(2).normal(size=lvl.shape + (n,)) * np.tril(np.ones((n, n))), jnp.float32)
   vjp = lambda f: jax.jit(lambda l, p: jax.vjp(f, l, p)[1](ct))(lvl, phi)
-  got, want = vjp(_sub_bias), vjp(chunked._diag_bias)
+  got, want = vjp(_sub_bias), vjp(bias._diag_bias)
   for name, g, w in zip(("level", "field"), got, want):
     assert np.all(np.isfinite(np.asarray(g))), name
     if gates == "walk":  # on ties the two pick different (valid) subgradients
@@ -73,9 +73,9 @@ def test_sub_tiled_bias_pullback_matches_in_tile_scan(monkeypatch, n, sub, gates
 
 
 def test_small_tiles_keep_the_in_tile_scan():
-  assert chunked._diag_sub(chunked.DIAG_SUB) is None  # one sub-tile: nothing to split
-  assert chunked._diag_sub(2 * chunked.DIAG_SUB + 8) is None  # not a multiple of the sub-tile
-  assert chunked._diag_sub(4 * chunked.DIAG_SUB) == chunked.DIAG_SUB
+  assert bias._diag_sub(bias.DIAG_SUB) is None  # one sub-tile: nothing to split
+  assert bias._diag_sub(2 * bias.DIAG_SUB + 8) is None  # not a multiple of the sub-tile
+  assert bias._diag_sub(4 * bias.DIAG_SUB) == bias.DIAG_SUB
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_small_tiles_keep_the_in_tile_scan():
   ],
 )
 def test_chunked_with_sub_tiled_diagonal_matches_quadratic(seed, t, blk, gates, seg):
-  assert chunked._diag_sub(blk) is not None
+  assert bias._diag_sub(blk) is not None
   args, ct, seg = make_inputs(seed, 1, t, 2, 4, 3, gates, seg)
   val_q, want = jax_grads(args, ct, seg, "quadratic", None)
   val, got = jax_grads(args, ct, seg, "chunked", blk)

@@ -21,7 +21,7 @@ import pytest
 
 from _tol import assert_bitwise, assert_close, rtol
 from fpa_jax import ops
-from fpa_jax.ops import chunked
+from fpa_jax.ops import bias, chunked
 from fpa_jax.ops import reference_np as ref
 
 INF = np.inf
@@ -145,9 +145,9 @@ def test_all_dead_rows_normalise_to_the_diagonal(impl, blk, tol):
 
 def test_inf_level_sub_tiled_diagonal_matches_quadratic(monkeypatch):
   # The sub-tiled diagonal path (tiles of >= 2 * DIAG_SUB tokens), at a small DIAG_SUB.
-  monkeypatch.setattr(chunked, "DIAG_SUB", 4)
+  monkeypatch.setattr(bias, "DIAG_SUB", 4)
   args, ct = _inputs(3, b=1, t=12)[:5], _inputs(3, b=1, t=12)[5]
-  assert chunked._diag_sub(8) == 4
+  assert bias._diag_sub(8) == 4
   out_q, g_q = _grads(args, ct, "quadratic", None, None)
   out, g = _grads(args, ct, "chunked", 8, None)  # traced only here (block 8): the patched DIAG_SUB
   assert_close(out, ref.fpa_attention_np(*args), n=12)
@@ -326,10 +326,10 @@ def test_chunked_grads_finite_at_xla_opt_level_0():
 
 
 def test_first_passage_state_is_one_definition_equal_to_the_reference():
-  """The decode state (`ops.recurrent`: advance_run_min per token, suffix_run_min for a prompt,
-  first_passage_penalty_of) equals the float64 loop penalty at every step, +inf levels included;
-  `fpa_jax.inference.cache` and `decode_step` both use these functions."""
-  from fpa_jax.ops import recurrent as R
+  """The decode state (`ops.first_passage`: advance per token, suffix_min for a prompt, penalty)
+  equals the float64 loop penalty at every step, +inf levels included; `decode_step`, the
+  inference caches and the budget simulation all use these functions."""
+  from fpa_jax.ops import first_passage as fp
 
   rng = np.random.default_rng(3)
   t, h = 9, 2
@@ -339,8 +339,8 @@ def test_first_passage_state_is_one_definition_equal_to_the_reference():
   want = np.stack([ref.penalty_np(field[0, :, i], level[0, :, i]) for i in range(h)], -1)  # [T, T, H]
   run_min = jnp.full((1, t, h), jnp.inf)
   for i in range(t):  # decode: lower every earlier key's minimum, then write key i with +inf
-    run_min = R.advance_run_min(run_min, jnp.asarray(field[:, i])).at[:, i].set(jnp.inf)
-    got = np.asarray(R.first_passage_penalty_of(jnp.asarray(level), run_min))[0, : i + 1]
+    run_min = fp.advance(run_min, jnp.asarray(field[:, i])[:, None, :]).at[:, i].set(jnp.inf)
+    got = np.asarray(fp.penalty(jnp.asarray(level), run_min))[0, : i + 1]
     assert_bitwise(got, want[i, : i + 1].astype(np.float32))
-  prefill = R.first_passage_penalty_of(jnp.asarray(level), R.suffix_run_min(jnp.asarray(field), axis=1))
+  prefill = fp.penalty(jnp.asarray(level), fp.suffix_min(jnp.asarray(field), axis=1))
   assert_bitwise(np.asarray(prefill)[0], want[-1].astype(np.float32))

@@ -28,7 +28,7 @@ from fpa_jax.inference import decode as D
 from fpa_jax.inference import conversation as E
 from fpa_jax.inference.policies import make_policy, tolerance_threshold
 from fpa_jax.models import build_model
-from fpa_jax.ops import recurrent as R
+from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops import reference_np as ref
 
 F32 = np.float32
@@ -88,9 +88,7 @@ def _split_prefix(q, k, v, field, level, p):
   t = q.shape[1]
   before = jnp.arange(t) < p  # [T]
   f = jnp.where(before[None, :, None], field, jnp.inf)  # the cached part's field, +inf after p
-  cached = ops.CachedKeys(
-    k, v, level, R.suffix_run_min(f, axis=1), jnp.broadcast_to(before[None, :, None], level.shape)
-  )
+  cached = ops.CachedKeys(k, v, level, fp.suffix_min(f, axis=1), jnp.broadcast_to(before[None, :, None], level.shape))
   roll = lambda x: jnp.roll(x, -p, axis=1)
   return ops.prefix_attention(roll(q), roll(k), roll(v), roll(field), roll(level), cached)
 

@@ -25,10 +25,8 @@ import jax.numpy as jnp
 
 from fpa_jax import ops
 from fpa_jax.inference.policies import Policy
-from fpa_jax.ops import recurrent as R  # the first-passage state: one definition, beside decode_step
+from fpa_jax.ops import first_passage as fp  # the first-passage state and the eviction rule
 from fpa_jax.ops.common import F32
-
-_BIG = jnp.iinfo(jnp.int32).max
 
 
 class LayerCache(NamedTuple):
@@ -70,7 +68,7 @@ class LayerCache(NamedTuple):
   @property
   def penalty(self) -> jax.Array:
     """[B, S, H] current first-passage penalty of each slot's key (0 on empty slots)."""
-    return jnp.where(self.pos >= 0, R.first_passage_penalty_of(self.level, self.run_min), 0.0)
+    return jnp.where(self.pos >= 0, fp.penalty(self.level, self.run_min), 0.0)
 
   def key_threshold(self, k: jax.Array | None = None) -> jax.Array:
     """[B, S, H] the eviction threshold of each slot's key (of `k` [B, S, H, K] if given)."""
@@ -119,38 +117,27 @@ def reset_rows(cache: LayerCache, rows: jax.Array) -> LayerCache:
 # ------------------------------------------------------------------------------------------------
 
 
-def _argmax_lex(primary, secondary, mask, axis=1):
-  """Index of the max of `primary`, ties broken by the max of `secondary`, among `mask`."""
-  p = jnp.where(mask, primary, -jnp.inf)
-  best = jnp.max(p, axis=axis, keepdims=True)
-  s = jnp.where(mask & (p == best), secondary, -_BIG)
-  return jnp.argmax(s, axis=axis)
-
-
 def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, now: jax.Array) -> jax.Array:
   """[B, H] slot of the key to evict from a full (row, head); `now` [B] is the current position.
 
   The protected window (`policy.recent` = W): the new key at `now` and the W - 1 before it stay, so
   the candidates are the keys at positions <= now - W (all alive keys if none is; make_policy keeps
-  W below the capacity, so a full cache always has one).
+  W below the capacity, so a full cache always has one). Every policy evicts in
+  `first_passage.oldest_max` order (ties: the oldest); the fpa ones by the largest penalty
+  (`first_passage.victim`).
   """
-  older = -cache.pos  # larger = older
-  if policy.recent:
-    cand = alive & (cache.pos <= now[:, None, None] - policy.recent)
-    alive = jnp.where(jnp.any(cand, 1, keepdims=True), cand, alive)
+  pos, now = cache.pos, now[:, None, None]
+  alive = fp.candidates(alive, pos, now, policy.recent)
   if policy.name == "snapkv":
-    return _argmax_lex(-cache.score, older, alive)
+    return fp.oldest_max(-cache.score, pos, alive)
   if policy.name == "window" or policy.name == "full":
-    return _argmax_lex(jnp.zeros_like(pen), older, alive)
+    return fp.oldest_max(jnp.zeros_like(pen), pos, alive)
   if policy.name == "sink_window":
-    mask = alive & (cache.pos >= policy.n_sink)
-    return _argmax_lex(jnp.zeros_like(pen), older, jnp.where(jnp.any(mask, 1, keepdims=True), mask, alive))
+    mask = alive & (pos >= policy.n_sink)
+    return fp.oldest_max(jnp.zeros_like(pen), pos, jnp.where(jnp.any(mask, 1, keepdims=True), mask, alive))
   if policy.name == "h2o":
-    recent = policy.capacity // 2
-    mask = alive & (cache.pos <= (now[:, None, None] - recent))
-    mask = jnp.where(jnp.any(mask, 1, keepdims=True), mask, alive)
-    return _argmax_lex(-cache.score, older, mask)
-  return _argmax_lex(pen, older, alive)  # fpa_budget, fpa_global's per-head cap (and thresholded on overflow)
+    return fp.oldest_max(-cache.score, pos, fp.candidates(alive, pos, now, policy.capacity // 2))
+  return fp.oldest_max(pen, pos, alive)  # fpa_budget, fpa_global's per-head cap (and thresholded on overflow)
 
 
 def _scatter(x, slot, val):
@@ -221,12 +208,12 @@ def decode_attend(
   ops.validate.check_gate_values("level", level)
   (f, l), bad = _sanitize(field[:, 0], level[:, 0])  # [B, H]
   occupied = cache.pos >= 0
-  run_min = jnp.where(occupied, R.advance_run_min(cache.run_min, f), jnp.inf)
+  run_min = jnp.where(occupied, fp.advance(cache.run_min, f[:, None, :]), jnp.inf)
   cache = cache._replace(run_min=run_min)
   pen = cache.penalty  # [B, S, H]
   alive = cache.alive
   if policy.thresholded:
-    alive = alive & (pen < cache.key_threshold())
+    alive = alive & fp.survives(pen, cache.key_threshold())
   # Room for the new key: capacity eviction when this (row, head) already holds `capacity` keys.
   full = jnp.sum(alive, axis=1) >= policy.capacity  # [B, H]
   out_slot = victim(policy, cache, pen, alive, positions)  # [B, H]
@@ -283,7 +270,7 @@ def _keep_order(policy: Policy, pen, pos, valid, thr, lengths, score=None):
   """
   keep = valid
   if policy.thresholded:
-    keep = keep & (pen < thr)
+    keep = keep & fp.survives(pen, thr)
   if policy.name in ("window", "full"):
     primary = jnp.zeros_like(pen)
   elif policy.name == "sink_window":
@@ -319,9 +306,7 @@ def snapkv_scores(q, k, field, level, lengths, *, scale: float, window: int, ker
   qw = jnp.take_along_axis(q, w_idx[:, :, None, None], axis=1)  # [B, W, H, K]
   j = jnp.arange(t)[None, None, :]  # key index
   causal = j <= w_idx[:, :, None]  # [B, W, T]
-  # penalty of key j at query i: relu(level_j - min(field over (j, i])); reverse cummin per query
-  f = jnp.where(causal[..., None], field.astype(F32)[:, None], jnp.inf)  # [B, W, T, KVH]
-  pen = R.first_passage_penalty_of(level[:, None], R.suffix_run_min(f, axis=2))  # [B, W, T, KVH]
+  pen = fp.penalty(level[:, None], fp.run_min_at(field, w_idx))  # [B, W, T, KVH] key j at query i
   qg = qw.reshape(b, window, kvh, h // kvh, dk)
   s = jnp.einsum("bwhgk,bthk->bwhgt", qg, k, preferred_element_type=F32) * scale
   logits = s - pen.transpose(0, 1, 3, 2)[:, :, :, None]
@@ -374,8 +359,8 @@ def prefill_attend(
   t_idx = jnp.arange(t)[None, :, None]
   valid = t_idx < lengths[:, None, None]  # [B, T, 1]
   f = jnp.where(valid, field.astype(F32), jnp.inf)
-  run_min = R.suffix_run_min(f, axis=1)  # min over (j, L)
-  pen = R.first_passage_penalty_of(level, run_min)
+  run_min = fp.suffix_min(f, axis=1)  # min over (j, L)
+  pen = fp.penalty(level, run_min)
   pos = jnp.broadcast_to(t_idx, (b, t, h)).astype(jnp.int32)
   valid = jnp.broadcast_to(valid, (b, t, h))
   score = None
@@ -487,16 +472,16 @@ def prefill_chunk(
   t_idx = jnp.arange(t, dtype=jnp.int32)[None, :, None]
   real = t_idx < lengths[:, None, None]  # [B, T, 1]
   f = jnp.where(real, f, jnp.inf)  # padding lowers no minimum
-  run_old = jnp.where(cache.pos >= 0, R.advance_run_min(cache.run_min, f.min(axis=1)), jnp.inf)
+  run_old = jnp.where(cache.pos >= 0, fp.advance(cache.run_min, f.min(axis=1)[:, None, :]), jnp.inf)
   cat = lambda a, c: jnp.concatenate([a, c], axis=1)
   k, v = cat(cache.k, k.astype(cache.k.dtype)), cat(cache.v, v.astype(cache.v.dtype))
   level = cat(cache.level, l)
-  run_min = cat(run_old, R.suffix_run_min(f, axis=1))
+  run_min = cat(run_old, fp.suffix_min(f, axis=1))
   pos = cat(cache.pos, jnp.broadcast_to(offsets[:, None, None] + t_idx, (b, t, h)).astype(jnp.int32))
   valid = cat(cache.alive, jnp.broadcast_to(real, (b, t, h)))
   last = jnp.take_along_axis(cum.astype(F32), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
   carry = jnp.where((lengths > 0)[:, None], last, cache.carry)
-  pen = R.first_passage_penalty_of(level, run_min)
+  pen = fp.penalty(level, run_min)
   return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, offsets + lengths, carry)
 
 

@@ -38,6 +38,7 @@ from fpa_jax.inference.policies import (
 )
 from fpa_jax.layers import attention_spec
 from fpa_jax.models import DecoderLM, check_tokens
+from fpa_jax.ops import first_passage as fp
 
 TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (tests: no retracing)
 
@@ -159,12 +160,8 @@ def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -
   cand = alive & (pos <= now[:, None, None, None] + 1 - policy.recent)
   excess = jnp.maximum(jnp.sum(alive, axis=(1, 2, 3)) - limit, 0)  # [B]
   head = jnp.broadcast_to((jnp.arange(n_l)[:, None, None] * h + jnp.arange(h)[None, None, :])[None], pen.shape)
-  n = n_l * s * h
-  flat = lambda x: x.reshape(b, n)
-  idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], (b, n))
-  *_, order = jax.lax.sort((flat(~cand), flat(-pen), flat(pos), flat(head), idx), dimension=1, num_keys=4)
-  rank = jnp.zeros((b, n), jnp.int32).at[jnp.arange(b)[:, None], order].set(idx)
-  evict = ((rank < excess[:, None]) & flat(cand)).reshape(b, n_l, s, h)
+  flat = lambda x: x.reshape(b, n_l * s * h)
+  evict = fp.evict_largest(flat(pen), flat(pos), flat(head), flat(cand), excess).reshape(b, n_l, s, h)
   return tuple(c._replace(alive=c.alive & ~evict[:, i]) for i, c in enumerate(caches))
 
 

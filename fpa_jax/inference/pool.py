@@ -30,9 +30,9 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.inference.cache import LayerCache, _argmax_lex, _sanitize
+from fpa_jax.inference.cache import LayerCache, _sanitize
 from fpa_jax.inference.policies import Policy
-from fpa_jax.ops import recurrent as R
+from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops.common import F32
 
 
@@ -60,7 +60,7 @@ class SlotPool(NamedTuple):
   @property
   def penalty(self) -> jax.Array:
     """[B, G] current first-passage penalty of each slot's key (0 on free slots)."""
-    return jnp.where(self.alive, R.first_passage_penalty_of(self.level, self.run_min), 0.0)
+    return jnp.where(self.alive, fp.penalty(self.level, self.run_min), 0.0)
 
 
 class GlobalCache(NamedTuple):
@@ -166,17 +166,13 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   head = pool.owner - layer * kvh  # the slot's kv head if this layer owns it
   mine = pool.alive & (head >= 0) & (head < kvh)  # [B, G]
   f_slot = jnp.take_along_axis(f, jnp.clip(head, 0, kvh - 1), axis=1)  # [B, G] its head's field
-  run_min = jnp.where(mine, R.advance_run_min(pool.run_min[:, None, :], f_slot)[:, 0], pool.run_min)
+  run_min = jnp.where(mine, fp.advance(pool.run_min, f_slot), pool.run_min)
   pool = pool._replace(run_min=run_min)
   if policy.head_cap is not None:  # a head at its limit drops its victim (fpa_budget's rule, per head)
     own = _head_mask(pool, layer, kvh)  # [B, KVH, G]
     full = jnp.sum(own, axis=-1) >= policy.capacity  # [B, KVH]
-    cand = own
-    if policy.recent:
-      cand = own & (pool.pos[:, None, :] <= positions[:, None, None] - policy.recent)
-      cand = jnp.where(jnp.any(cand, -1, keepdims=True), cand, own)
-    pen = jnp.broadcast_to(pool.penalty[:, None, :], own.shape)
-    out_slot = _argmax_lex(pen, jnp.broadcast_to(-pool.pos[:, None, :], own.shape), cand, axis=2)  # [B, KVH]
+    pen, pos = (jnp.broadcast_to(x[:, None, :], own.shape) for x in (pool.penalty, pool.pos))
+    out_slot = fp.victim(pen, pos, own, positions[:, None, None], policy.recent, axis=2)  # [B, KVH]
     gone = jnp.any(full[:, :, None] & (jnp.arange(g)[None, None, :] == out_slot[:, :, None]), axis=1)  # [B, G]
     pool = pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner))
   free = ~pool.alive
@@ -218,14 +214,10 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCach
   freed (alive False, owner -1) for the next step's new keys.
   """
   pool = cache.pool
-  b, g = pool.pos.shape
   limit = (policy.keys - 1) * cache.n_layers * cache.kv_heads
   cand = pool.alive & (pool.pos <= now[:, None] + 1 - policy.recent)
   excess = jnp.maximum(jnp.sum(pool.alive, axis=1) - limit, 0)  # [B]
-  idx = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None], (b, g))
-  *_, order = jax.lax.sort((~cand, -pool.penalty, pool.pos, pool.owner, idx), dimension=1, num_keys=4)
-  rank = jnp.zeros((b, g), jnp.int32).at[jnp.arange(b)[:, None], order].set(idx)
-  gone = (rank < excess[:, None]) & cand
+  gone = fp.evict_largest(pool.penalty, pool.pos, pool.owner, cand, excess)
   return cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
 
 

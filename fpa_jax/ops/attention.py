@@ -18,8 +18,9 @@ Edge cases, the same in every impl (tests/test_ops_edges.py):
   * level_j = +inf: key j is dead (penalty +inf, weight exactly 0) for every query i after it
     with a finite field value in (j, i]; on its own diagonal (empty range) its penalty is 0, so a
     row whose other keys are all dead attends to itself alone. Values and gradients stay finite;
-    the gradient w.r.t. a dead key's level is 0. (The penalty is `common.dip`: level - min field
-    where level > min field, else 0, which is relu of the difference wherever that is defined.)
+    the gradient w.r.t. a dead key's level is 0. (The penalty is `first_passage.dip`: level - min
+    field where level > min field, else 0, which is relu of the difference wherever that is
+    defined.)
   * level_j = -inf: key j is never penalised (penalty 0 for every query; level gradient 0).
   * field_t = +inf: token t lowers no key's minimum (as padding; field gradient 0 there).
   * batch 0 or seq 0: the empty [batch, seq, heads, v_dim] output (and empty gradients).

@@ -6,7 +6,8 @@ rule): in a training step, every (row, kv head) gets a KV cache of `capacity` ke
 
     at query i: advance every held key's running min of the field with field_i; if the cache holds
     `capacity` keys, evict the one with the largest penalty (ties: the oldest) among the keys at
-    positions <= i - recent (all held keys if none is); insert key i; attend over what is held.
+    positions <= i - recent (all held keys if none is; `first_passage.victim`, the rule the decode
+    runs); insert key i; attend over what is held.
 
 (a new segment starts with an empty cache, as `generate` resets a row.) `budget_keep` simulates that
 for every query of a training sequence at once (a scan over positions, O(B H T^2) time, O(B H T)
@@ -29,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax.ops import validate as _v
-from fpa_jax.ops.common import F32, dip
+from fpa_jax.ops import first_passage as fp
+from fpa_jax.ops.common import F32
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.quadratic import masked_softmax_attention
 
@@ -73,15 +75,10 @@ def budget_keep(
     alive, run_min = carry  # [B, H, T] bool / fp32 (run min over (j, i] of the held keys; +inf: none)
     i, f_i, reset = xs
     alive = alive & ~reset[:, None, None]
-    run_min = jnp.where(pos < i, jnp.minimum(run_min, f_i[:, :, None]), jnp.inf)
-    pen = dip(lvl, run_min)  # [B, H, T]; 0 where the range is empty
+    run_min = jnp.where(pos < i, fp.advance(run_min, f_i[:, :, None]), jnp.inf)
+    pen = fp.penalty(lvl, run_min)  # [B, H, T]; 0 where the range is empty
     full = jnp.sum(alive, axis=-1) >= cap  # [B, H]
-    cand = alive & (pos <= i - w)
-    cand = jnp.where(jnp.any(cand, -1, keepdims=True), cand, alive)
-    # largest penalty, ties: the oldest (the smallest position), as `inference.cache.victim`
-    p = jnp.where(cand, pen, -jnp.inf)
-    tied = cand & (p == jnp.max(p, -1, keepdims=True))
-    out = jnp.argmax(tied, axis=-1)  # first True: the oldest of the tied
+    out = fp.victim(pen, pos, alive, i, w, axis=-1)  # the rule `inference.cache` decodes with
     alive = alive & ~(full[:, :, None] & (pos == out[:, :, None]))
     alive = alive | (pos == i)
     return (alive, run_min), alive

@@ -1,4 +1,4 @@
-"""Names, dtypes and small math shared by every attention op: the bottom layer of `fpa_jax.ops`.
+"""Names and dtypes shared by every attention op: the bottom layer of `fpa_jax.ops`.
 
 It imports nothing from fpa_jax, so `validate`, `chunked`, `pallas` and the rest can all import it
 without a cycle. Public paths re-export from here (`fpa_jax.ops.pallas.BlockSizes`,
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-import jax
 import jax.numpy as jnp
 
 # The one definition of the implementation names (typed as `jax.nn.dot_product_attention` types
@@ -52,12 +51,3 @@ class BlockSizes:
 
 
 _DEFAULT_BLOCKS = {"tpu": BlockSizes(128), "gpu": BlockSizes(64), "interpret": BlockSizes(32)}
-
-
-def dip(level: jax.Array, low: jax.Array) -> jax.Array:
-  """The penalty of a key at `level` below which the field reached `low`: level - low where
-  level > low, else exactly 0. Equal to relu(level - low) on finite values and defined on all
-  the others without an inf - inf: an empty range (low = +inf) gives 0 even for level = +inf,
-  a level of +inf against a finite low gives +inf (a dead key), a level of -inf gives 0.
-  Autodiff: d/dlevel = 1 and d/dlow = -1 where level > low, else 0 (no product with a value)."""
-  return jnp.where(level > low, level - low, 0.0)

@@ -27,10 +27,10 @@ whose gradient sigmoid(d / soft) is positive everywhere and decays exponentially
 keys just under the running min get a pull upward, keys far under it (the field is nowhere near
 forgetting them) almost none. The cost is a bias: a key exactly at the running min counts as
 penalised by soft * log 2 nats (its soft count drops a little below the hard one); `soft = 0` is
-the exact relu. The hard count (penalty < tau, exact relu) is
+the exact relu. The hard count (the exact penalty below tau, `first_passage.survives`) is
 returned beside it for logging: it is what a threshold-tau policy would keep.
 
-Cost: per sampled query a reverse running min of the field over (j, i] (`lax.cummin`, reverse):
+Cost: per sampled query a reverse running min of the field over (j, i] (`first_passage.run_min_at`):
 O(B * Q * T * H) time and memory for Q sampled queries, never the [T, T] penalty matrix.
 
 Budget in the loop, the objective's second form (a random cache per step, masked in the forward pass),
@@ -47,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops.common import F32
 
 
@@ -106,24 +107,22 @@ def live_counts(
   b, t, _ = field.shape
   qi = jnp.clip(query_idx.astype(jnp.int32), 0, t - 1)[:, :, None]  # [B, Q, 1]
   pos = jnp.arange(t, dtype=jnp.int32)[None, None, :]  # [1, 1, T]
-  # Suffix min of the field over (j, i] for each sampled i: +inf past i, reverse cummin, shift by one.
-  masked = jnp.where((pos <= qi)[..., None], field[:, None], jnp.inf)  # [B, Q, T, H]
-  suffix = jax.lax.cummin(masked, axis=2, reverse=True)  # min over [j, i]
-  inf = jnp.full(suffix.shape[:2] + (1,) + suffix.shape[3:], jnp.inf, F32)
-  run_min = jnp.concatenate([suffix[:, :, 1:], inf], axis=2)  # min over (j, i]; +inf for j >= i
-  strict = (pos < qi)[..., None]  # [B, Q, T, 1]: a non-empty range (j = i has penalty 0)
+  run_min = fp.run_min_at(field, qi[:, :, 0])  # [B, Q, T, H] min over (j, i]; +inf for j >= i
   lvl = level[:, None]  # [B, 1, T, H]
-  # Double where: j >= i never meets the +inf (value 0, gradient 0, no NaN).
-  d = jnp.where(strict, lvl - jnp.where(strict, run_min, lvl), 0.0)
-  hard_pen = jnp.where(strict, jax.nn.relu(d), 0.0)
-  pen = hard_pen if soft == 0 else jnp.where(strict, soft * jax.nn.softplus(d / soft), 0.0)
+  hard_pen = fp.penalty(lvl, run_min)  # the exact penalty; 0 for j >= i (an empty range)
+  pen = hard_pen
+  if soft > 0:
+    strict = (pos < qi)[..., None]  # [B, Q, T, 1]: a non-empty range (j = i has penalty 0)
+    # Double where: j >= i never meets the +inf (value 0, gradient 0, no NaN).
+    d = jnp.where(strict, lvl - jnp.where(strict, run_min, lvl), 0.0)
+    pen = jnp.where(strict, soft * jax.nn.softplus(d / soft), 0.0)
   elig = pos <= qi - int(window)  # [B, Q, T]
   if segment_ids is not None:
     seg = segment_ids.astype(jnp.int32)
     elig = elig & (seg[:, None, :] == jnp.take_along_axis(seg, qi[:, :, 0], axis=1)[:, :, None])
   e = elig[..., None].astype(F32)  # [B, Q, T, 1]
   soft_live = jnp.sum(e * jax.nn.sigmoid((tau - pen) / temp), axis=2)  # [B, Q, H]
-  hard_live = jnp.sum(e * (jax.lax.stop_gradient(hard_pen) < tau), axis=2)
+  hard_live = jnp.sum(e * fp.survives(jax.lax.stop_gradient(hard_pen), tau), axis=2)
   return LiveCounts(soft_live, hard_live, jnp.sum(e[..., 0], axis=2))
 
 

@@ -3,10 +3,13 @@
 penalty[i, j] = max(0, level_j - min(field_{j+1}, ..., field_i)),  j <= i
                 0 on the diagonal (empty range), +inf above it (j > i, not causal).
 
-max(0, level - min) is evaluated as `common.dip` (level - min where level > min, else 0), which
+max(0, level - min) is evaluated as `first_passage.dip` (level - min where level > min, else 0), which
 also defines it for infinite values: a key with level_j = +inf has penalty 0 on its diagonal and
 +inf (it is dead, weight exactly 0) as soon as a finite field value lies in (j, i]; the gradient
 w.r.t. its level is 0 everywhere. Every impl of `fpa_jax.ops` follows this definition.
+
+This is the associative-scan form of the all-pairs running min (`ops.first_passage` lists the
+other two, the tile identity and the sparse table).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax.ops import validate as _v
-from fpa_jax.ops.common import STATS_DTYPE, dip
+from fpa_jax.ops.common import STATS_DTYPE
+from fpa_jax.ops.first_passage import dip
 
 
 def _min_level_monoid(a, b):

@@ -14,7 +14,7 @@ and penalty[i, j] = dip(level_j, min(m_j, C_i)): the tiling identity of `chunked
 cache as one key block (A_j = m_j) and the chunk as the query block. A chunk key j' <= i has the
 first-passage penalty inside the chunk (`penalty.penalty_matrix`). After the chunk a cached key's
 running min is min(m_j, min of the chunk's field) and a chunk key's the suffix min after it
-(`recurrent.advance_run_min`, `recurrent.suffix_run_min`): the caller's cache update.
+(`first_passage.advance`, `first_passage.suffix_min`): the caller's cache update.
 
 FoX (`fox_prefix_attention`) is the monotone special case field = level = c, the running sum of
 the log forget gate continued from the cache's `carry`; a cached key's running min is then the
@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax.ops import validate as _v
-from fpa_jax.ops.common import F32, dip
+from fpa_jax.ops.common import F32
+from fpa_jax.ops.first_passage import dip
 from fpa_jax.ops.penalty import penalty_matrix
 
 DEFAULT_BLOCK = 256  # cached slots per online-softmax step

@@ -3,8 +3,8 @@
 The per-step update `decode_step` is exactly what autoregressive decoding with a KV cache does:
 every cached key keeps the running min of the field since it was written; a new token first
 lowers those minima with its field value, then is appended with an empty range (min = +inf).
-A key's penalty relu(level - running_min) therefore never decreases, which is what makes
-penalty-threshold eviction safe.
+A key's penalty dip(level, running_min) therefore never decreases, which is what makes
+penalty-threshold eviction safe (the first-passage state and its rules: `ops.first_passage`).
 
 Grouped-query attention: the cache holds KVH heads (k, v, level, run_min per kv head) and each
 query head h reads kv head h // G, G = H / KVH. The gates are per kv head, so a slot's penalty is
@@ -18,8 +18,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops import validate as _v
-from fpa_jax.ops.common import STATS_DTYPE, dip
+from fpa_jax.ops.common import STATS_DTYPE
 
 
 class FPACache(NamedTuple):
@@ -55,38 +56,12 @@ def init_cache(
   )
 
 
-# The first-passage state, one definition (decode_step here and the layer caches of
-# `fpa_jax.inference.cache` use these): a key's running min of the field since it was written,
-# lowered by every later token, and its penalty dip(level, run_min).
-
-
-def advance_run_min(run_min: jax.Array, field: jax.Array) -> jax.Array:
-  """A new token's field lowers every cached key's running min: run_min [B, S, KVH], field [B, KVH]
-  -> [B, S, KVH] fp32 (the new token's own slot is written with +inf by the caller: empty range)."""
-  return jnp.minimum(run_min, field.astype(STATS_DTYPE)[:, None, :])
-
-
-def suffix_run_min(field: jax.Array, axis: int) -> jax.Array:
-  """Each key's running min after a whole prompt, min of `field` over (j, end) along `axis` (+inf
-  for the last key; masked-out tokens must be +inf): the prefill's first-passage state, fp32."""
-  f = field.astype(STATS_DTYPE)
-  rmin = jax.lax.cummin(f, axis=axis, reverse=True)  # min over [j, end)
-  tail = jax.lax.slice_in_dim(rmin, 1, None, axis=axis)
-  inf = jnp.full_like(jax.lax.slice_in_dim(f, 0, 1, axis=axis), jnp.inf)
-  return jnp.concatenate([tail, inf], axis=axis)
-
-
-def first_passage_penalty_of(level: jax.Array, run_min: jax.Array) -> jax.Array:
-  """penalty = dip(level, run_min) = max(0, level - run_min), defined for +inf levels and minima."""
-  return dip(level.astype(STATS_DTYPE), run_min)
-
-
 def cache_penalty(cache: FPACache) -> jax.Array:
   """[B, S, KVH] fp32 current penalty of every cached key (0 for the newest, whatever its level:
   run_min is +inf there; +inf for a level of +inf once a finite field value has been seen; NaN where
   a disallowed gate value reached the key's state, see `decode_step`; junk in empty slots)."""
   nan = jnp.isnan(cache.level) | jnp.isnan(cache.run_min)
-  return jnp.where(nan, jnp.nan, first_passage_penalty_of(cache.level, cache.run_min))
+  return jnp.where(nan, jnp.nan, fp.penalty(cache.level, cache.run_min))
 
 
 def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
@@ -126,7 +101,7 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
   f = jnp.where(f_bad, jnp.nan, f)
   l = jnp.where(_v.allowed("level", l), l, jnp.nan)
   # Keys already cached see this token inside their range (j, now]; the new key sees none.
-  run_min = jnp.where(full, cache.run_min, advance_run_min(cache.run_min, f))
+  run_min = jnp.where(full, cache.run_min, fp.advance(cache.run_min, f[:, None, :]))
 
   def put(buf, new):  # write slot `slot` unless the cache is full
     old = jax.lax.dynamic_slice_in_dim(buf, slot, 1, 1)

@@ -40,18 +40,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.chunked import (
-  F32,
-  NEG,
-  FPAGate,
-  _blocks,
-  _diag_start,
-  _online_step,
-  _take,
-  _takes,
-  block_for,
-)
-from fpa_jax.ops.common import dip
+from fpa_jax.ops.bias import blocks
+from fpa_jax.ops.chunked import F32, NEG, _diag_start, _online_step, _take, _takes, block_for
 
 FORWARD_ONLY = (
   "skip='keys' (key-sparse prefill) is forward only: its loop over live keys has a data-dependent "
@@ -60,48 +50,17 @@ FORWARD_ONLY = (
 )
 
 
-def _flat(x):
-  """[B, H, nb, blk] -> [B, H, nb * blk]."""
-  return x.reshape(x.shape[:2] + (-1,))
-
-
-def _key_side(fpa: bool, kst, pst, i):
-  """Per key of the padded sequence, what query block i needs: FPA (level, min field over (j, i0)),
-  FoX (c,); each [B, H, Tp] fp32, meaningful for j < i0 only."""
-  if fpa:
-    (lvl, suffix), (r,) = kst, pst
-    return _flat(lvl), _flat(jnp.minimum(suffix, _take(r, i)[..., None]))
-  return (_flat(kst[0]),)
-
-
-def _floor(fpa: bool, keys, qsti):
-  """Penalty lower bound [B, H, Tp] of every key for every query of the block."""
-  if fpa:
-    lvl, low = keys
-    return dip(lvl, low)
-  return keys[0] - qsti[0].max(-1)[..., None]
-
-
-def _bias(fpa: bool, keys, qsti):
-  """Gathered key stats [B, H, C] and the block's query stats [B, H, blk] -> bias [B, H, blk, C]."""
-  if fpa:
-    lvl, low = keys
-    prefix = qsti[0]  # min field over [i0, i]
-    return -dip(lvl[..., None, :], jnp.minimum(low[..., None, :], prefix[..., :, None]))
-  return qsti[0][..., :, None] - keys[0][..., None, :]
-
-
 def _block_bounds(q, k, scale, nb, blk):
   """(|q|_I, s_I), each [B, KVH, nb]: the block's largest query norm and smallest diagonal logit,
   over the query group too. q: [B, Tp, KVH, G, K], k: [B, Tp, KVH, K] (zero-padded)."""
   qf, kf = q.astype(F32), k.astype(F32)
   qn = jnp.sqrt(jnp.sum(jnp.square(qf), -1)).max(-1)  # [B, Tp, KVH]
   sii = (jnp.einsum("bthgd,bthd->bthg", qf, kf) * scale).min(-1)
-  per_block = lambda x, red: red(_blocks(x, nb, blk), -1)
+  per_block = lambda x, red: red(blocks(x, nb, blk), -1)
   return per_block(qn, jnp.max), per_block(sii, jnp.min)
 
 
-def _live(fpa, q, k, stats, scale, eps, t, nb, blk):
+def _live(gate, q, k, stats, scale, eps, t, nb, blk):
   """live(i) -> (live [B, KVH, Tp] bool, keys): block i's keys j < i0 that the bound keeps."""
   kst, qst, pst = stats
   qn, s_min = _block_bounds(q, k, scale, nb, blk)
@@ -111,9 +70,9 @@ def _live(fpa, q, k, stats, scale, eps, t, nb, blk):
   jpos = jnp.arange(nb * blk)
 
   def live(i):
-    keys = _key_side(fpa, kst, pst, i)
+    keys = gate.block_keys(kst, pst, i)
     thr = abs(scale) * _take(qn, i)[..., None] * kn - _take(s_min, i)[..., None] + slack
-    return (_floor(fpa, keys, _takes(qst, i)) < thr) & (jpos < i * blk), keys
+    return (gate.key_floor(keys, _takes(qst, i)) < thr) & (jpos < i * blk), keys
 
   return live
 
@@ -136,8 +95,7 @@ def _forward(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
   """q: [B, Tp, KVH, G, K], k: [B, Tp, KVH, K], v: [B, Tp, KVH, Kv] -> o [B, Tp, KVH, G, Kv]."""
   b, tp, kvh, grp, _ = q.shape
   nb = tp // blk
-  fpa = gate is FPAGate
-  live_of = _live(fpa, q, k, (kst, qst, pst), scale, eps, t, nb, blk)
+  live_of = _live(gate, q, k, (kst, qst, pst), scale, eps, t, nb, blk)
   k_t, v_t = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)  # [B, KVH, Tp, .]: gathered per head
   seg_k = None if seg is None else jnp.broadcast_to(seg.reshape(b, 1, tp), (b, kvh, tp))
 
@@ -149,7 +107,7 @@ def _forward(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
     def chunk(c, state):
       ids = jax.lax.dynamic_slice_in_dim(idx, c * blk, blk, axis=-1)  # [B, KVH, blk]
       valid = (c * blk + jnp.arange(blk)) < count[..., None]
-      bias = _bias(fpa, [jnp.take_along_axis(x, ids, -1) for x in keys], qsti)
+      bias = gate.key_bias([jnp.take_along_axis(x, ids, -1) for x in keys], qsti)
       s = jnp.einsum("bqhgd,bhkd->bhgqk", qi, _gather(k_t, ids), preferred_element_type=F32) * scale
       mask = valid[:, :, None, None, :]
       if seg is not None:
@@ -216,7 +174,7 @@ def live_keys(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
   b, t, h, d = q.shape
   scale = d**-0.5 if scale is None else float(scale)
   blk, nb, qg, kp, _, _, stats = _prepare(q, k, k, gate, None, block_size)
-  live_of = _live(type(gate) is FPAGate, qg, kp, stats, scale, float(skip_tolerance), t, nb, blk)
+  live_of = _live(type(gate), qg, kp, stats, scale, float(skip_tolerance), t, nb, blk)
   return jnp.moveaxis(jax.lax.map(lambda i: live_of(i)[0], jnp.arange(nb)), 0, 2)[..., :t]
 
 

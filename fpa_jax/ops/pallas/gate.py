@@ -1,7 +1,8 @@
-"""Gate biases for the Pallas kernels: per-token stat vectors (built outside, differentiable JAX)
-and the in-kernel tile bias with its hand-written pullback, shared by FPA and FoX.
+"""The in-kernel tile bias of the Pallas kernels, with its hand-written pullback, for FPA and FoX.
 
-Stat layouts (Tp = T padded to a whole number of tiles, blk the tile):
+The per-token statistics are the bias protocol's (`ops.bias`: `gate.kernel_stats(blk, tp)`, built
+outside the kernels by differentiable JAX), in this layout (Tp = T padded to a whole number of
+tiles, blk the tile):
   krow [B, H, nr, Tp]  key-side stats, one row per stat: a tile reads [1, bk] rows
   qcol [B, H, Tp, nc]  query-side stats, one column per stat: a tile reads [bq, 1] columns
   r    [B, H, nb, nb]  FPA only: R[I, J], the min of the block minima strictly between I and J
@@ -10,86 +11,24 @@ or reshapes a vector (neither Mosaic nor Triton does that cheaply).
 
   FoX  krow = [c], qcol = [c] with c = cumsum(log_fgate): bias = c_i - c_j on every tile.
   FPA  krow = [level, S, N_0 .. N_{L-1}], qcol = [C, M_0 .. M_{L-1}]:
-    off-diagonal tiles: the tiling identity of `fpa_jax.ops.chunked` with S, C, R (same stats);
-    diagonal tiles: a sparse table. M_k[i] = min(field over (i - 2^k, i]) and
-    N_k[j] = min(field over (j, j + 2^k]); for 2^k <= i - j < 2^(k+1) the two windows cover
-    (j, i] exactly, so min(field over (j, i]) = min(N_k[j], M_k[i]): L = bit_length(blk - 1)
-    elementwise passes over the tile instead of an in-kernel scan, and the pullback routes each
-    element's cotangent to one N_k or M_k entry (JAX autodiff takes it from there to the field).
-  Penalties are `common.dip(level, min)`, as in `fpa_jax.ops.chunked`: level = +inf gives 0 on
-  an empty range (distance 0, +inf statistics) and -inf bias (a dead key) on a finite one.
+    off-diagonal tiles: the tiling identity (`first_passage.block_stats`: S, C, R, as chunked);
+    diagonal tiles: the sparse table (`first_passage.window_mins`). M_k[i] = min(field over
+    (i - 2^k, i]) and N_k[j] = min(field over (j, j + 2^k]); for 2^k <= i - j < 2^(k+1) the two
+    windows cover (j, i] exactly, so min(field over (j, i]) = min(N_k[j], M_k[i])
+    (`first_passage.table_min`): L = bit_length(blk - 1) elementwise passes over the tile instead
+    of an in-kernel scan, and the pullback routes each element's cotangent to one N_k or M_k
+    entry (JAX autodiff takes it from there to the field).
+  Penalties are `first_passage.dip(level, min)`: level = +inf gives 0 on an empty range
+  (distance 0, +inf statistics) and -inf bias (a dead key) on a finite one.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.common import F32, dip
+from fpa_jax.ops.first_passage import dip, table_min
 
 INF = float("inf")
-
-
-def _min_scan(x, axis, reverse=False):
-  return jax.lax.associative_scan(jnp.minimum, x, axis=axis % x.ndim, reverse=reverse)
-
-
-def _block_stats(phi):
-  """phi [B, H, nb, blk] -> S (min after j in its block), C (min up to i in its block), both
-  [B, H, nb, blk], and R [B, H, nb, nb] (R[I, J]: min of the block minima strictly between)."""
-  nb = phi.shape[-2]
-  inf = jnp.full(phi.shape[:-1] + (1,), INF, F32)
-  suffix = jnp.concatenate([_min_scan(phi, -1, reverse=True)[..., 1:], inf], -1)
-  prefix = _min_scan(phi, -1)
-  bmin = phi.min(-1)
-  ib = jnp.arange(nb)
-  # p[I, J] = min(bmin over (J, I]) for I > J; R[I, J] = p[I - 1, J].
-  p = _min_scan(jnp.where(ib[:, None] > ib[None, :], bmin[..., :, None], INF), -2)
-  r = jnp.concatenate([jnp.full(p.shape[:-2] + (1, nb), INF, F32), p[..., :-1, :]], -2)
-  return suffix, prefix, r
-
-
-def n_levels(blk: int) -> int:
-  """Sparse-table levels for in-tile distances 1 .. blk - 1."""
-  return (blk - 1).bit_length()
-
-
-def _pad_bht(x, tp):
-  """[B, T, H] -> [B, H, Tp] fp32, zero-padded at the end (padding is never inside a real range)."""
-  x = jnp.swapaxes(x.astype(F32), 1, 2)
-  return jnp.pad(x, [(0, 0), (0, 0), (0, tp - x.shape[-1])])
-
-
-def _shift(x, n):
-  """x[..., t + n] along the last axis (n > 0: look ahead, n < 0: look back), +inf outside."""
-  t = x.shape[-1]
-  if abs(n) >= t:
-    return jnp.full_like(x, INF)
-  fill = jnp.full(x.shape[:-1] + (abs(n),), INF, x.dtype)
-  return jnp.concatenate([x[..., n:], fill], -1) if n > 0 else jnp.concatenate([fill, x[..., :n]], -1)
-
-
-def fpa_stats(field, level, blk, tp):
-  """field, level [B, T, H] -> (krow [B, H, 2 + L, Tp], qcol [B, H, Tp, 1 + L], r [B, H, nb, nb])."""
-  phi, lvl = _pad_bht(field, tp), _pad_bht(level, tp)
-  b, h, _ = phi.shape
-  nb = tp // blk
-  suffix, prefix, r = _block_stats(phi.reshape(b, h, nb, blk))
-  ms, ns = [], []
-  m, n = phi, _shift(phi, 1)  # windows (i - 1, i] and (j, j + 1]
-  for k in range(n_levels(blk)):
-    ms.append(m)
-    ns.append(n)
-    m, n = jnp.minimum(m, _shift(m, -(2**k))), jnp.minimum(n, _shift(n, 2**k))  # disjoint halves: no ties
-  krow = jnp.stack([lvl, suffix.reshape(b, h, tp)] + ns, 2)
-  qcol = jnp.stack([prefix.reshape(b, h, tp)] + ms, -1)
-  return krow, qcol, r
-
-
-def fox_stats(c, tp):
-  """c = cumsum(log_fgate) [B, T, H] -> (krow [B, H, 1, Tp], qcol [B, H, Tp, 1], None)."""
-  c = _pad_bht(c, tp)
-  return c[:, :, None, :], c[..., None], None
 
 
 def tile_bias(kind, n_lv, kvec, qvec, r, dist):
@@ -132,9 +71,7 @@ def tile_bias(kind, n_lv, kvec, qvec, r, dist):
 
   ns = [kvec(2 + k) for k in range(n_lv)]
   ms = [qvec(1 + k) for k in range(n_lv)]
-  m = jnp.full(dist.shape, INF, F32)  # distance 0 (and masked j > i): empty range, no penalty
-  for k in range(n_lv):  # ascending: the last level with 2^k <= i - j wins
-    m = jnp.where(dist >= 2**k, jnp.minimum(ns[k], ms[k]), m)
+  m = table_min(ns, ms, dist)  # +inf at distance 0 (and masked j > i): empty range, no penalty
   bias = -dip(lvl, m)  # 0 at distance 0 (m = +inf) for every level, +inf included
 
   def pull_diag(g, side):

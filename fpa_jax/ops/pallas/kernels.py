@@ -7,13 +7,14 @@
   dQ       grid (B, H, query block I): the diagonal tile, then J < I; dQ and the query-side gate
            cotangents. Two backward kernels instead of atomics: every output block has one writer.
 
-Each tile's bias is computed in the kernel from small per-token stat vectors (`gate.py`); the
-stats are built outside the custom VJP by differentiable JAX, so the kernels only return stat
-cotangents and autodiff carries them to field / level / log_fgate (as in `fpa_jax.ops.chunked`).
-The looped-over operand (k / v in the forward and dQ kernels, q / dO in dK / dV) is one whole-T
-block per (batch, head), sliced with `pl.ds` inside the loop: the portable form for Mosaic and
-Triton alike, which needs it to fit in VMEM / be addressable (long T on TPU would want a 4-D grid
-with scratch accumulators instead; not done).
+Each tile's bias is computed in the kernel from small per-token stat vectors (`gate.py`; the
+bias protocol's `kernel_stats`, `ops.bias`); the stats are built outside the custom VJP by
+differentiable JAX, so the kernels only return stat cotangents and autodiff carries them to
+field / level / log_fgate (as in `fpa_jax.ops.chunked`). The looped-over operand (k / v in the
+forward and dQ kernels, q / dO in dK / dV) is one whole-T block per (batch, head), sliced with
+`pl.ds` inside the loop: the portable form for Mosaic and Triton alike, which needs it to fit in
+VMEM / be addressable (long T on TPU would want a 4-D grid with scratch accumulators instead; not
+done).
 
 Grouped-query attention (k, v, gates with KVH = H / G heads): the forward and dQ grids run over
 query heads, and their BlockSpec index maps send query head h to kv head h // G for k, v and the
@@ -37,16 +38,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from fpa_jax.ops.chunked import FoXGate, FPAGate
-from fpa_jax.ops.common import BlockSizes  # defined below validate / chunked: no import cycle
-from fpa_jax.ops.pallas.gate import F32, INF, fox_stats, fpa_stats, n_levels, tile_bias
+from fpa_jax.ops.bias import FoXGate, FPAGate, Kind
+from fpa_jax.ops.common import F32, BlockSizes  # defined below validate / chunked: no import cycle
+from fpa_jax.ops.first_passage import n_levels
+from fpa_jax.ops.pallas.gate import INF, tile_bias
 
 NEG = -1e30  # finite mask value: exp(NEG - m) == 0 without any inf - inf
 
 
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
-  kind: str  # "fpa" | "fox"
+  kind: Kind
   scale: float
   fwd: int
   bwd: int
@@ -434,7 +436,7 @@ def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None
   Args:
     q: [B, T, H, K]; k: [B, T, KVH, K]; v: [B, T, KVH, Kv]; fp32 or bf16; KVH divides H (query
       head h reads kv head h // G; see the module docstring for the backward's group sum).
-    gate: `chunked.FPAGate(field, level)` or `chunked.FoXGate(c)` (c = cumsum(log_fgate)), [B, T, KVH].
+    gate: `bias.FPAGate(field, level)` or `bias.FoXGate(c)` (c = cumsum(log_fgate)), [B, T, KVH].
     scale: logit scale.
     segment_ids: optional [B, T] int.
     block_sizes: `BlockSizes`, an int (both passes), or None (`BlockSizes.default` of the backend).
@@ -453,14 +455,11 @@ def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None
   bs = _check_blocks(block_sizes, mode)
   bf, bb = (_fit(n, t, mode == "gpu") for n in (bs.fwd, bs.backward))
   tp = -(-t // math.lcm(bf, bb)) * math.lcm(bf, bb)
-  if isinstance(gate, FPAGate):
-    kind, stats = "fpa", lambda blk: fpa_stats(gate.field, gate.level, blk, tp)
-  elif isinstance(gate, FoXGate):
-    kind, stats = "fox", lambda blk: fox_stats(gate.c, tp)
-  else:
+  if not isinstance(gate, (FPAGate, FoXGate)):
     raise TypeError(f"gate must be an FPAGate or FoXGate, got {type(gate).__name__}")
-  fst = stats(bf)
-  bst = None if (bb == bf or kind == "fox") else stats(bb)
+  kind = gate.kind
+  fst = gate.kernel_stats(bf, tp)
+  bst = None if (bb == bf or kind == "fox") else gate.kernel_stats(bb, tp)
   # [B, T, H, K] -> [B, H, Tp, K]: a tile is then a (rows, head_dim) block, the layout both
   # Mosaic and Triton tile natively. Triton also wants power-of-2 head dims (zero columns).
   dpad = lambda n: max(16, pl.next_power_of_2(n)) if mode == "gpu" else n
