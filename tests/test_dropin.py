@@ -86,6 +86,34 @@ def test_readme_recipe_trains_then_decodes_with_the_learned_rule(readme_recipe_r
 
 
 @pytest.mark.parametrize(
+  "policy, kw",
+  [
+    ("full", {}),
+    ("window", dict(budget=4)),
+    ("sink_window", dict(budget=6)),
+    ("h2o", dict(budget=4)),
+    ("snapkv", dict(budget=4)),
+    ("fpa_budget", dict(compression_ratio=0.75)),
+    ("fpa_global", dict(budget=4)),
+    ("fpa", dict(tolerance=1e-3)),
+    ("fpa_threshold", dict(threshold=2.0)),
+  ],
+)
+def test_readme_model_decodes_under_every_policy(readme_run, policy, kw):
+  """The README's MyLM under every policy: generation (snapkv needs the parallel prefill, h2o the
+  token-by-token one) and teacher-forced evaluation through the cache (snapkv: generation only)."""
+  from fpa_jax import eval as ev
+  from fpa_jax.inference import generate
+
+  model, tokens = readme_run["model"], np.asarray(readme_run["tokens"])
+  new, stats = generate(model, tokens[:, :12], 4, policy=policy, **kw)
+  assert new.shape == (2, 4) and stats["policy"] == policy and not stats["overflow"]
+  if policy != "snapkv":
+    res = ev.loss_by_position(model, tokens[:, :17], bucket=4, policy=policy, show_progress=False, **kw)
+    assert np.isfinite(res["nll_mean"]) and res["cache"]["policy"] == policy
+
+
+@pytest.mark.parametrize(
   "kw",
   [
     dict(attention="fpa"),
