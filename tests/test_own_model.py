@@ -20,7 +20,7 @@ from fpa_jax import eval as ev
 from fpa_jax import losses, optim
 from fpa_jax.inference import cache as K
 from fpa_jax.inference import decode as D
-from fpa_jax.inference import CachePolicy, as_policy, attention_layers, cached_logits, generate, make_policy
+from fpa_jax.inference import CachePolicy, as_policy, attention_layers, cached_logits, extend, generate, make_policy
 from fpa_jax.layers import FirstPassageAttention, segment_positions
 from fpa_jax.models import build_model
 
@@ -135,6 +135,27 @@ def test_own_model_under_budgets_and_in_eval(mixed):
   assert cut["cache"]["policy"] == "window" and cut["cache"]["cache_fraction"] == 0.25
   assert cut["nll"][0] == pytest.approx(res["nll"][0], rel=1e-5)  # positions 0..3 see every key either way
   assert cut["nll"][-1] != pytest.approx(res["nll"][-1], rel=1e-4)  # the last ones do not
+
+
+def test_own_model_extends_chunk_by_chunk(mixed):
+  """`extend` on a model of one's own: chunk by chunk under `full` is the parallel forward; a score
+  policy chunks too (score = -penalty keeps fpa_budget's keys)."""
+  tok = _tokens(2, 18, seed=7)
+  want = _forward(mixed, tok)
+  got, conv = extend(mixed, tok[:, :7], max_len=18)
+  logits = [got]
+  for a, b in ((7, 12), (12, 18)):
+    got, conv = extend(mixed, tok[:, a:b], conv)
+    logits.append(got)
+  assert_close(jnp.concatenate(logits, 1), want, n=N)
+  assert conv.keys_held().shape == (2, 2, 4) and conv.keys_held()[0, 0, 2] == -1  # layer 0 has 2 kv heads
+  runs = []
+  for policy in (CachePolicy(score=_neg_penalty, budget=6), CachePolicy("fpa_budget", budget=6)):
+    got, conv = extend(mixed, tok[:, :9], max_len=18, policy=policy)
+    got2, conv = extend(mixed, tok[:, 9:], conv)
+    runs.append((np.asarray(got2), conv.keys_held()))
+  assert_close(runs[0][0], runs[1][0], n=N)
+  np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
 def test_fpa_global_and_tolerance_on_own_model():
