@@ -467,6 +467,24 @@ LM_DEFAULT: dict[str, Any] = {
 }
 
 
+# The gate recipes by name, for code outside a run Config (`FirstPassageAttention.from_args(recipe=...)`,
+# `fpa_jax.optim.gate_optimizer(recipe=...)`): "lm" the recommended one, "single_head" the studies'.
+GATE_RECIPES: dict[str, dict[str, Any]] = {"lm": LM_DEFAULT, "single_head": SINGLE_HEAD_GATE}
+
+
+def gate_recipe(name: str, part: str | None = None) -> dict[str, Any]:
+  """The fields of the gate recipe `name` (`GATE_RECIPES`): all of them, or only those of one part,
+  "model" (the layer's gate options, `GATE_OPTIONS`) or "train" (the optimizer's: `gate_lr_scale`,
+  `gate_lr_warmup_steps`, `gate_clip_apart`). A copy; ValueError on an unknown name or part."""
+  if name not in GATE_RECIPES:
+    raise ValueError(f"unknown recipe {name!r}; use one of {tuple(GATE_RECIPES)}")
+  fields = {None: None, "model": ModelConfig.field_names(), "train": TrainConfig.field_names()}
+  if part not in fields:
+    raise ValueError(f"unknown part {part!r}; use 'model', 'train' or None")
+  keep = fields[part]
+  return {k: v for k, v in GATE_RECIPES[name].items() if keep is None or k in keep}
+
+
 def _preset_base(name: str, base: type, defaults: Mapping[str, Any], doc: str) -> type:
   """A frozen dataclass subclass of `base` whose fields in `defaults` default to those values (their
   metadata kept)."""

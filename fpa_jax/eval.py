@@ -49,7 +49,7 @@ from flax import nnx
 from fpa_jax import cli
 from fpa_jax.data.passkey import EVAL_DEPTHS, EVAL_MULTIPLES, passkey_eval_examples
 from fpa_jax.data.tokenizers import ByteTokenizer
-from fpa_jax.inference import POLICIES, cached_logits, generate, make_policy
+from fpa_jax.inference import POLICIES, CachePolicy, as_policy, cached_logits, generate, vocab_size
 
 TASKS = ("loss_by_position", "passkey")
 Z95 = 1.959963984540054  # standard normal quantile at 0.975
@@ -77,12 +77,13 @@ def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]
   return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def check_policy(policy: str, seq_len: int, **policy_kw) -> dict[str, Any]:
-  """Validate a cache policy for sequences of `seq_len` before any work starts
-  (`fpa_jax.inference.make_policy`: budget, tolerance, threshold, or any other keyword it takes);
-  -> its JSON record {"policy": name, and each keyword given (not None)}."""
-  make_policy(policy, seq_len, **policy_kw)  # raises what to change
-  return {"policy": policy, **{k: v for k, v in policy_kw.items() if v is not None}}
+def check_policy(policy: str | CachePolicy, seq_len: int, **policy_kw) -> dict[str, Any]:
+  """Validate a cache policy for sequences of `seq_len` before any work starts: a name with its
+  keywords (budget or compression_ratio, tolerance, threshold, or any other `CachePolicy` field) or
+  a `CachePolicy`; -> its JSON record {"policy": name, and each argument given (not None)}."""
+  pol = as_policy(policy, **policy_kw)
+  pol.resolve(seq_len)  # raises what to change
+  return pol.record()
 
 
 def policy_label(rec: dict[str, Any]) -> str:
@@ -156,22 +157,24 @@ def token_nll(
 
   `full`: the parallel model (jitted once per model structure and shape); other policies: every
   token decoded through the cache (`cached_logits`), restarting where the segment id changes.
-  policy_kw: the policy's keywords (budget, tolerance, threshold, ...), as `cached_logits` takes them.
+  `model`: a `DecoderLM` or a model of your own (`fpa_jax.inference.graph`). policy: a name with
+  its keywords in policy_kw (budget, tolerance, threshold, ...), or a `CachePolicy`.
   -> (nll float32 [B, T], the cache stats of `cached_logits`, or None for the parallel path).
   """
   inputs, targets = np.asarray(inputs), np.asarray(targets)
   if inputs.ndim != 2 or inputs.shape != targets.shape:
     raise ValueError(f"inputs and targets must both be int [batch, seq], got {inputs.shape} and {targets.shape}")
-  vocab = model.cfg.vocab_size
+  vocab = vocab_size(model)
   _check_ids("input", inputs, vocab)
   _check_ids("target", targets, vocab)
   seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-  if policy == "full":
-    make_policy("full", inputs.shape[1], **policy_kw)
+  policy = as_policy(policy, **policy_kw)
+  if policy.name == "full":
+    policy.resolve(inputs.shape[1])
     graphdef, state = nnx.split(model)
     nll = _nll_parallel(graphdef, state, jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32), seg)
     return np.asarray(nll), None
-  logits, stats = cached_logits(model, inputs, policy=policy, segment_ids=seg, **policy_kw)
+  logits, stats = cached_logits(model, inputs, policy=policy, segment_ids=seg)
   return np.asarray(_nll_from_logits(logits, jnp.asarray(targets, jnp.int32))), stats
 
 
@@ -251,7 +254,8 @@ def loss_by_position(
   [a, b) averages every counted token at positions a..b-1 over all rows (empty: None). Rows are
   batched `batch_size` at a time (the last batch padded, so each shape compiles once).
   policy, budget, tolerance, threshold, **policy_kw: the KV-cache policy and its keywords
-    (`fpa_jax.inference.make_policy`; module docstring; `full` = the parallel model).
+    (`fpa_jax.inference.make_policy`; module docstring; `full` = the parallel model), or policy a
+    `CachePolicy` alone. `model`: a `DecoderLM` or a model of your own (`fpa_jax.inference.graph`).
   train_len: recorded, for tables that mark multiples of the training length.
   show_progress: a tqdm bar over rows (stderr).
   -> {"buckets": [[a, b], ...], "nll": [...], "bucket_tokens": [...], "nll_mean", "tokens", "rows",
@@ -485,8 +489,9 @@ def passkey_cell(
   if prefill not in (None, "parallel", "decode"):
     raise ValueError(f"prefill must be None (teacher-forced), 'parallel' or 'decode', got {prefill!r}")
   pk = dict(budget=budget, tolerance=tolerance, threshold=threshold, **policy_kw)
+  policy, pk = as_policy(policy, **pk), {}
   if prefill is not None:
-    if policy == "h2o" and prefill == "parallel":
+    if policy.name == "h2o" and prefill == "parallel":
       raise ValueError("h2o ranks keys by the attention they received while decoding: use prefill='decode' (or None)")
     ok, preds, stats = generated_exact_match(
       model, examples, batch_size=batch_size, prefill=prefill, policy=policy, **pk
@@ -494,7 +499,7 @@ def passkey_cell(
   else:
     longest = max(len(ex["tokens"]) - 1 for ex in examples)
     check_policy(policy, length or longest, **pk)
-    if policy == "full":
+    if policy.name == "full":
       ok, preds = teacher_forced_exact_match(argmax_fn(model), examples, length, batch_size)
       stats = {}
     else:
@@ -566,14 +571,13 @@ def passkey_eval(
     raise ValueError(f"n (prompts per cell) must be a positive int, got {n!r}")
   if prefill not in (None, "parallel", "decode"):
     raise ValueError(f"prefill must be None (teacher-forced), 'parallel' or 'decode', got {prefill!r}")
-  if policy == "h2o" and prefill == "parallel":
+  policy_kw = dict(budget=budget, tolerance=tolerance, threshold=threshold, **policy_kw)
+  policy, policy_kw = as_policy(policy, **policy_kw), {}
+  if policy.name == "h2o" and prefill == "parallel":
     raise ValueError("h2o ranks keys by the attention they received while decoding: use prefill='decode' (or None)")
   tok = tokenizer or ByteTokenizer()
-  if tok.vocab_size > model.cfg.vocab_size:
-    raise ValueError(
-      f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than the model's ({model.cfg.vocab_size})"
-    )
-  policy_kw = dict(budget=budget, tolerance=tolerance, threshold=threshold, **policy_kw)
+  if tok.vocab_size > (vocab := vocab_size(model)):
+    raise ValueError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than the model's ({vocab})")
   rec = check_policy(policy, max(multiples) * train_len, **policy_kw)
   for m in multiples:  # a budget may be fine at the longest length and not at the shortest
     check_policy(policy, m * train_len, **policy_kw)

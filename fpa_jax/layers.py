@@ -25,7 +25,7 @@ from flax import nnx
 
 from fpa_jax import ops
 from fpa_jax import validation
-from fpa_jax.configs import GATE_OPTIONS, Config, ModelConfig
+from fpa_jax.configs import GATE_OPTIONS, Config, ModelConfig, gate_recipe
 from fpa_jax.gates import Gate, field_level
 from fpa_jax.ops.budget import budgeted_attention
 from fpa_jax.ops.common import F32
@@ -253,12 +253,21 @@ def with_gates(model, *args, **kwargs):
   zeros for a layer without a gate). `model`: any NNX module made of these layers (`DecoderLM`,
   a model of your own); the evictability objective and the gate statistics read them
   (`fpa_jax.losses`)."""
-  out, inter = nnx.capture(model, nnx.Intermediate)(*args, **kwargs)
-  found = sorted((path, v.get_value()) for path, v in nnx.to_flat_state(inter) if path[-1] == "gates")
-  if not found:
-    raise ValueError("with_gates: the model has no FirstPassageAttention layer (nothing sowed 'gates')")
+  out, found = gates_by_layer(model, *args, **kwargs)
   stack = lambda i: jnp.concatenate([a[i] if a[i].ndim == 4 else a[i][None] for _, calls in found for a in calls])
   return out, (stack(0), stack(1))
+
+
+def gates_by_layer(model, *args, **kwargs):
+  """model(*args, **kwargs) and what each `FirstPassageAttention` in it sowed in that pass (`sow_gates`)
+  -> (out, [(the layer's path in the model, ((field, level), ...) one pair per call)]), in path order;
+  field, level [B, T, KVH] fp32 ([L, B, T, KVH] from a scanned stack). Layers may differ in KVH
+  (`with_gates` stacks them, so it needs one KVH)."""
+  out, inter = nnx.capture(model, nnx.Intermediate)(*args, **kwargs)
+  found = sorted((path[:-1], v.get_value()) for path, v in nnx.to_flat_state(inter) if path[-1] == "gates")
+  if not found:
+    raise ValueError(f"{type(model).__name__} has no FirstPassageAttention layer (nothing sowed 'gates')")
+  return out, found
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,6 +326,21 @@ def check_layer_inputs(x, d_model: int, segment_ids=None, positions=None) -> tup
   return b, t
 
 
+class CacheByLayer(Protocol):
+  """A whole model's cache, handed down unchanged to every layer (a model of your own passes its
+  `cache=` argument on to each `FirstPassageAttention`; `fpa_jax.inference.graph.ByLayer`): the layer
+  takes its own `AttentionCache` from it and gives back the whole cache with its part replaced.
+
+  positions: [B, T] int32 the call's token positions (the layer's RoPE positions when the model
+    passes none). part(layer) -> that layer's `AttentionCache`; put(layer, new) -> the cache after it."""
+
+  positions: jax.Array
+
+  def part(self, layer: FirstPassageAttention) -> AttentionCache: ...
+
+  def put(self, layer: FirstPassageAttention, new: AttentionCache) -> CacheByLayer: ...
+
+
 class FirstPassageAttention(nnx.Module):
   """Multi-head causal attention with a first-passage forget gate (one code path for all types).
 
@@ -330,6 +354,9 @@ class FirstPassageAttention(nnx.Module):
         a per-layer cache or a view of a shared slot pool; `fpa_jax.inference`); the layer computes
         q, k, v and the `GateTerms` from `c.carry` (the gate's running sum before x), calls
         `c.attend(self.spec, q, k, v, gates) -> (o, c')` and returns (y [B, T, D], c').
+    layer(x, cache=m)                the same with a whole model's cache m (a `CacheByLayer`, what
+        decoding hands a model of your own): the layer attends against `m.part(self)`, at
+        `m.positions` unless given, and returns (y, m.put(self, c')).
   `self.spec` (`AttentionSpec`, resolved once per config) fixes impl, tiles, skipping and the scale
   for both modes: a prefill runs the same kernel as the parallel forward.
 
@@ -390,6 +417,7 @@ class FirstPassageAttention(nnx.Module):
     norm_eps: float = 1e-6,
     dtype="float32",
     param_dtype="float32",
+    recipe: str | None = None,
     rngs: nnx.Rngs,
     **gate_options,
   ) -> FirstPassageAttention:
@@ -409,19 +437,27 @@ class FirstPassageAttention(nnx.Module):
     init_std: std of the q, k, v (and output-gate) projections' init; out_init_std that of W_o
       (None = init_std; for a stack of L blocks init_std / sqrt(2 L) is GPT-2's depth scaling).
     dtype, param_dtype: compute and parameter dtypes, float32 or bfloat16.
+    recipe: None (the ModelConfig defaults: the single-head studies' gate) or a gate recipe of
+      `configs.GATE_RECIPES`: "lm", the recommended language-model gate (`configs.LM_DEFAULT`: FoX's
+      forget term at bias 5 plus read-outs at scale 1 started at 0, on every kv head), or
+      "single_head". Its optimizer half (the read-outs' clipping and lr ramp) is
+      `fpa_jax.optim.gate_optimizer(tx, recipe=...)`.
     gate_options: the gate's parameterisation and init, as the ModelConfig fields of that name
-      (step_scale, step_init_std, offset_scale, gate_forget, ...; `fpa_jax.configs`). The defaults
-      are the single-head studies' gate; for a language model take the model fields of
-      `configs.LM_DEFAULT` (`{k: v for k, v in LM_DEFAULT.items() if k in GATE_OPTIONS}`) and, in
-      your optimizer, its read-out lr and clipping (`fpa_jax.train.gate_readout_mask`,
-      `clip_by_global_norm_apart`).
+      (step_scale, step_init_std, offset_scale, gate_forget, fox_heads, ...; `configs.GATE_OPTIONS`);
+      they override the recipe's.
 
     Equals `FirstPassageAttention(ModelConfig(...same fields...), out_init_std=..., rngs=...)`:
     the same parameters for the same `rngs`. Raises ValueError naming the argument to change.
     """
     bad = sorted(set(gate_options) - set(GATE_OPTIONS))
     if bad:
-      raise ValueError(f"unknown argument(s) {bad}; the gate options are {GATE_OPTIONS}")
+      train = sorted(set(bad) & set(gate_recipe("lm", "train")))
+      hint = (
+        f" ({train} are the optimizer's: fpa_jax.optim.gate_optimizer; recipe='lm' sets the gate's)" if train else ""
+      )
+      raise ValueError(f"unknown argument(s) {bad}{hint}; the gate options are {GATE_OPTIONS}")
+    if recipe is not None:
+      gate_options = {**gate_recipe(recipe, "model"), **gate_options}
     if out_init_std is not None:
       validation.real(0, why="std of W_o's init; None = init_std")("out_init_std", out_init_std)
     cfg = ModelConfig(
@@ -504,7 +540,7 @@ class FirstPassageAttention(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     *,
-    cache: AttentionCache | None = None,
+    cache: AttentionCache | CacheByLayer | None = None,
     budget=None,
   ):
     """Parallel: x [B, T, D] -> y [B, T, D]. Under `nnx.capture(..., nnx.Intermediate)` the layer
@@ -513,16 +549,21 @@ class FirstPassageAttention(nnx.Module):
     `fpa_jax.losses`). budget=(capacity, recent) int scalars: attend only over the keys
     an `fpa_budget` cache of that size would hold (`ops.budget.budgeted_attention`, quadratic
     whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
-    `AttentionCache`): -> (y, the cache after x); see the class docstring."""
+    `AttentionCache` or a whole model's `CacheByLayer`): -> (y, the cache after x); see the class
+    docstring."""
     cfg, spec = self.cfg, self.spec
     b, t = check_layer_inputs(x, cfg.d_model, segment_ids, positions)
+    whole = None
+    if cache is not None and not hasattr(cache, "attend"):  # a whole model's cache: this layer's part of it
+      whole, cache = cache, cache.part(self)
+      positions = whole.positions if positions is None else positions
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
     q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
     g = self.gate_terms(x, None if cache is None else cache.carry)
     sow_gates(self, g)
     if cache is not None:
       o, cache = cache.attend(spec, q, k, v, g)
-      return self.output(o, x), cache
+      return self.output(o, x), (cache if whole is None else whole.put(self, cache))
     if budget is not None:
       if self.gate is None:
         raise ValueError(f"a cache budget in the loop needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")

@@ -1,5 +1,7 @@
 """The training objective: the LM loss and its auxiliary terms, in one place (the trainer's step calls
-`objective`; evaluation calls `lm_loss`).
+`objective`; evaluation calls `lm_loss`). In a training loop of your own, on any model made of
+`FirstPassageAttention` layers: `evictability_loss(model, tokens, key=...) -> (logits, hinge, metrics)`
+(one forward pass; docs/training.md, "The recipe in your own loop").
 
     total = sum of masked token cross-entropies + n_tokens * evict_weight * evict_hinge
 
@@ -42,11 +44,16 @@ Shapes: B batch, T sequence, V vocab, L layers, KVH kv heads, Q sampled queries.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import nnx
 
-from fpa_jax.layers import with_gates
+from fpa_jax.configs import TrainConfig
+from fpa_jax.layers import gates_by_layer, with_gates
 from fpa_jax.ops import budget as BL
 from fpa_jax.ops import evictability as E
 from fpa_jax.ops.penalty import first_passage_penalty
@@ -79,33 +86,117 @@ def evict_target(step, cfg) -> jax.Array:
 
 
 def evict_terms(gates: tuple[jax.Array, jax.Array], segment_ids, cfg, step, key) -> tuple[jax.Array, dict]:
-  """(hinge, metrics) from the model's per-layer gates: field, level [L, B, T, KVH] each."""
-  field, level = gates
-  n_layers, b, t, kvh = field.shape
-  fold = lambda a: jnp.moveaxis(a, 0, 2).reshape(b, t, n_layers * kvh)  # layers become heads
-  q = E.sample_queries(key, b, t, cfg.evict_queries, cfg.evict_window)
-  counts = E.live_counts(
-    fold(field),
-    fold(level),
-    q,
+  """(hinge, metrics) from the model's per-layer gates: field, level [L, B, T, KVH] each; the
+  trainer's call of `evictability_hinge` with the run's evict_* fields and the step's target."""
+  return evictability_hinge(
+    gates,
+    key,
+    segment_ids=segment_ids,
+    target=evict_target(step, cfg),
     window=cfg.evict_window,
     tau=cfg.evict_tau,
     temp=cfg.evict_temp,
     soft=cfg.evict_soft,
-    segment_ids=segment_ids,
+    queries=cfg.evict_queries,
   )
-  target = evict_target(step, cfg)
+
+
+_EVICT = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name.startswith("evict_")}
+HINGE_OPTIONS = ("target", "window", "tau", "temp", "soft", "queries")  # evictability_hinge's, as evict_<name>
+
+
+def evictability_hinge(
+  gates: tuple[jax.Array, jax.Array],
+  key: jax.Array,
+  *,
+  segment_ids: jax.Array | None = None,
+  target=_EVICT["evict_target"],
+  window: int = _EVICT["evict_window"],
+  tau: float = _EVICT["evict_tau"],
+  temp: float = _EVICT["evict_temp"],
+  soft: float = _EVICT["evict_soft"],
+  queries: int = _EVICT["evict_queries"],
+) -> tuple[jax.Array, dict]:
+  """The evictability hinge from gate outputs (field, level) [L, B, T, KVH] each (`layers.with_gates`)
+  -> (hinge [] fp32, metrics): the module docstring's term, before its weight.
+
+  key: a PRNG key for the `queries` stratified query positions per sequence (draw a new one each
+  step). target: the kept fraction of the keys outside the recent `window`, in (0, 1] (a scalar,
+  may be traced: `evict_target`'s ramp); tau, temp, soft: the soft count's half-life penalty (nats),
+  width and softplus temperature (`ops.evictability.live_counts`). segment_ids [B, T]: keys of
+  another segment do not count. Defaults: the TrainConfig evict_* fields'.
+  metrics: evict_loss, evict_target, evict_live, evict_live_hard, evict_live_l{i} (scalars, no gradient)."""
+  field, level = gates
+  n_layers, b, t, kvh = field.shape
+  fold = lambda a: jnp.moveaxis(a, 0, 2).reshape(b, t, n_layers * kvh)  # layers become heads
+  kw = dict(target=target, window=window, tau=tau, temp=temp, soft=soft, queries=queries)
+  return _hinge(fold(field), fold(level), (kvh,) * n_layers, key, segment_ids, **kw)
+
+
+def _hinge(field, level, heads, key, segment_ids, *, target, window, tau, temp, soft, queries):
+  """`evictability_hinge` on every layer's heads side by side: field, level [B, T, sum(heads)], layer
+  i's `heads[i]` kv heads in a row."""
+  b, t, _ = field.shape
+  q = E.sample_queries(key, b, t, queries, window)
+  counts = E.live_counts(field, level, q, window=window, tau=tau, temp=temp, soft=soft, segment_ids=segment_ids)
   hinge, _ = E.hinge_live_fraction(counts, target)
-  per_layer = jax.lax.stop_gradient(E.pooled_fraction(counts.soft, counts.eligible).reshape(n_layers, kvh).mean(-1))
+  pooled = jax.lax.stop_gradient(E.pooled_fraction(counts.soft, counts.eligible))  # [sum(heads)]
+  if len(set(heads)) == 1:
+    per_layer = pooled.reshape(len(heads), heads[0]).mean(-1)
+  else:  # layers with their own kv heads
+    ends = np.cumsum(heads)
+    per_layer = jnp.stack([pooled[e - n : e].mean() for n, e in zip(heads, ends)])
   hard = E.pooled_fraction(counts.hard, counts.eligible).mean()
   metrics = {
     "evict_loss": jax.lax.stop_gradient(hinge),
     "evict_target": jnp.asarray(target, jnp.float32),
     "evict_live": per_layer.mean(),
     "evict_live_hard": hard,
-    **{f"evict_live_l{i}": per_layer[i] for i in range(n_layers)},
+    **{f"evict_live_l{i}": per_layer[i] for i in range(len(heads))},
   }
   return hinge, metrics
+
+
+def evictability_loss(model, tokens, segment_ids=None, *, key: jax.Array, **hinge_options):
+  """The evictability objective on any NNX model made of `FirstPassageAttention` layers (`DecoderLM`
+  or a model of your own): one forward pass `model(tokens[, segment_ids])` whose gated layers' gate
+  outputs are captured (`layers.gates_by_layer`: what the layers sow) -> (out, hinge, metrics).
+
+  out: the model's own output (the logits, for the LM loss of the same pass); hinge, metrics: as
+  `evictability_hinge` (key and hinge_options: target, window, tau, temp, soft, queries), over the
+  heads of every gated layer (fpa, stack, fox; layers may differ in kv heads; layers without a gate,
+  softmax / nope, have nothing to evict and are left out); `evict_live_l{i}` numbers the gated
+  layers in path order. Train on mean CE + weight * hinge (the trainer's `evict_weight`).
+  tokens [B, T] int; segment_ids [B, T] or None (then the model is called without it).
+  ValueError when no layer has a gate."""
+  options = _hinge_options(hinge_options)  # before the forward pass
+  args = (tokens,) if segment_ids is None else (tokens, segment_ids)
+  out, found = gates_by_layer(model, *args)
+  nodes = dict(nnx.iter_graph(model))
+  fields, levels, heads = [], [], []
+  for path, calls in found:
+    if getattr(nodes.get(path), "gate", None) is None:
+      continue
+    for f, lv in calls:
+      per = [(f, lv)] if f.ndim == 3 else list(zip(f, lv))  # a scanned stack: [L, B, T, KVH]
+      for fi, li in per:
+        fields.append(fi)
+        levels.append(li)
+        heads.append(fi.shape[-1])
+  if not fields:
+    raise ValueError(
+      f"{type(model).__name__} has no gated FirstPassageAttention layer (gate fpa, stack or fox): nothing to evict"
+    )
+  field, level = jnp.concatenate(fields, -1), jnp.concatenate(levels, -1)
+  hinge, metrics = _hinge(field, level, tuple(heads), key, segment_ids, **options)
+  return out, hinge, metrics
+
+
+def _hinge_options(given: dict) -> dict:
+  bad = sorted(set(given) - set(HINGE_OPTIONS))
+  if bad:
+    raise ValueError(f"unknown argument(s) {bad}; the hinge takes {HINGE_OPTIONS} (the TrainConfig evict_* fields)")
+  return {k: given.get(k, _EVICT[f"evict_{k}"]) for k in HINGE_OPTIONS}
 
 
 def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> tuple[jax.Array, dict]:

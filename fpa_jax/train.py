@@ -47,10 +47,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fpa_jax import cli
 from fpa_jax import configs as C
 from fpa_jax import data as D  # its modules (grain, TFDS) load on first use, in make_data
+from fpa_jax import optim
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import Checkpointer, abstract_with_shardings, own_process_state
 from fpa_jax.losses import eval_terms, lm_loss, objective  # noqa: F401 (lm_loss: re-exported for compatibility)
 from fpa_jax.models import DecoderLM, weight_decay_mask
+from fpa_jax.optim import GATE_READOUTS, clip_by_global_norm_apart, gate_readout_mask  # noqa: F401 (re-exported)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -104,61 +106,14 @@ def lr_schedule(cfg: C.TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: C.Config) -> optax.GradientTransformation:
-  """AdamW (decay on matrices only) + warmup/cosine + global-norm clipping."""
+  """AdamW (decay on matrices only) + warmup/cosine + global-norm clipping, with the gate's parts
+  (`fpa_jax.optim.gate_optimizer`: the read-outs clipped apart, their lr scaled and ramped) as the
+  config's `gate_clip_apart`, `gate_lr_scale` and `gate_lr_warmup_steps` say."""
   adamw = optax.adamw(
     lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=weight_decay_mask(cfg.model)
   )
-  if cfg.clip_norm > 0:  # apart: the read-outs' gradient does not shrink the other weights' updates
-    clip = clip_by_global_norm_apart if cfg.gate_clip_apart else lambda c, _: optax.clip_by_global_norm(c)
-    parts = [clip(cfg.clip_norm, gate_readout_mask)]
-  else:
-    parts = []
-  parts.append(adamw)
-  if cfg.gate_lr_warmup_steps:  # the read-outs' multiplier ramps from 0: FoX first, then FPA
-    ramp = optax.linear_schedule(0.0, cfg.gate_lr_scale, cfg.gate_lr_warmup_steps)
-    parts.append(optax.masked(optax.scale_by_schedule(ramp), gate_readout_mask))
-  elif cfg.gate_lr_scale != 1.0:  # the whole AdamW update of those leaves (decay included) scaled: their lr
-    parts.append(optax.masked(optax.scale(cfg.gate_lr_scale), gate_readout_mask))
-  return optax.chain(*parts) if len(parts) > 1 else adamw
-
-
-GATE_READOUTS = ("step", "absolute", "offset")
-
-
-def clip_by_global_norm_apart(max_norm: float, mask_fn: Callable) -> optax.GradientTransformation:
-  """optax.clip_by_global_norm on two groups, each by its own norm: the leaves where `mask_fn(updates)`
-  is True (the gate read-outs) and the rest. With one global norm, the read-outs' gradient (large
-  from step 0 even at zero read-outs) shrinks every other weight's update: an FPA model whose
-  read-outs do not move would still train another trajectory than FoX (`experiments.clip_coupling`).
-  Stateless, like clip_by_global_norm, so either one restores the other's optimizer state."""
-
-  def update_fn(updates, state, params=None):
-    del params
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    marks = treedef.flatten_up_to(mask_fn(updates))
-
-    def factor(group: bool):
-      sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x, m in zip(leaves, marks) if bool(m) == group]
-      if not sq:
-        return None
-      norm = jnp.sqrt(sum(sq))
-      return jnp.where(norm < max_norm, 1.0, max_norm / norm)
-
-    f = {g: factor(g) for g in (True, False)}
-    out = [(x * f[bool(m)]).astype(x.dtype) for x, m in zip(leaves, marks)]
-    return jax.tree_util.tree_unflatten(treedef, out), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-
-
-def gate_readout_mask(params):
-  """optax mask: True on the FPA gate's step / absolute / offset read-outs (`gate_lr_scale`)."""
-
-  def one(path, _):
-    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    return "gate" in keys and any(r in keys for r in GATE_READOUTS)
-
-  return jax.tree_util.tree_map_with_path(one, params)
+  options = {k: getattr(cfg, k) for k in optim.OPTIONS}
+  return optim.gate_optimizer(adamw, recipe=None, clip_norm=cfg.clip_norm, **options)
 
 
 def _init_fn(cfg: C.Config, tx) -> Callable[[], tuple]:

@@ -24,16 +24,29 @@ from fpa_jax.ops import chunked
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARKER = "<!-- tests/test_dropin.py executes the next python block -->"
+MARKER_RECIPE = "<!-- tests/test_dropin.py executes the next python block after the one above -->"
+
+
+def _block(marker: str) -> str:
+  text = README.read_text()
+  assert marker in text, f"README lost the marker {marker}"
+  return re.search(r"```python\n(.*?)```", text.split(marker, 1)[1], re.S).group(1)
 
 
 @pytest.fixture(scope="module")
 def readme_run():
   """The README's block, executed as written: its namespace (model, optimizer, losses, ...)."""
-  text = README.read_text()
-  assert MARKER in text, "README lost the drop-in example's marker"
-  block = re.search(r"```python\n(.*?)```", text.split(MARKER, 1)[1], re.S).group(1)
   ns: dict = {}
-  exec(compile(block, str(README), "exec"), ns)
+  exec(compile(_block(MARKER), str(README), "exec"), ns)
+  return ns
+
+
+@pytest.fixture(scope="module")
+def readme_recipe_run(readme_run):
+  """The README's second block (the LM recipe in the loop, then decoding and evaluation), run after
+  the first in a copy of its namespace."""
+  ns = dict(readme_run)
+  exec(compile(_block(MARKER_RECIPE), str(README), "exec"), ns)
   return ns
 
 
@@ -52,6 +65,52 @@ def test_readme_model_trains_and_gate_gets_gradient(readme_run):
     assert float(jnp.abs(g.get_value()).max()) > 0, path
   fresh = type(model)(vocab=64, d=32, rngs=nnx.Rngs(0))
   assert not np.array_equal(model.attn.gate.offset.w[...], fresh.attn.gate.offset.w[...])
+
+
+def test_readme_recipe_trains_then_decodes_with_the_learned_rule(readme_recipe_run):
+  """The second block: the layer has the LM gate, the optimizer the recipe's parts (the read-outs
+  moved off their zero init once the ramp let them), the loss is finite, and the model decoded
+  under `fpa_budget` and was evaluated through its cache."""
+  ns = readme_recipe_run
+  attn = ns["model"].attn
+  lm = C.gate_recipe("lm", "model")
+  assert {k: getattr(attn.cfg, k) for k in lm} == lm
+  assert all(np.isfinite(ns["evict_losses"]))
+  assert float(jnp.abs(attn.gate.offset.w[...]).max()) > 0  # zero at init (FoX), moved by the recipe's ramp
+  new, stats = ns["new"], ns["stats"]
+  assert new.shape == (2, 8) and stats["policy"] == "fpa_budget" and stats["capacity"] == 6
+  assert stats["cache_fraction"] <= 0.25
+  res = ns["res"]
+  assert res["cache"]["policy"] == "fpa_budget" and res["cache"]["cache_fraction"] == 0.25
+  assert res["tokens"] == 2 * 32 and np.isfinite(res["nll_mean"])
+
+
+@pytest.mark.parametrize(
+  "policy, kw",
+  [
+    ("full", {}),
+    ("window", dict(budget=4)),
+    ("sink_window", dict(budget=6)),
+    ("h2o", dict(budget=4)),
+    ("snapkv", dict(budget=4)),
+    ("fpa_budget", dict(compression_ratio=0.75)),
+    ("fpa_global", dict(budget=4)),
+    ("fpa", dict(tolerance=1e-3)),
+    ("fpa_threshold", dict(threshold=2.0)),
+  ],
+)
+def test_readme_model_decodes_under_every_policy(readme_run, policy, kw):
+  """The README's MyLM under every policy: generation (snapkv needs the parallel prefill, h2o the
+  token-by-token one) and teacher-forced evaluation through the cache (snapkv: generation only)."""
+  from fpa_jax import eval as ev
+  from fpa_jax.inference import generate
+
+  model, tokens = readme_run["model"], np.asarray(readme_run["tokens"])
+  new, stats = generate(model, tokens[:, :12], 4, policy=policy, **kw)
+  assert new.shape == (2, 4) and stats["policy"] == policy and not stats["overflow"]
+  if policy != "snapkv":
+    res = ev.loss_by_position(model, tokens[:, :17], bucket=4, policy=policy, show_progress=False, **kw)
+    assert np.isfinite(res["nll_mean"]) and res["cache"]["policy"] == policy
 
 
 @pytest.mark.parametrize(

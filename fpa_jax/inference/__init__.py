@@ -1,14 +1,19 @@
-"""Inference: decode a trained `DecoderLM` with a first-passage KV cache and learned eviction.
+"""Inference: decode a model with a first-passage KV cache and learned eviction.
 
-    from fpa_jax.inference import load_model, generate, cached_logits
+    from fpa_jax.inference import CachePolicy, load_model, generate, cached_logits
     model, cfg = load_model("runs/small_fpa")
     tokens, stats = generate(model, prompts, 32, policy="fpa_budget", budget=0.25)
     tokens, stats = generate(model, prompts, 32, policy="fpa_global", budget=0.25)  # one budget per row
+    tokens, stats = generate(model, prompts, 32, policy=CachePolicy("window", compression_ratio=0.75))
     logits, stats = cached_logits(model, tokens, policy="fpa", tolerance=1e-3)   # studies
     logits, conv = extend(model, turn_1, max_len=4096, policy="fpa_budget", budget=512)  # chunk by chunk
     logits, conv = extend(model, turn_2, conv)
 
-Policies and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache` (fpa_global's
+The model: a `DecoderLM`, or any NNX model of `FirstPassageAttention` layers whose `__call__` hands
+a `cache=` down to them (`.graph`: the layers found in the NNX graph, one cache each).
+
+Policies (`CachePolicy`, one of your own from a score function) and the tolerance bound:
+`fpa_jax.inference.policies`. Cache layout: `.cache` (fpa_global's
 shared slot pool: `.pool`). A model's layers attend against a cache through one protocol
 (`fpa_jax.layers.AttentionCache`): `cache.CacheView` (a layer's cache with a `Decode` step, a
 `Prefill` or an `Extend` chunk) and `pool.PoolView`; `DecoderLM` takes them as a `models.ModelCache` (`LayerCaches`,
@@ -39,11 +44,14 @@ from fpa_jax.inference.decode import (
   prefill_parallel,
 )
 from fpa_jax.inference.conversation import Conversation, extend
+from fpa_jax.inference.graph import ByLayer, attention_layers, call_cached, vocab_size
 from fpa_jax.inference.loading import export_model, load_exported, load_model, read_metrics
 from fpa_jax.inference.policies import (
   POLICIES,
+  CachePolicy,
   Policy,
   PolicyName,
+  as_policy,
   key_tolerance_threshold,
   logit_bound,
   make_policy,
@@ -84,7 +92,13 @@ __all__ = [
   "decode_attend",
   "prefill_attend",
   "prefill_chunk",
+  "attention_layers",
+  "call_cached",
+  "vocab_size",
+  "ByLayer",
   "POLICIES",
+  "CachePolicy",
+  "as_policy",
   "Policy",
   "PolicyName",
   "make_policy",

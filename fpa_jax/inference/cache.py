@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax import ops
-from fpa_jax.inference.policies import Policy
+from fpa_jax.inference.policies import SCORE, Policy, score_keys
 from fpa_jax.ops import first_passage as fp  # the first-passage state and the eviction rule
 from fpa_jax.ops.common import F32
 
@@ -128,7 +128,7 @@ def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, 
   """
   pos, now = cache.pos, now[:, None, None]
   alive = fp.candidates(alive, pos, now, policy.recent)
-  if policy.name == "snapkv":
+  if policy.name in ("snapkv", SCORE):  # the lowest score goes (score: `decode_attend` just scored the keys)
     return fp.oldest_max(-cache.score, pos, alive)
   if policy.name == "window" or policy.name == "full":
     return fp.oldest_max(jnp.zeros_like(pen), pos, alive)
@@ -211,6 +211,8 @@ def decode_attend(
   run_min = jnp.where(occupied, fp.advance(cache.run_min, f[:, None, :]), jnp.inf)
   cache = cache._replace(run_min=run_min)
   pen = cache.penalty  # [B, S, H]
+  if policy.name == SCORE:  # a policy of your own scores the keys for this step's query
+    cache = cache._replace(score=score_keys(policy, q[:, 0], cache.k, f, cache.level, pen, cache.pos))
   alive = cache.alive
   if policy.thresholded:
     alive = alive & fp.survives(pen, cache.key_threshold())
@@ -275,7 +277,7 @@ def _keep_order(policy: Policy, pen, pos, valid, thr, lengths, score=None):
     primary = jnp.zeros_like(pen)
   elif policy.name == "sink_window":
     primary = (pos < policy.n_sink).astype(F32)
-  elif policy.name == "snapkv":
+  elif policy.name in ("snapkv", SCORE):
     primary = score
   else:  # fpa_budget, fpa_global, thresholded: smallest penalty first
     primary = -pen
@@ -366,6 +368,9 @@ def prefill_attend(
   score = None
   if policy.name == "snapkv":
     score = snapkv_scores(q, k, field, level, lengths, scale=scale, window=policy.obs_window, kernel=policy.kernel)
+  elif policy.name == SCORE:  # scored for each row's last prompt query
+    at_end = lambda x: jnp.take_along_axis(x, (lengths - 1).reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+    score = score_keys(policy, at_end(q), k, at_end(field), level, pen, pos)
   last = jnp.take_along_axis(cum.astype(F32), (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
   return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, lengths, last, score)
 
@@ -412,7 +417,7 @@ def _keep_best(cache: LayerCache, policy: Policy, k, v, level, run_min, pen, pos
 # A chunk after the cache
 # ------------------------------------------------------------------------------------------------
 
-CHUNKABLE = ("full", "fpa", "fpa_threshold", "fpa_budget", "window", "sink_window")
+CHUNKABLE = ("full", "fpa", "fpa_threshold", "fpa_budget", "window", "sink_window", SCORE)
 
 
 def check_chunk_policy(policy: Policy) -> None:
@@ -482,7 +487,11 @@ def prefill_chunk(
   last = jnp.take_along_axis(cum.astype(F32), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
   carry = jnp.where((lengths > 0)[:, None], last, cache.carry)
   pen = fp.penalty(level, run_min)
-  return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, offsets + lengths, carry)
+  score = None
+  if policy.name == SCORE:  # scored for each row's last chunk query
+    at_end = lambda x: jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1)), 1)
+    score = score_keys(policy, at_end(q)[:, 0], k, at_end(f)[:, 0], level, pen, pos)
+  return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, offsets + lengths, carry, score)
 
 
 # ------------------------------------------------------------------------------------------------

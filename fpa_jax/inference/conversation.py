@@ -6,7 +6,8 @@ previous calls left, under an eviction policy.
     logits, conv = extend(model, turn_2, conv)          # turn 2 attends to what turn 1 left
     logits, conv = extend(model, next_token[:, None], conv)   # one token: a decode step
 
-Shape legend: B batch, T tokens of the call, V vocab, L layers, KVH kv heads.
+Shape legend: B batch, T tokens of the call, V vocab, L layers, KVH kv heads. The model: a `DecoderLM`
+or a model of your own whose `__call__` hands `cache=` down to its layers (`inference.graph`).
 
 Each layer runs `inference.cache.prefill_chunk`: the chunk's queries attend to the cached keys with
 their first-passage state and to the chunk causally (`ops.prefix.prefix_attention`, exact), then the
@@ -28,9 +29,10 @@ import numpy as np
 from flax import nnx
 
 from fpa_jax.inference.cache import Extend, LayerCache, LayerCaches, check_chunk_policy
-from fpa_jax.inference.decode import init_caches
-from fpa_jax.inference.policies import Policy, make_policy
-from fpa_jax.models import DecoderLM, check_tokens
+from fpa_jax.inference.decode import _check_model_policy, init_caches
+from fpa_jax.inference.graph import call_cached, check_decodable, vocab_size
+from fpa_jax.inference.policies import CachePolicy, Policy, as_policy
+from fpa_jax.models import check_tokens
 
 TRACES = {"extend": 0}  # Python traces of the program (tests: one per shape)
 
@@ -48,8 +50,10 @@ class Conversation:
   max_len: int
 
   def keys_held(self) -> np.ndarray:
-    """[L, B, KVH] keys each (layer, row, kv head) holds."""
-    return np.stack([np.asarray(jnp.sum(c.alive, axis=1)) for c in self.caches])
+    """[L, B, KVH] keys each (layer, row, kv head) holds (-1 past the kv heads of a layer with fewer)."""
+    held = [np.asarray(jnp.sum(c.alive, axis=1)) for c in self.caches]
+    kvh = max(h.shape[1] for h in held)
+    return np.stack([np.pad(h, ((0, 0), (0, kvh - h.shape[1])), constant_values=-1) for h in held])
 
   def nbytes(self) -> int:
     """Bytes the cache allocates, every array of every layer (as `decode.cache_bytes` counts)."""
@@ -61,19 +65,20 @@ def _extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: P
   TRACES["extend"] += 1
   model = nnx.merge(graphdef, state)
   positions = seen[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  logits, done = model(tokens, positions=positions, cache=LayerCaches(tuple(caches), Extend(policy, lengths, seen)))
+  logits, done = call_cached(model, tokens, positions, LayerCaches(tuple(caches), Extend(policy, lengths, seen)))
   return logits, done.layers
 
 
 def extend(
-  model: DecoderLM,
+  model,
   tokens,
   conversation: Conversation | None = None,
   *,
   lengths=None,
   max_len: int | None = None,
-  policy: str = "full",
+  policy: str | CachePolicy = "full",
   budget: float | int | None = None,
+  compression_ratio: float | None = None,
   tolerance: float | None = None,
   threshold: float | None = None,
   recent: int | None = None,
@@ -82,9 +87,10 @@ def extend(
   """Run `tokens` [B, T] (right-padded, `lengths` [B] in [0, T], default T) after `conversation`.
 
   The first call (conversation=None) starts one with an empty cache under the policy: `max_len`
-  (required) is the most tokens a row will hold, and policy, budget, tolerance, threshold, recent,
-  bound are `policies.make_policy`'s (policies `cache.CHUNKABLE`; a float budget is a fraction of
-  max_len). Later calls pass the conversation and no policy argument.
+  (required) is the most tokens a row will hold, and policy, budget, compression_ratio, tolerance,
+  threshold, recent, bound are `policies.make_policy`'s, or policy a `CachePolicy` (policies
+  `cache.CHUNKABLE`, a score policy of your own included; a float budget is a fraction of max_len).
+  Later calls pass the conversation and no policy argument.
 
   Returns:
     (logits [B, T, V] fp32 of the chunk's tokens (padding rows: junk), the conversation after it).
@@ -92,17 +98,26 @@ def extend(
   or a chunk that would take a row past max_len (the cache would drop keys the policy did not choose
   and the tolerance bound would no longer hold).
   """
-  tokens = check_tokens(tokens, model.cfg.vocab_size)
+  check_decodable(model)
+  tokens = check_tokens(tokens, vocab_size(model))
   b, t = tokens.shape
-  given = dict(budget=budget, tolerance=tolerance, threshold=threshold, recent=recent, bound=bound)
+  given = dict(
+    budget=budget,
+    compression_ratio=compression_ratio,
+    tolerance=tolerance,
+    threshold=threshold,
+    recent=recent,
+    bound=bound,
+  )
   if conversation is None:
     if max_len is None or isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
       raise ValueError(
         f"the first extend() call starts a conversation: pass max_len=N (an int >= 1), the most tokens a row "
         f"will hold, got max_len={max_len!r}"
       )
-    pol = make_policy(policy, max_len, **given)
+    pol = as_policy(policy, **given).resolve(max_len)
     check_chunk_policy(pol)
+    _check_model_policy(model, pol)
     conversation = Conversation(init_caches(model, b, pol, max_len), np.zeros((b,), np.int64), pol, max_len)
   else:
     passed = sorted(k for k, val in given.items() if val is not None) + (["policy"] if policy != "full" else [])

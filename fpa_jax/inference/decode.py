@@ -1,6 +1,9 @@
-"""Decoding a `DecoderLM` with a first-passage KV cache: `cached_logits` (studies) and `generate`.
+"""Decoding with a first-passage KV cache: `cached_logits` (studies) and `generate`.
 
-Shape legend: B batch, T tokens, P prompt length, N new tokens, V vocab, L layers, H heads.
+The model is a `DecoderLM` or any NNX model made of `FirstPassageAttention` layers whose `__call__`
+hands a `cache=` down to them (`fpa_jax.inference.graph`: the layers are found in the NNX graph,
+one cache per layer). Shape legend: B batch, T tokens, P prompt length, N new tokens, V vocab,
+L attention layers, H heads.
 
 Both build one jitted program per (model structure, policy, shapes): the per-token step is traced
 once and run by `jax.lax.scan`, so a whole generation compiles once. Model weights are passed as
@@ -28,11 +31,13 @@ from flax import nnx
 
 from fpa_jax.inference import pool
 from fpa_jax.inference.cache import Decode, LayerCache, LayerCaches, Prefill, init_cache, reset_rows
+from fpa_jax.inference.graph import attention_layers, call_cached, check_decodable, layer_configs, vocab_size
 from fpa_jax.inference.policies import (
+  CachePolicy,
   Policy,
+  as_policy,
   key_tolerance_threshold,
   logit_bound,
-  make_policy,
   query_norm_bound,
   tolerance_threshold,
 )
@@ -48,45 +53,75 @@ TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (t
 # ------------------------------------------------------------------------------------------------
 
 
-def layer_logit_bounds(model: DecoderLM) -> list[jax.Array]:
-  """Per layer, U [KVH]: a bound on |scale q.k| from the parameters (`policies.logit_bound`)."""
-  cfg = model.cfg
-  scale = attention_spec(cfg).scale  # the layers' logit scale
+def layer_logit_bounds(model) -> list[jax.Array]:
+  """Per attention layer, U [KVH]: a bound on |scale q.k| from the parameters (`policies.logit_bound`).
+  `model`: a `DecoderLM` or a model of your own (`graph.attention_layers`); a layer without QK-norm
+  needs the RMSNorm in front of it known (`graph.Found.norm_scale`: DecoderLM, `models.Block`)."""
   out = []
-  for blk in model.layer_blocks():  # per-layer views of a scanned (stacked) model too
-    a = blk.attn
+  for f in attention_layers(model):  # per-layer views of a scanned (stacked) model too
+    a = f.layer
+    _check_bounded(f, model)
     out.append(
       logit_bound(
-        blk.attn_norm.scale[...],
+        f.norm_scale,
         a.wq[...],
         a.wk[...],
-        scale=scale,
+        scale=a.spec.scale,  # the layer's logit scale
         q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
         k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...],
-        rope=cfg.use_rope,
+        rope=a.cfg.use_rope,
       )
     )
   return out
 
 
-def layer_query_bounds(model: DecoderLM) -> list[jax.Array]:
-  """Per layer, Q [KVH]: a bound on any query's norm (max over each kv head's group; `policies.query_norm_bound`)."""
-  cfg = model.cfg
-  return [
-    query_norm_bound(
-      blk.attn_norm.scale[...],
-      blk.attn.wq[...],
-      cfg.kv_heads,
-      None if blk.attn.q_norm is None else blk.attn.q_norm.scale[...],
+def layer_query_bounds(model) -> list[jax.Array]:
+  """Per attention layer, Q [KVH]: a bound on any query's norm (max over each kv head's group;
+  `policies.query_norm_bound`)."""
+  out = []
+  for f in attention_layers(model):
+    a = f.layer
+    _check_bounded(f, model)
+    out.append(
+      query_norm_bound(f.norm_scale, a.wq[...], a.cfg.kv_heads, None if a.q_norm is None else a.q_norm.scale[...])
     )
-    for blk in model.layer_blocks()
-  ]
+  return out
+
+
+def _check_bounded(f, model) -> None:
+  if f.layer.q_norm is None and f.norm_scale is None:
+    raise ValueError(
+      f"policy 'fpa' bounds every logit from the layers' parameters, but {type(model).__name__}'s layer at "
+      f"{f.path} has no QK-norm and no known RMSNorm before it: build the layer with qk_norm=True (the bound then "
+      "reads the q / k norm scales), or use a budgeted policy (fpa_budget)"
+    )
+
+
+def _check_model_policy(model, policy: Policy) -> None:
+  """Before tracing: a model of your own decodes (`graph.check_decodable`) and suits the policy (fpa:
+  bounded layers; fpa_global: one pool needs the same kv heads, head dim and dtype in every layer).
+  A `DecoderLM` always does."""
+  if isinstance(model, DecoderLM):
+    return
+  check_decodable(model)
+  found = attention_layers(model)
+  if policy.name == "fpa":
+    for f in found:
+      _check_bounded(f, model)
+  if policy.is_global:
+    shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in layer_configs(model)}
+    if len(shapes) > 1:
+      raise ValueError(
+        f"fpa_global shares one slot pool between the layers, so they need the same (kv heads, head dim, dtype); "
+        f"{type(model).__name__}'s layers have {sorted(shapes)}: use fpa_budget (one cache per layer)"
+      )
 
 
 def init_caches(
-  model: DecoderLM, batch: int, policy: Policy, n_keys: int, slots: int | None = None
+  model, batch: int, policy: Policy, n_keys: int, slots: int | None = None
 ) -> tuple[LayerCache, ...] | pool.GlobalCache:
-  """One empty `LayerCache` per layer with the policy's thresholds (fpa_global: the shared pool).
+  """One empty `LayerCache` per attention layer with the policy's thresholds (fpa_global: the shared
+  pool), each of its layer's kv heads, head dim and dtype.
 
   n_keys: the most keys a sequence can have (the N in the `fpa` tolerance threshold).
   slots: default `policy.capacity`; `cached_logits` measures with one slot per token. fpa_global
@@ -94,50 +129,52 @@ def init_caches(
   decodes with); with `slots`: per-head caches of that many slots (the measuring layout, and a
   parallel prefill's candidates).
   """
-  cfg = model.cfg
+  layers = layer_configs(model)
+  n = len(layers)
   if policy.is_global and slots is None:
-    g = policy.pool_slots(cfg.n_layers, cfg.kv_heads)
-    return pool.init_global_cache(batch, g, cfg.n_layers, cfg.kv_heads, cfg.head_dim, dtype=jnp.dtype(cfg.dtype))
-  coefs = caps = [None] * cfg.n_layers
+    c = layers[0]  # the same in every layer (`_check_model_policy`)
+    g = policy.pool_slots(n, c.kv_heads)
+    return pool.init_global_cache(batch, g, n, c.kv_heads, c.head_dim, dtype=jnp.dtype(c.dtype))
+  coefs = caps = [None] * n
   if policy.name == "fpa" and policy.bound == "keys":
     us = layer_logit_bounds(model)
     thresholds = [key_tolerance_threshold(u, n_keys, policy.tolerance) for u in us]
-    coefs = [attention_spec(cfg).scale * q for q in layer_query_bounds(model)]
+    coefs = [attention_spec(a).scale * q for a, q in zip(layers, layer_query_bounds(model))]
     caps = us
   elif policy.name == "fpa":
     thresholds = [tolerance_threshold(u, n_keys, policy.tolerance) for u in layer_logit_bounds(model)]
   elif policy.name == "fpa_threshold":
-    thresholds = [jnp.full((cfg.kv_heads,), policy.threshold, jnp.float32)] * cfg.n_layers
+    thresholds = [jnp.full((a.kv_heads,), policy.threshold, jnp.float32) for a in layers]
   else:
-    thresholds = [None] * cfg.n_layers
+    thresholds = [None] * n
   # Slots per kv head: a key, its level and penalty are shared by the query heads of its group.
   return tuple(
     init_cache(
       batch,
       slots or policy.capacity,
-      cfg.kv_heads,
-      cfg.head_dim,
-      dtype=jnp.dtype(cfg.dtype),
+      a.kv_heads,
+      a.head_dim,
+      dtype=jnp.dtype(a.dtype),
       threshold=thr,
       key_coef=coef,
       key_cap=cap,
     )
-    for thr, coef, cap in zip(thresholds, coefs, caps)
+    for a, thr, coef, cap in zip(layers, thresholds, coefs, caps)
   )
 
 
-def cache_bytes(model: DecoderLM, batch: int, policy: Policy, n_keys: int | None = None) -> int:
+def cache_bytes(model, batch: int, policy: Policy, n_keys: int | None = None) -> int:
   """Bytes every array of `generate`'s reused-slot cache allocates (fpa_global: its pool; no allocation)."""
   shapes = jax.eval_shape(lambda: init_caches(model, batch, policy, n_keys or policy.capacity))
   return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
 
-def _slots_per_row(model: DecoderLM, policy: Policy) -> int:
+def _slots_per_row(model, policy: Policy) -> int:
   """Key slots one row's cache allocates over all layers and kv heads (fpa_global: the pool, G)."""
-  cfg = model.cfg
+  kvh = [c.kv_heads for c in layer_configs(model)]
   if policy.is_global:
-    return policy.pool_slots(cfg.n_layers, cfg.kv_heads)
-  return policy.capacity * cfg.n_layers * cfg.kv_heads
+    return policy.pool_slots(len(kvh), kvh[0])
+  return policy.capacity * sum(kvh)
 
 
 def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -> tuple[LayerCache, ...]:
@@ -175,7 +212,7 @@ def _select_rows(rows: jax.Array, new, old):
   return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in shared})
 
 
-def _split_on_one_device(model: DecoderLM):
+def _split_on_one_device(model):
   """nnx.split, with the state gathered onto one device if it is spread over several.
 
   Decoding runs on one device (batch-sharded decoding is future work): a model straight from a
@@ -187,14 +224,14 @@ def _split_on_one_device(model: DecoderLM):
   return graphdef, state
 
 
-def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
+def _step(model, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
   """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
   `pool.GlobalCache`)."""
   if isinstance(caches, pool.GlobalCache):
-    logits, done = model(tokens[:, None], positions=positions[:, None], cache=pool.PoolStep(caches, policy, positions))
+    logits, done = call_cached(model, tokens[:, None], positions[:, None], pool.PoolStep(caches, policy, positions))
     return logits[:, 0], pool.pool_evict(done.cache, policy, positions)
   run = Decode(policy, positions, step=step, measure=measure)
-  logits, done = model(tokens[:, None], positions=positions[:, None], cache=LayerCaches(tuple(caches), run))
+  logits, done = call_cached(model, tokens[:, None], positions[:, None], LayerCaches(tuple(caches), run))
   caches = done.layers
   if policy.is_global:
     caches = global_evict(caches, policy, positions)
@@ -202,22 +239,45 @@ def _step(model: DecoderLM, caches, tokens, positions, policy: Policy, *, step=N
 
 
 def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
-  """(max keys held by any (layer, row, head) [], keys held [L, B, KVH]), fp32."""
+  """(max keys held by any (layer, row, head) [], keys held [L, B, KVH]), fp32; layers with fewer kv
+  heads than the most (a model of your own may mix them) padded with NaN."""
   if isinstance(caches, pool.GlobalCache):
     held = pool.held(caches).astype(jnp.float32)
   else:
-    held = jnp.stack([jnp.sum(c.alive, axis=1) for c in caches]).astype(jnp.float32)  # [L, B, H]
+    per = [jnp.sum(c.alive, axis=1).astype(jnp.float32) for c in caches]  # [B, KVH] each
+    kvh = max(h.shape[-1] for h in per)
+    if any(h.shape[-1] != kvh for h in per):
+      per = [jnp.pad(h, ((0, 0), (0, kvh - h.shape[-1])), constant_values=jnp.nan) for h in per]
+      held = jnp.stack(per)
+      return jnp.nanmax(held), held
+    held = jnp.stack(per)  # [L, B, H]
   return jnp.max(held), held
+
+
+def _lost(caches) -> jax.Array:
+  """[] the largest lost mass of any layer, row and head (`LayerCache.lost`)."""
+  return jnp.max(jnp.stack([jnp.max(c.lost) for c in caches]))
 
 
 def _overflow(caches) -> jax.Array:
   """[] bool: a thresholded policy ran out of capacity (never for the pool: fpa_global has no threshold)."""
   if isinstance(caches, pool.GlobalCache):
     return jnp.zeros((), bool)
-  return jnp.any(jnp.stack([c.overflow for c in caches]))
+  return jnp.any(jnp.stack([jnp.any(c.overflow) for c in caches]))
 
 
-def prefill_parallel(model: DecoderLM, prompt, lengths, policy: Policy, n_keys: int):
+def _per_head(kept: np.ndarray) -> list[list[float]]:
+  """[L, KVH] -> lists per layer, the NaN padding of layers with fewer kv heads dropped."""
+  return [[v for v in row if not np.isnan(v)] for row in np.asarray(kept).tolist()]
+
+
+def _mean(kept: np.ndarray) -> float:
+  """The mean over every real (not padding) entry."""
+  kept = np.asarray(kept)
+  return float(np.mean(kept[~np.isnan(kept)]) if np.isnan(kept).any() else np.mean(kept))
+
+
+def prefill_parallel(model, prompt, lengths, policy: Policy, n_keys: int):
   """The prompt [B, P] (right-padded, `lengths` [B]) through the layers' parallel kernel (their
   impl, tiles and skipping: `layers.AttentionSpec`), then the cache the policy keeps -> (logits
   [B, P, V], caches). fpa_global: every layer's prompt keys are
@@ -231,13 +291,11 @@ def prefill_parallel(model: DecoderLM, prompt, lengths, policy: Policy, n_keys: 
   else:
     caches = init_caches(model, b, policy, n_keys)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  logits, done = model(prompt, positions=positions, cache=LayerCaches(caches, Prefill(policy, lengths)))
+  logits, done = call_cached(model, prompt, positions, LayerCaches(caches, Prefill(policy, lengths)))
   caches = done.layers
   if policy.is_global:
-    cfg = model.cfg
-    caches = pool.pool_from_caches(
-      global_evict(caches, policy, lengths - 1), policy.pool_slots(cfg.n_layers, cfg.kv_heads)
-    )
+    kvh = caches[0].pos.shape[2]
+    caches = pool.pool_from_caches(global_evict(caches, policy, lengths - 1), policy.pool_slots(len(caches), kvh))
   return logits, caches
 
 
@@ -262,7 +320,7 @@ def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Poli
     logits, caches = _step(model, caches, tok, pos, policy, step=step, measure=True)
     peak, held = _occupancy(caches)
     kept = jnp.mean(held / (pos + 1).astype(jnp.float32)[None, :, None], axis=1)  # [L, KVH]
-    lost = jnp.max(jnp.stack([c.lost for c in caches]))
+    lost = _lost(caches)
     overflow = _overflow(caches)
     return (caches, seg, pos), (logits, peak, kept, lost, overflow)
 
@@ -273,11 +331,12 @@ def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Poli
 
 
 def cached_logits(
-  model: DecoderLM,
+  model,
   tokens,
   *,
-  policy: str = "full",
+  policy: str | CachePolicy = "full",
   budget: float | int | None = None,
+  compression_ratio: float | None = None,
   tolerance: float | None = None,
   threshold: float | None = None,
   recent: int | None = None,
@@ -287,14 +346,19 @@ def cached_logits(
 ) -> tuple[jax.Array, dict[str, Any]]:
   """Decode every token of `tokens` [B, T] through the cache under a policy (no prefill), for studies.
 
+  `model`: a `DecoderLM` or any NNX model of `FirstPassageAttention` layers whose `__call__` hands a
+  `cache=` down to them (`fpa_jax.inference.graph`). `policy`: a name with its keywords (`budget`
+  or `compression_ratio`, `tolerance`, ...), or a `CachePolicy` (then no keywords).
+
   Evicted keys stay in memory (slots are not reused) only so that the attention mass they would
   have received can be measured; what each query attends to is exactly what a reused-slot cache of
   the policy's capacity gives (`generate`; fpa_global: its shared pool, measured here on per-head
   caches under the same eviction rule). Packed rows: `segment_ids` [B, T] restarts the cache
   (and positions) wherever the segment id changes.
 
-  Policies and their arguments (`recent`, `head_cap`, `bound`): `fpa_jax.inference.policies`.
-  snapkv ranks a prompt's keys at prefill, so it is for `generate` only.
+  Policies and their arguments (`recent`, `head_cap`, `bound`; a policy of your own from a score
+  function): `fpa_jax.inference.policies`. snapkv ranks a prompt's keys at prefill, so it is for
+  `generate` only.
 
   Returns:
     logits [B, T, V] fp32 and stats: `cache_fraction` (peak keys held by any layer, row and head /
@@ -304,11 +368,12 @@ def cached_logits(
     (a thresholded policy ran out of capacity), `cache_bytes` (what `generate`'s reused-slot cache
     of the policy allocates for these rows), `policy`, `capacity`.
   """
+  check_decodable(model)  # first: a model that cannot decode says so before its tokens are read
   tokens = _check_tokens(tokens, model)
   b, t = tokens.shape
-  pol = make_policy(
-    policy, t, budget=budget, tolerance=tolerance, threshold=threshold, recent=recent, head_cap=head_cap, bound=bound
-  )
+  kw = dict(budget=budget, compression_ratio=compression_ratio, tolerance=tolerance, threshold=threshold)
+  pol = as_policy(policy, recent=recent, head_cap=head_cap, bound=bound, **kw).resolve(t)
+  _check_model_policy(model, pol)
   if pol.name == "snapkv":
     raise ValueError("snapkv ranks a prompt's keys by its last window's attention at prefill: use generate()")
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
@@ -321,8 +386,8 @@ def cached_logits(
     "policy": pol.name,
     "capacity": pol.capacity,
     "cache_fraction": float(np.max(s["peak"])) / t,
-    "kept_fraction_mean": float(np.mean(s["kept"])),
-    "kept_fraction_per_head": np.mean(s["kept"], axis=0).tolist(),
+    "kept_fraction_mean": _mean(s["kept"]),
+    "kept_fraction_per_head": _per_head(np.mean(s["kept"], axis=0)),
     "lost_mass_max": float(np.max(s["lost"])),
     "overflow": bool(np.any(s["overflow"])),
     "cache_bytes": cache_bytes(model, b, pol, t),
@@ -347,7 +412,7 @@ def _sample(logits, key, temperature: float, top_k: int | None):
 
 
 @functools.partial(
-  jax.jit, static_argnames=("graphdef", "policy", "max_new", "temperature", "top_k", "prefill", "n_keys")
+  jax.jit, static_argnames=("graphdef", "policy", "max_new", "temperature", "top_k", "prefill", "n_keys", "vocab")
 )
 def _generate_program(
   graphdef,
@@ -362,6 +427,7 @@ def _generate_program(
   top_k: int | None,
   prefill: str,
   n_keys: int,
+  vocab: int,
 ):
   TRACES["generate"] += 1
   model = nnx.merge(graphdef, state)
@@ -385,7 +451,7 @@ def _generate_program(
       return (caches, last, jnp.maximum(peak, _occupancy(caches)[0])), None
 
     caches = init_caches(model, b, policy, n_keys)
-    init = (caches, jnp.zeros((b, model.cfg.vocab_size), jnp.float32), jnp.float32(0))
+    init = (caches, jnp.zeros((b, vocab), jnp.float32), jnp.float32(0))
     (caches, last, peak0), _ = jax.lax.scan(feed, init, (prompt.T, jnp.arange(p, dtype=jnp.int32)))
 
   keys = jax.random.split(key, max_new)
@@ -407,13 +473,14 @@ def _generate_program(
 
 
 def generate(
-  model: DecoderLM,
+  model,
   prompt_tokens,
   max_new_tokens: int,
   *,
   lengths=None,
-  policy: str = "full",
+  policy: str | CachePolicy = "full",
   budget: float | int | None = None,
+  compression_ratio: float | None = None,
   tolerance: float | None = None,
   threshold: float | None = None,
   recent: int | None = None,
@@ -427,10 +494,13 @@ def generate(
   """Generate `max_new_tokens` after each prompt with a KV cache under an eviction policy.
 
   Args:
+    model: a `DecoderLM` or any NNX model of `FirstPassageAttention` layers whose `__call__` hands a
+      `cache=` down to them (`fpa_jax.inference.graph`).
     prompt_tokens: int [B, P] right-padded prompts (with `lengths` [B]), or a list of token lists
       of different lengths (padded here).
-    policy, budget, tolerance, threshold, recent, head_cap, bound: see `fpa_jax.inference.policies`;
-      a float budget (or head_cap) is a fraction of P + max_new_tokens, an int a key count.
+    policy, budget, compression_ratio, tolerance, threshold, recent, head_cap, bound: see
+      `fpa_jax.inference.policies`, or policy a `CachePolicy` (then no keywords); a float budget
+      (or head_cap) is a fraction of P + max_new_tokens, an int a key count.
     temperature: 0 = greedy; top_k: sample among the k most likely.
     prefill: "parallel" (default; h2o: "decode") runs the prompt through the model's parallel kernel
       (its attn_impl, tiles and skipping, as in training and eval), every
@@ -444,25 +514,20 @@ def generate(
     `kept_fraction_per_head` ([L][KVH] keys held at the end / keys seen, mean over rows), `overflow`,
     `policy`, `prefill`).
   """
-  prompt, lengths = _pad_prompts(prompt_tokens, lengths, model)
+  check_decodable(model)  # first: a model that cannot decode says so before its prompts are read
+  vocab = vocab_size(model)
+  prompt, lengths = _pad_prompts(prompt_tokens, lengths, vocab)
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if top_k is not None and not 1 <= top_k <= model.cfg.vocab_size:
-    raise ValueError(f"top_k must be in [1, vocab_size={model.cfg.vocab_size}], got {top_k}")
+  if top_k is not None and not 1 <= top_k <= vocab:
+    raise ValueError(f"top_k must be in [1, vocab_size={vocab}], got {top_k}")
   b, p = prompt.shape
   n_keys = p + max_new_tokens
-  pol = make_policy(
-    policy,
-    n_keys,
-    budget=budget,
-    tolerance=tolerance,
-    threshold=threshold,
-    recent=recent,
-    head_cap=head_cap,
-    bound=bound,
-  )
+  kw = dict(budget=budget, compression_ratio=compression_ratio, tolerance=tolerance, threshold=threshold)
+  pol = as_policy(policy, recent=recent, head_cap=head_cap, bound=bound, **kw).resolve(n_keys)
+  _check_model_policy(model, pol)
   prefill = prefill or ("decode" if pol.name == "h2o" else "parallel")
   if prefill not in ("parallel", "decode"):
     raise ValueError(f"prefill must be 'parallel' or 'decode', got {prefill!r}")
@@ -483,6 +548,7 @@ def generate(
     top_k=top_k,
     prefill=prefill,
     n_keys=n_keys,
+    vocab=vocab,
   )
   s = jax.device_get(s)
   return np.asarray(tokens), {
@@ -492,7 +558,7 @@ def generate(
     "slots_per_row": _slots_per_row(model, pol),
     "cache_fraction": float(s["peak"]) / n_keys,
     "cache_bytes": cache_bytes(model, b, pol, n_keys),
-    "kept_fraction_per_head": np.asarray(s["kept"]).tolist(),
+    "kept_fraction_per_head": _per_head(s["kept"]),
     "overflow": bool(s["overflow"]),
   }
 
@@ -502,11 +568,11 @@ def generate(
 # ------------------------------------------------------------------------------------------------
 
 
-def _check_tokens(tokens, model: DecoderLM) -> jax.Array:
-  return check_tokens(tokens, model.cfg.vocab_size)  # the model's own check (one definition)
+def _check_tokens(tokens, model) -> jax.Array:
+  return check_tokens(tokens, vocab_size(model))  # the model's own check (one definition)
 
 
-def _pad_prompts(prompt_tokens, lengths, model: DecoderLM) -> tuple[jax.Array, jax.Array]:
+def _pad_prompts(prompt_tokens, lengths, vocab: int) -> tuple[jax.Array, jax.Array]:
   if (
     isinstance(prompt_tokens, (list, tuple))
     and prompt_tokens
@@ -518,7 +584,7 @@ def _pad_prompts(prompt_tokens, lengths, model: DecoderLM) -> tuple[jax.Array, j
     lengths = [len(r) for r in rows]
     width = max(lengths)
     prompt_tokens = np.stack([np.pad(r, (0, width - len(r))) for r in rows])
-  prompt = _check_tokens(prompt_tokens, model)
+  prompt = check_tokens(prompt_tokens, vocab)
   b, p = prompt.shape
   lengths = np.full((b,), p) if lengths is None else np.asarray(lengths)
   if lengths.shape != (b,) or np.any(lengths < 1) or np.any(lengths > p):

@@ -39,6 +39,14 @@ Policies (`Policy.name`):
                 fixed): when full, evict the lowest-score key outside the last W = `recent` keys,
                 ties oldest; generated keys score 0, so the cache settles on the C - W best prompt
                 keys plus the last W keys. Needs the whole prompt: `generate(prefill="parallel")`.
+  score         a policy of your own (`CachePolicy(score=fn, budget=...)`): capacity C; when full,
+                the key with the lowest fn(q, k, field, level, penalty, positions) outside the last
+                W = `recent` keys goes (ties: oldest); a parallel prefill keeps the best-scored keys.
+
+Users hold a policy as a `CachePolicy` (a name and its arguments, checked when built; kvpress's
+presses are the model), sized by `budget` (the keys kept: a fraction or a count) or by
+`compression_ratio` (the fraction removed, kvpress's convention); `resolve(seq_len)` (what
+`make_policy` does) gives the static `Policy` the cache runs.
 
 Eviction is per (row, head) except for `fpa_global`: heads forget on their own schedule. A key's
 penalty never decreases as decoding goes on (its running min of the field can only fall), so an
@@ -54,7 +62,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+import numbers
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -63,9 +72,10 @@ PolicyName = Literal[
   "full", "fpa", "fpa_threshold", "fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
 ]
 POLICIES: tuple[str, ...] = PolicyName.__args__
-BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv")  # need a budget
+SCORE = "score"  # a policy of your own: `CachePolicy(score=fn, budget=...)` (not a CLI choice)
+BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv", SCORE)  # need a budget
 THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
-WINDOWED = ("fpa_budget", "fpa_global", "snapkv")  # have a protected recent window
+WINDOWED = ("fpa_budget", "fpa_global", "snapkv", SCORE)  # have a protected recent window
 BOUNDS = ("keys", "params")
 N_SINK = 4
 OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
@@ -80,6 +90,7 @@ class Policy:
   recent: W, the last keys (the newest included) that are never evicted (0: none).
   keys: fpa_global's mean key budget per (layer, kv head); the row's total (its pool) is keys * L * KVH.
   head_cap: fpa_global's per-head limit (None: none; then capacity = the sequence length).
+  score: the `score` policy's function (`CachePolicy`; `score_keys`).
   """
 
   name: str
@@ -93,6 +104,7 @@ class Policy:
   bound: str = "keys"  # fpa
   obs_window: int = OBS_WINDOW  # snapkv
   kernel: int = KERNEL  # snapkv
+  score: Callable | None = None  # score
 
   @property
   def thresholded(self) -> bool:
@@ -107,20 +119,25 @@ class Policy:
     return self.keys * n_layers * kv_heads
 
 
-def resolve_budget(budget: float | int | None, seq_len: int, what: str = "budget") -> int | None:
-  """A fraction in (0, 1] of `seq_len` (float) or an absolute count (int) -> a key count."""
-  if budget is None:
-    return None
+def _check_budget(budget, what: str) -> None:
+  """The checks of a budget that need no sequence length: a fraction in (0, 1] or a positive int."""
   if isinstance(budget, bool) or not isinstance(budget, (int, float)):
     raise ValueError(f"{what} must be a fraction in (0, 1] or a positive int count, got {budget!r}")
   if budget <= 0:
     raise ValueError(f"{what} must be > 0, got {budget}")
+  if isinstance(budget, float) and budget > 1.0:
+    raise ValueError(
+      f"a float {what} is a fraction of the sequence length and must be <= 1, got {budget}; "
+      "pass an int for an absolute number of keys"
+    )
+
+
+def resolve_budget(budget: float | int | None, seq_len: int, what: str = "budget") -> int | None:
+  """A fraction in (0, 1] of `seq_len` (float) or an absolute count (int) -> a key count."""
+  if budget is None:
+    return None
+  _check_budget(budget, what)
   if isinstance(budget, float):
-    if budget > 1.0:
-      raise ValueError(
-        f"a float {what} is a fraction of the sequence length and must be <= 1, got {budget}; "
-        "pass an int for an absolute number of keys"
-      )
     return max(1, int(math.ceil(budget * seq_len)))
   return int(budget)
 
@@ -130,83 +147,232 @@ def default_recent(budget_keys: int) -> int:
   return budget_keys // 8
 
 
+@dataclasses.dataclass(frozen=True)
+class CachePolicy:
+  """A KV-cache policy with its arguments, before it meets a sequence (as kvpress's presses): pass
+  it as `policy=` to `generate`, `cached_logits` and the `fpa_jax.eval` functions, on `DecoderLM` or
+  a model of your own. Checked when built (ValueError naming the argument); `resolve(seq_len)` adds
+  the checks that need the length and gives the static `Policy` the cache runs.
+
+      CachePolicy("fpa_budget", budget=0.25)          # keep a quarter of the keys (a fraction kept)
+      CachePolicy("window", compression_ratio=0.75)   # the same size, as kvpress says it (removed)
+      CachePolicy("snapkv", budget=128)               # an absolute number of keys (per layer, kv head)
+      CachePolicy(score=my_score, budget=0.25)        # your own rule: evict the lowest score
+
+  name: one of `POLICIES` (module docstring); None: "full", or "score" when `score` is given.
+  budget: the keys kept, a fraction in (0, 1] of the sequence (float) or a count (int);
+    compression_ratio: the fraction removed, in [0, 1) (kvpress's convention; budget = 1 - it).
+    At most one of them; budgeted policies need one.
+  tolerance (fpa), threshold (fpa_threshold), recent, head_cap (fpa_global), bound (fpa): as
+    `make_policy`.
+  score: fn(q, k, field, level, penalty, positions) -> scores, called at every decode step whose
+    cache is full and once on a prompt (parallel prefill): the lowest-scored key outside the
+    protected window `recent` (default budget // 8) is evicted (ties: the oldest); at prefill the
+    best-scored keys are kept. Its arguments, for the newest query (at prefill: each row's last):
+      q [B, H, K] (RoPE, QK-norm applied), k [B, S, KVH, K] the cached keys, field [B, KVH] the
+      gate's field now, level [B, S, KVH] the keys' levels, penalty [B, S, KVH] each key's
+      first-passage penalty now (relu(level - min of the field since the key)), positions
+      [B, S, KVH] int32 the keys' positions (-1: an empty slot, never a candidate);
+    it returns [B, S, KVH] (or anything that broadcasts to it). Query head h reads kv head
+    h // (H / KVH). Define it once (module level): the compiled program is cached per function.
+  """
+
+  name: str | None = None
+  budget: float | int | None = None
+  compression_ratio: float | None = None
+  tolerance: float | None = None
+  threshold: float | None = None
+  recent: int | None = None
+  head_cap: float | int | None = None
+  bound: str | None = None
+  score: Callable | None = None
+
+  def __post_init__(self):
+    name = self.name
+    if self.score is not None:
+      if not callable(self.score):
+        raise ValueError(
+          f"score must be a function (q, k, field, level, penalty, positions) -> scores, got {self.score!r}"
+        )
+      if name not in (None, SCORE):
+        raise ValueError(f"score= makes a policy of its own (evict the lowest score): leave name unset, not {name!r}")
+      name = SCORE
+    elif name == SCORE:
+      raise ValueError("policy 'score' needs score=fn(q, k, field, level, penalty, positions) -> [B, S, KVH] scores")
+    object.__setattr__(self, "name", "full" if name is None else name)
+    self._check()
+
+  def _check(self) -> None:
+    """Every check that needs no sequence length (`resolve` does the rest)."""
+    name = self.name
+    if name not in POLICIES + (SCORE,):
+      raise ValueError(f"unknown policy {name!r}; use one of {POLICIES}")
+    if self.budget is not None and self.compression_ratio is not None:
+      raise ValueError(
+        "give either budget (the keys kept: a fraction or a count) or compression_ratio (the fraction removed, "
+        f"as kvpress), not both; got budget={self.budget!r}, compression_ratio={self.compression_ratio!r}"
+      )
+    cr = self.compression_ratio
+    if cr is not None and (isinstance(cr, bool) or not isinstance(cr, numbers.Real) or not 0.0 <= cr < 1.0):
+      raise ValueError(
+        f"compression_ratio is the fraction of keys removed, in [0, 1), got {cr!r}; for a number of keys kept "
+        "pass budget=<int>"
+      )
+    if self.budget is not None:
+      _check_budget(self.budget, "budget")
+    if name in BUDGETED and self.kept is None:
+      raise ValueError(
+        f"policy {name!r} needs a budget (a fraction of the sequence, e.g. 0.25, or a key count) or a "
+        "compression_ratio (the fraction removed, e.g. 0.75)"
+      )
+    tol, thr = self.tolerance, self.threshold
+    if name == "fpa" and (tol is None or not 0.0 < tol < 1.0):
+      raise ValueError(
+        f"policy 'fpa' needs a tolerance in (0, 1) (the attention mass evicted keys may carry), got {tol!r}"
+      )
+    if name == "fpa_threshold" and (thr is None or not thr > 0):
+      raise ValueError(f"policy 'fpa_threshold' needs a threshold > 0 (a penalty in nats), got {thr!r}")
+    if name != "fpa" and tol is not None:
+      raise ValueError(f"tolerance only applies to policy 'fpa', not {name!r}")
+    if name != "fpa_threshold" and thr is not None:
+      raise ValueError(f"threshold only applies to policy 'fpa_threshold', not {name!r}")
+    if name != "fpa" and self.bound is not None:
+      raise ValueError(f"bound only applies to policy 'fpa', not {name!r}")
+    if self.bound is not None and self.bound not in BOUNDS:
+      raise ValueError(f"bound must be one of {BOUNDS}, got {self.bound!r}")
+    if name not in WINDOWED and self.recent is not None:
+      raise ValueError(f"recent (a protected window) applies to policies {WINDOWED}, not {name!r}")
+    w = self.recent
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+      raise ValueError(f"recent must be an int >= 0 (keys never evicted), got {w!r}")
+    if name != "fpa_global" and self.head_cap is not None:
+      raise ValueError(f"head_cap only applies to policy 'fpa_global', not {name!r}")
+    if self.head_cap is not None:
+      _check_budget(self.head_cap, "head_cap")
+
+  @property
+  def kept(self) -> float | int | None:
+    """The budget as the keys kept: `budget`, or 1 - `compression_ratio` (a fraction); None if neither."""
+    if self.compression_ratio is not None:
+      return 1.0 - float(self.compression_ratio)
+    return self.budget
+
+  def resolve(self, seq_len: int) -> Policy:
+    """The static `Policy` for sequences of up to `seq_len` keys (see `make_policy`); raises what to change."""
+    name = self.name
+    cap = resolve_budget(self.kept, seq_len)
+    if name == "full" and cap is not None and cap < seq_len:
+      raise ValueError(
+        f"policy 'full' keeps all {seq_len} keys but the budget allows {cap}; raise the budget or pick an evicting "
+        "policy"
+      )
+    if name == "sink_window" and cap is not None and cap <= N_SINK:
+      raise ValueError(f"sink_window keeps {N_SINK} sink keys plus a window: budget must be > {N_SINK}, got {cap}")
+    if name == "h2o" and cap is not None and cap < 2:
+      raise ValueError(f"h2o splits its budget into recent and heavy halves: budget must be >= 2, got {cap}")
+    kw = {}
+    if name in WINDOWED:
+      keys = min(cap, seq_len)
+      w = default_recent(keys) if self.recent is None else self.recent
+      if w >= keys and keys < seq_len:
+        raise ValueError(
+          f"recent={w} protects at least the whole budget of {keys} keys (nothing could be evicted): "
+          f"use recent < {keys}, or raise the budget"
+        )
+      kw["recent"] = min(w, max(keys - 1, 0))
+    if name == "fpa_global":
+      keys = min(cap, seq_len)
+      limit = resolve_budget(self.head_cap, seq_len, "head_cap")
+      if limit is not None and limit < keys:
+        raise ValueError(
+          f"head_cap={limit} keys per (layer, kv head) is below the mean budget of {keys} keys per head: "
+          "the pool could never be filled; use head_cap >= budget, or leave it unset (no per-head limit)"
+        )
+      kw["keys"] = keys
+      kw["head_cap"] = None if limit is None or limit >= seq_len else limit
+      cap = seq_len if kw["head_cap"] is None else limit
+    if name == "fpa":
+      kw["bound"] = self.bound or "keys"
+    if name == SCORE:
+      kw["score"] = self.score
+    return Policy(name, min(cap, seq_len) if cap is not None else seq_len, self.tolerance, self.threshold, **kw)
+
+  def record(self) -> dict[str, Any]:
+    """{"policy": name, and each argument given}: a results file's JSON record (a score function by name)."""
+    out: dict[str, Any] = {"policy": self.name}
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name != "name" and v is not None:
+        out[f.name] = getattr(v, "__qualname__", repr(v)) if f.name == "score" else v
+    return out
+
+
+def as_policy(policy: str | CachePolicy = "full", **policy_kw) -> CachePolicy:
+  """A `CachePolicy` from a policy name and its keywords (None values ignored), or the object itself
+  (then no keywords: ValueError, the arguments belong in the object)."""
+  given = {k: v for k, v in policy_kw.items() if v is not None}
+  if isinstance(policy, CachePolicy):
+    if given:
+      raise ValueError(
+        f"policy is a CachePolicy: give its arguments in it (CachePolicy({policy.name!r}, ...)), not as "
+        f"keywords {sorted(given)}"
+      )
+    return policy
+  if isinstance(policy, Policy):
+    raise ValueError("policy is a resolved Policy (make_policy); pass a policy name or a CachePolicy")
+  return CachePolicy(policy, **given)
+
+
 def make_policy(
-  name: str,
+  name: str | CachePolicy,
   seq_len: int,
   *,
   budget: float | int | None = None,
+  compression_ratio: float | None = None,
   tolerance: float | None = None,
   threshold: float | None = None,
   recent: int | None = None,
   head_cap: float | int | None = None,
   bound: str | None = None,
+  score: Callable | None = None,
 ) -> Policy:
   """Check the arguments of a policy for sequences of up to `seq_len` keys; raise what to change.
 
-  The capacity is the budget for budgeted policies (fpa_global: the per-head limit `head_cap`,
-  default none: `seq_len`; its pool holds budget * n_layers * kv_heads keys);
-  otherwise `seq_len`, or the budget if one is given (a bounded buffer: if an `fpa`/`fpa_threshold`
-  cache is full the largest penalty goes, and the stats report it as an overflow, since the
-  tolerance bound then no longer holds). `recent` (W): fpa_budget, fpa_global and snapkv only,
-  0 <= W < budget, default budget // 8. `bound`: fpa only, "keys" (default) or "params".
+  `name`: a policy name (or a `CachePolicy`, then no other argument). The capacity is the budget for
+  budgeted policies (fpa_global: the per-head limit `head_cap`, default none: `seq_len`; its pool
+  holds budget * n_layers * kv_heads keys); otherwise `seq_len`, or the budget if one is given (a
+  bounded buffer: if an `fpa`/`fpa_threshold` cache is full the largest penalty goes, and the stats
+  report it as an overflow, since the tolerance bound then no longer holds). `budget` (kept: a
+  fraction or a count) or `compression_ratio` (the fraction removed), not both. `recent` (W):
+  fpa_budget, fpa_global, snapkv and score only, 0 <= W < budget, default budget // 8. `bound`: fpa
+  only, "keys" (default) or "params". `score`: a policy of your own (`CachePolicy`).
   """
-  if name not in POLICIES:
-    raise ValueError(f"unknown policy {name!r}; use one of {POLICIES}")
-  cap = resolve_budget(budget, seq_len)
-  if name in BUDGETED and cap is None:
-    raise ValueError(f"policy {name!r} needs a budget (a fraction of the sequence, e.g. 0.25, or a key count)")
-  if name == "fpa" and (tolerance is None or not 0.0 < tolerance < 1.0):
+  kw = dict(
+    budget=budget,
+    compression_ratio=compression_ratio,
+    tolerance=tolerance,
+    threshold=threshold,
+    recent=recent,
+    head_cap=head_cap,
+    bound=bound,
+    score=score,
+  )
+  if score is not None and name == SCORE:
+    name = None
+  return as_policy(name, **kw).resolve(seq_len)
+
+
+def score_keys(policy: Policy, q, k, field, level, penalty, positions) -> jax.Array:
+  """The `score` policy's scores of the cached keys -> [B, S, KVH] fp32 (arguments: `CachePolicy`);
+  ValueError, while tracing, when the function's result does not broadcast to penalty's shape."""
+  s = jnp.asarray(policy.score(q, k, field, level, penalty, positions))
+  try:
+    return jnp.broadcast_to(s, penalty.shape).astype(jnp.float32)
+  except ValueError:
     raise ValueError(
-      f"policy 'fpa' needs a tolerance in (0, 1) (the attention mass evicted keys may carry), got {tolerance!r}"
-    )
-  if name == "fpa_threshold" and (threshold is None or not threshold > 0):
-    raise ValueError(f"policy 'fpa_threshold' needs a threshold > 0 (a penalty in nats), got {threshold!r}")
-  if name != "fpa" and tolerance is not None:
-    raise ValueError(f"tolerance only applies to policy 'fpa', not {name!r}")
-  if name != "fpa_threshold" and threshold is not None:
-    raise ValueError(f"threshold only applies to policy 'fpa_threshold', not {name!r}")
-  if name != "fpa" and bound is not None:
-    raise ValueError(f"bound only applies to policy 'fpa', not {name!r}")
-  if bound is not None and bound not in BOUNDS:
-    raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
-  if name not in WINDOWED and recent is not None:
-    raise ValueError(f"recent (a protected window) applies to policies {WINDOWED}, not {name!r}")
-  if name != "fpa_global" and head_cap is not None:
-    raise ValueError(f"head_cap only applies to policy 'fpa_global', not {name!r}")
-  if name == "full" and cap is not None and cap < seq_len:
-    raise ValueError(
-      f"policy 'full' keeps all {seq_len} keys but the budget allows {cap}; raise the budget or pick an evicting policy"
-    )
-  if name == "sink_window" and cap is not None and cap <= N_SINK:
-    raise ValueError(f"sink_window keeps {N_SINK} sink keys plus a window: budget must be > {N_SINK}, got {cap}")
-  if name == "h2o" and cap is not None and cap < 2:
-    raise ValueError(f"h2o splits its budget into recent and heavy halves: budget must be >= 2, got {cap}")
-  kw = {}
-  if name in WINDOWED:
-    keys = min(cap, seq_len)
-    w = default_recent(keys) if recent is None else recent
-    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-      raise ValueError(f"recent must be an int >= 0 (keys never evicted), got {recent!r}")
-    if w >= keys and keys < seq_len:
-      raise ValueError(
-        f"recent={w} protects at least the whole budget of {keys} keys (nothing could be evicted): "
-        f"use recent < {keys}, or raise the budget"
-      )
-    kw["recent"] = min(w, max(keys - 1, 0))
-  if name == "fpa_global":
-    keys = min(cap, seq_len)
-    limit = resolve_budget(head_cap, seq_len, "head_cap")
-    if limit is not None and limit < keys:
-      raise ValueError(
-        f"head_cap={limit} keys per (layer, kv head) is below the mean budget of {keys} keys per head: "
-        "the pool could never be filled; use head_cap >= budget, or leave it unset (no per-head limit)"
-      )
-    kw["keys"] = keys
-    kw["head_cap"] = None if limit is None or limit >= seq_len else limit
-    cap = seq_len if kw["head_cap"] is None else limit
-  if name == "fpa":
-    kw["bound"] = bound or "keys"
-  return Policy(name, min(cap, seq_len) if cap is not None else seq_len, tolerance, threshold, **kw)
+      f"the policy's score function returned shape {s.shape}; it must give one score per cached key, "
+      f"{penalty.shape} [batch, keys, kv heads] (the shape of its `penalty` argument)"
+    ) from None
 
 
 # ------------------------------------------------------------------------------------------------
