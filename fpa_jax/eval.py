@@ -697,8 +697,8 @@ def _policy_args(items: list[str]) -> dict[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.isidentifier():
       raise ValueError(f"--policy-arg takes KEY=VALUE (a make_policy keyword), got {item!r}")
-    if key in ("budget", "tolerance", "threshold"):
-      raise ValueError(f"give {key} as --{key}, not as --policy-arg")
+    if key in ("budget", "compression_ratio", "tolerance", "threshold"):
+      raise ValueError(f"give {key} as --{key.replace('_', '-')}, not as --policy-arg")
     try:
       out[key] = _budget(raw)
     except ValueError:
@@ -717,6 +717,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
   ap.add_argument("--policy", default="full", choices=POLICIES, help="KV-cache policy (full: the parallel model)")
   ap.add_argument("--budget", type=_budget, help="fraction of each row / cell length (0.25) or a key count (128)")
+  ap.add_argument(
+    "--compression-ratio", type=float, help="instead of --budget: the fraction of keys removed (kvpress's; 0.75)"
+  )
   ap.add_argument("--tolerance", type=float, help="policy fpa: attention mass evicted keys may carry")
   ap.add_argument("--threshold", type=float, help="policy fpa_threshold: penalty (nats) at which a key goes")
   ap.add_argument(
@@ -774,9 +777,9 @@ def _text_rows(cfg, a, seq_len: int, batch: int):
 
 
 def default_out(workdir, task: str, rec: dict[str, Any], prefill: str | None = None) -> Path:
-  """WORKDIR/eval/<task>_<policy>[_b<budget>][_e<tol>][_t<tau>][_<key><value>...][_<prefill>].json"""
+  """WORKDIR/eval/<task>_<policy>[_b<budget>][_cr<ratio>][_e<tol>][_t<tau>][_<key><value>...][_<prefill>].json"""
   tag = rec["policy"]
-  short = {"budget": "b", "tolerance": "e", "threshold": "t"}
+  short = {"budget": "b", "compression_ratio": "cr", "tolerance": "e", "threshold": "t"}
   for key, v in rec.items():
     if key != "policy" and v is not None and not key.startswith(("cache_", "kept_", "lost_", "overflow", "batches")):
       tag += f"_{short.get(key, key)}{v:g}" if isinstance(v, (int, float)) else f"_{key}{v}"
@@ -791,6 +794,8 @@ def run(a: argparse.Namespace, argv=None) -> tuple[dict, Path]:
   from fpa_jax.inference import load_model
 
   pol = dict(policy=a.policy, budget=a.budget, tolerance=a.tolerance, threshold=a.threshold)
+  if a.compression_ratio is not None:
+    pol["compression_ratio"] = a.compression_ratio
   pol.update(_policy_args(a.policy_arg))
   for name in ("batch_size", "rows", "bucket", "length", "multiple", "train_len", "n", "eval_tokens"):
     v = getattr(a, name)

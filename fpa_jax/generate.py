@@ -36,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--max-new-tokens", type=int, default=64)
   ap.add_argument("--policy", default="full", choices=POLICIES)
   ap.add_argument("--budget", type=_budget, help="fraction of prompt + new tokens (0.25) or a key count (128)")
+  ap.add_argument(
+    "--compression-ratio", type=float, help="instead of --budget: the fraction of keys removed (kvpress's; 0.75)"
+  )
   ap.add_argument("--tolerance", type=float, help="policy fpa: attention mass evicted keys may carry")
   ap.add_argument("--threshold", type=float, help="policy fpa_threshold: penalty (nats) at which a key goes")
   ap.add_argument("--bound", choices=("keys", "params"), help="policy fpa: the logit bound (default keys)")
@@ -68,6 +71,7 @@ def main(argv=None) -> int:
       a.max_new_tokens,
       policy=a.policy,
       budget=a.budget,
+      compression_ratio=a.compression_ratio,
       tolerance=a.tolerance,
       threshold=a.threshold,
       recent=a.recent,

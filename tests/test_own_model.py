@@ -264,6 +264,16 @@ def test_policy_objects_check_their_arguments():
   rec = CachePolicy(score=_neg_penalty, budget=0.25, recent=2).record()
   assert rec == {"policy": "score", "budget": 0.25, "recent": 2, "score": "_neg_penalty"}
   assert ev.check_policy("window", 64, compression_ratio=0.75) == {"policy": "window", "compression_ratio": 0.75}
+  # the CLIs: --compression-ratio beside --budget
+  from fpa_jax.generate import parse_args as generate_args
+
+  a = ev.parse_args(["--workdir", "w", "--task", "passkey", "--policy", "window", "--compression-ratio", "0.75"])
+  assert (
+    a.compression_ratio == 0.75
+    and generate_args(["--workdir", "w", "--prompt", "x", "--compression-ratio", "0.5"]).compression_ratio == 0.5
+  )
+  rec = ev.check_policy(a.policy, 64, compression_ratio=a.compression_ratio)
+  assert ev.default_out("w", "passkey", rec).name == "passkey_window_cr0.75.json"
 
 
 def _neg_penalty(q, k, field, level, penalty, positions):
