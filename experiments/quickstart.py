@@ -130,8 +130,9 @@ def cached_decode_table(model, seq_len: int, n: int = 16, seed: int = 123) -> tu
   return rows, md
 
 
-def train_step3(a, argv) -> tuple[object, dict]:
-  """Train step 3's LM with the project's trainer (resumes from a.workdir) -> (model, meta for export)."""
+def train_step3(a, argv) -> tuple[object, object, dict]:
+  """Train step 3's LM with the project's trainer (resumes from a.workdir) -> (model, its Config,
+  meta for export)."""
   from experiments import bindings_lm
   from fpa_jax.data.bindings import BindingsLM
 
@@ -150,9 +151,8 @@ def train_step3(a, argv) -> tuple[object, dict]:
     "train_wall_s": run["train_wall_s"],
     "cpus": os.cpu_count(),
     "check_loss": check_loss(model),
-    "cfg": cfg,
   }
-  return model, meta
+  return model, cfg, meta
 
 
 def main(argv=None) -> int:
@@ -217,12 +217,10 @@ def main(argv=None) -> int:
   from fpa_jax.inference import export_model, load_exported
 
   if a.train or a.small:
-    model, meta = train_step3(a, argv)
+    model, cfg, meta = train_step3(a, argv)
     if not a.small:
-      export_model(model, meta.pop("cfg"), a.asset, meta=meta)
+      export_model(model, cfg, a.asset, meta=meta)
       print(f"   exported to {a.asset} (commit it: the quickstart loads it from there)")
-    else:
-      meta.pop("cfg")
   else:
     if not (Path(a.asset) / "params.npz").exists():
       raise SystemExit(f"no exported model in {a.asset}: train one with --train (about 10 min on 2 cores)")
