@@ -6,8 +6,9 @@ cached key j and the chunk's query i (0-based in the chunk), the range (j, i] is
 cached sequence after j and the chunk up to i, so
 
     min(field over (j, i]) = min(m_j, C_i)
-      m_j  the cached running min of the field over (j, last cached token]  (`recurrent.FPACache.
-           run_min`, `fpa_jax.inference.cache.LayerCache.run_min`; +inf for the newest key)
+      m_j  the cached running min of the field over (j, last cached token]  (`recurrent.
+           RecurrentCache.run_min`, `fpa_jax.inference.cache.LayerCache.run_min`; +inf for the
+           newest key)
       C_i  the min of the chunk's field over [0, i]                          (a prefix min)
 
 and penalty[i, j] = dip(level_j, min(m_j, C_i)): the tiling identity of `chunked` with the whole
