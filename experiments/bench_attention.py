@@ -221,24 +221,24 @@ def scope_closure_inputs(t, seed=0, depth=100.0, scope=(256, 768)):
 
 def skip_bench(t, block, tolerance, repeats):
   """fwd+bwd with and without skip_tolerance on `scope_closure_inputs`, and the tiles dropped."""
-  from fpa_jax.ops import chunked
+  from fpa_jax.ops import bias, chunked
 
   block = chunked.block_for(t, block)
   q, k, v, field, level, logf = scope_closure_inputs(t)
-  gates = {
-    "fpa_chunked": ((q, k, v, field, level), chunked.FPAGate(field, level)),
-    "fox_chunked": ((q, k, v, logf, level), chunked.FoXGate(jnp.cumsum(logf, 1))),
+  biases = {
+    "fpa_chunked": ((q, k, v, field, level), bias.FPABias(field, level)),
+    "fox_chunked": ((q, k, v, logf, level), bias.FoXBias(jnp.cumsum(logf, 1))),
   }
   compiled = {
     (kind, skip): (_compile(_fwdbwd(_chunked(kind, block, skip)), args)[0], args)
-    for kind, (args, _) in gates.items()
+    for kind, (args, _) in biases.items()
     for skip in (None, tolerance)
   }
   load_before = _load_avg()
   times = _time_side_by_side(compiled, repeats)
   rows = []
-  for kind, (_, gate) in gates.items():
-    per_head, all_heads = chunked.skipped_tile_fraction(q, k, gate, skip_tolerance=tolerance, block_size=block)
+  for kind, (_, b) in biases.items():
+    per_head, all_heads = chunked.skipped_tile_fraction(q, k, b, skip_tolerance=tolerance, block_size=block)
     (w0, c0), (w1, c1) = times[(kind, None)], times[(kind, tolerance)]
     rows.append(
       {

@@ -64,14 +64,14 @@ def record_attention_inputs(model, tokens):
   return [(q, k, v, g, c) for (q, k, v, g), c in zip(out, cfgs)]
 
 
-def _gate(gates):
+def _bias(gates):
   import jax.numpy as jnp
 
-  from fpa_jax.ops import chunked
+  from fpa_jax.ops import bias
 
   if len(gates) == 2:
-    return chunked.FPAGate(*gates)
-  return chunked.FoXGate(jnp.cumsum(gates[0], axis=1))  # FoX: the kernels tile c = cumsum(log forget)
+    return bias.FPABias(*gates)
+  return bias.FoXBias(jnp.cumsum(gates[0], axis=1))  # FoX: the kernels tile c = cumsum(log forget)
 
 
 def tiles_dropped(recorded, eps: float) -> tuple[float, float]:
@@ -81,7 +81,7 @@ def tiles_dropped(recorded, eps: float) -> tuple[float, float]:
   per, every = [], []
   for q, k, _, gates, cfg in recorded:
     a, b = chunked.skipped_tile_fraction(
-      q, k, _gate(gates), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
+      q, k, _bias(gates), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
     )
     per.append(a)
     every.append(b)
@@ -94,7 +94,7 @@ def keys_kept(recorded, eps: float) -> tuple[float, float]:
 
   st = [
     sparse.live_key_stats(
-      q, k, _gate(gates), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
+      q, k, _bias(gates), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
     )
     for q, k, _, gates, cfg in recorded
   ]

@@ -1,4 +1,4 @@
-"""One flag style for the package's command lines (`fpa_jax.train`, `fpa_jax.generate`,
+"""One flag style for the package's command lines (`fpa_jax.train`, `fpa_jax.inference`,
 `fpa_jax.eval`): words joined by dashes (`--data-dir`, `--no-progress`), as argparse and the
 `experiments/` scripts spell them. The other spelling (`--data_dir`) is still accepted, with one
 warning per flag, so older commands keep working.

@@ -1,97 +1,23 @@
-"""Generate text from a trained run with a first-passage KV cache.
+"""Deprecated: the generation command line is `python -m fpa_jax.inference` now.
 
-    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "def main(" --max-new-tokens 64
-    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa_budget --budget 0.25
-    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa --tolerance 1e-3
-    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy fpa_global --budget 0.25 --head-cap 0.5
-    python -m fpa_jax.generate --workdir runs/small_fpa --prompt "..." --policy snapkv --budget 0.25
-
-Prints the generated text, then one line of cache statistics (policy, capacity, peak fraction of
-the keys held, bytes the cache allocates, kept fraction per layer and kv head). Policies: see
-`fpa_jax.inference.policies`.
+This module's name was also the function `fpa_jax.inference.generate`; `python -m fpa_jax.generate`
+still runs the command line, with a warning.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
+import warnings
 
-from fpa_jax import cli
-from fpa_jax.inference.policies import POLICIES
+from fpa_jax.inference.__main__ import main, parse_args
 
+__all__ = ["main", "parse_args"]
 
-def _budget(raw: str) -> float | int:
-  """'0.25' -> a fraction, '128' -> a key count (also --head-cap)."""
-  try:
-    return int(raw)
-  except ValueError:
-    return float(raw)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-  ap = argparse.ArgumentParser(prog="python -m fpa_jax.generate", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--workdir", required=True, help="a training workdir (python -m fpa_jax.train --workdir ...)")
-  ap.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
-  ap.add_argument("--max-new-tokens", type=int, default=64)
-  ap.add_argument("--policy", default="full", choices=POLICIES)
-  ap.add_argument("--budget", type=_budget, help="fraction of prompt + new tokens (0.25) or a key count (128)")
-  ap.add_argument(
-    "--compression-ratio", type=float, help="instead of --budget: the fraction of keys removed (kvpress's; 0.75)"
-  )
-  ap.add_argument("--tolerance", type=float, help="policy fpa: attention mass evicted keys may carry")
-  ap.add_argument("--threshold", type=float, help="policy fpa_threshold: penalty (nats) at which a key goes")
-  ap.add_argument("--bound", choices=("keys", "params"), help="policy fpa: the logit bound (default keys)")
-  ap.add_argument(
-    "--recent", type=int, help="fpa_budget, fpa_global, snapkv: last keys never evicted (default budget/8)"
-  )
-  ap.add_argument(
-    "--head-cap", type=_budget, help="fpa_global: max keys per layer and head in the pool (default: none)"
-  )
-  ap.add_argument("--temperature", type=float, default=0.0)
-  ap.add_argument("--top-k", type=int)
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--prefill", choices=("parallel", "decode"))
-  ap.add_argument("--data-dir", help="where an spm tokenizer lives (default: the run's data_dir)")
-  return cli.parse(ap, argv)
-
-
-def main(argv=None) -> int:
-  a = parse_args(argv)
-  from fpa_jax.data.tokenizers import load_tokenizer
-  from fpa_jax.inference import generate, load_model
-
-  try:
-    model, cfg = load_model(a.workdir)
-    tok = load_tokenizer(cfg.tokenizer, a.data_dir or cfg.data_dir, small=cfg.small_data)
-    prompts = [[tok.bos_id] + tok.encode(p) for p in a.prompt]
-    out, stats = generate(
-      model,
-      prompts,
-      a.max_new_tokens,
-      policy=a.policy,
-      budget=a.budget,
-      compression_ratio=a.compression_ratio,
-      tolerance=a.tolerance,
-      threshold=a.threshold,
-      recent=a.recent,
-      head_cap=a.head_cap,
-      bound=a.bound,
-      temperature=a.temperature,
-      top_k=a.top_k,
-      seed=a.seed,
-      prefill=a.prefill,
-    )
-  except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  for p, row in zip(a.prompt, out.tolist()):
-    if tok.eos_id in row:
-      row = row[: row.index(tok.eos_id)]
-    print(p + tok.decode(row))
-  print(json.dumps(stats))
-  return 0
-
+warnings.warn(
+  "python -m fpa_jax.generate is python -m fpa_jax.inference now (fpa_jax.generate still works)",
+  FutureWarning,
+  stacklevel=2,
+)
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -26,7 +26,7 @@ def test_underscored_flags_are_respelled_with_one_warning_each():
     cli.parse(_parser(), ["--data_dirs", "x"])
 
 
-@pytest.mark.parametrize("module", ["fpa_jax.train", "fpa_jax.generate", "fpa_jax.eval"])
+@pytest.mark.parametrize("module", ["fpa_jax.train", "fpa_jax.inference.__main__", "fpa_jax.eval"])
 def test_every_cli_spells_its_flags_with_dashes(module, monkeypatch):
   import importlib
 

@@ -20,7 +20,7 @@ from fpa_jax import configs as C
 from fpa_jax import ops
 from fpa_jax.layers import FirstPassageAttention
 from fpa_jax.models import build_model
-from fpa_jax.ops import chunked
+from fpa_jax.ops import bias, chunked
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARKER = "<!-- tests/test_dropin.py executes the next python block -->"
@@ -223,9 +223,7 @@ def test_layer_skip_tolerance_within_the_ops_bound():
   y0, y1 = nnx.jit(lambda m, x: m(x))(exact, x), nnx.jit(lambda m, x: m(x))(skip, x)
   # the tiles the op drops for these q, k and gates
   q, k, v = exact.project(x, jnp.broadcast_to(jnp.arange(t), (2, t)))
-  per_head, _ = chunked.skipped_tile_fraction(
-    q, k, chunked.FPAGate(*exact.gate(x)), skip_tolerance=SKIP_EPS, block_size=4
-  )
+  per_head, _ = chunked.skipped_tile_fraction(q, k, bias.FPABias(*exact.gate(x)), skip_tolerance=SKIP_EPS, block_size=4)
   assert per_head > 0.3, per_head
   assert not np.array_equal(y0, y1)
   # |dy_d| <= sum_{h,k} |do_hk| |W_o[h,k,d]| <= 2 eps max|v| sum_{h,k} |W_o[h,k,d]|

@@ -74,7 +74,7 @@ def test_budget_at_least_sequence_equals_full(policy, kw):
 def _run_layer(policy, field, *, q=None, scale=1.0):
   """Decode a 1-row, 1-head stream with field = level = `field`; alive key positions per step."""
   t = len(field)
-  cache = K.init_cache(1, policy.capacity, 1, 1, threshold=policy.threshold)
+  cache = K.init_layer_cache(1, policy.capacity, 1, 1, threshold=policy.threshold)
   zeros = jnp.zeros((1, 1, 1, 1))
   sets = []
   for i in range(t):
@@ -143,7 +143,7 @@ def test_budget_policies_evict_exactly(policy, capacity):
 def test_h2o_keeps_recent_and_heavy():
   # Key 0 gets all the attention (q.k large only there); with capacity 4 (2 recent) it must stay.
   t = 12
-  cache = K.init_cache(1, 4, 1, 1)
+  cache = K.init_layer_cache(1, 4, 1, 1)
   pol = make_policy("h2o", t, budget=4)
   for i in range(t):
     k = jnp.full((1, 1, 1, 1), 5.0 if i == 0 else 0.0)
@@ -380,7 +380,7 @@ def test_load_model_round_trip(trained_run):
 
 
 def test_generate_cli(trained_run, tmp_path, capsys):
-  from fpa_jax import generate as cli
+  from fpa_jax.inference import __main__ as cli
 
   wd, _ = trained_run
   rc = cli.main(

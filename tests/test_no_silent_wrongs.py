@@ -98,7 +98,7 @@ def test_disallowed_gate_values_raise_naming_the_argument_and_count(name, value,
   with pytest.raises(ValueError, match=rf"{name} has 3 entries"):
     ops.first_passage_penalty(np.swapaxes(gates["field"], 1, 2), np.swapaxes(gates["level"], 1, 2))
   with pytest.raises(ValueError, match=rf"{name} has 1 entry that is not allowed"):
-    cache = ops.init_cache(B, 4, KVH, D)
+    cache = ops.init_recurrent_cache(B, 4, KVH, D)
     ops.decode_step(cache, q[:, 5], k[:, 5], v[:, 5], gates["field"][:, 5], gates["level"][:, 5], scale=1.0)
 
 
@@ -207,7 +207,7 @@ def _stream(seed=4, t=6):
 
 def test_decode_step_past_capacity_raises_and_under_jit_writes_nothing():
   q, k, v, field, level = _stream()
-  cache = ops.init_cache(1, 4, 1, 4)
+  cache = ops.init_recurrent_cache(1, 4, 1, 4)
   for i in range(4):
     _, cache = ops.decode_step(cache, q[:, i], k[:, i], v[:, i], field[:, i], level[:, i], scale=0.5)
   with pytest.raises(ValueError, match=r"the cache is full \(length 4 = capacity 4\)"):
@@ -215,7 +215,7 @@ def test_decode_step_past_capacity_raises_and_under_jit_writes_nothing():
   step = jax.jit(functools.partial(ops.decode_step, scale=0.5))
   out, after = step(cache, q[:, 4], k[:, 4], v[:, 4], field[:, 4], level[:, 4])
   assert np.all(np.isnan(np.asarray(out)))
-  for name, a, b in zip(ops.FPACache._fields, after, cache):
+  for name, a, b in zip(ops.RecurrentCache._fields, after, cache):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)  # unchanged, length 4
 
 
@@ -223,7 +223,7 @@ def test_decode_step_remembers_a_bad_gate_value_like_the_parallel_rows():
   q, k, v, field, level = _stream(t=8)
   step = jax.jit(functools.partial(ops.decode_step, scale=0.5))
   for f, lv, first in ((field.at[0, 3, 0].set(jnp.nan), level, 3), (field, level.at[0, 0, 0].set(jnp.nan), 0)):
-    cache, outs = ops.init_cache(1, 8, 1, 4), []
+    cache, outs = ops.init_recurrent_cache(1, 8, 1, 4), []
     for i in range(8):
       o, cache = step(cache, q[:, i], k[:, i], v[:, i], f[:, i], lv[:, i])
       outs.append(np.asarray(o))
@@ -243,7 +243,7 @@ def _token(i, value=None):
 
 
 def test_layer_cache_with_fewer_slots_than_the_policy_capacity_raises():
-  cache = K.init_cache(1, 4, 1, 1)
+  cache = K.init_layer_cache(1, 4, 1, 1)
   x, z = _token(0)
   with pytest.raises(ValueError, match=r"the cache has 4 slots per \(row, head\), fewer than the 8 keys"):
     K.decode_attend(cache, x, x, x, z, z, z, policy=make_policy("full", 8), scale=1.0, positions=jnp.array([0]))
@@ -254,7 +254,7 @@ def test_measuring_step_past_the_slots_raises_and_under_jit_flags_overflow():
   attend = lambda c, x, z, i: K.decode_attend(
     c, x, x, x, z, z, z, policy=pol, scale=1.0, positions=jnp.array([i]), step=i, measure=True
   )
-  cache = K.init_cache(1, 4, 1, 1)
+  cache = K.init_layer_cache(1, 4, 1, 1)
   for i in range(4):
     _, cache = attend(cache, *_token(i), jnp.int32(i))
   with pytest.raises(ValueError, match=r"measure=True writes slot step=4, but the cache has 4 slots"):
@@ -271,7 +271,7 @@ def test_layer_cache_bad_gate_value_under_jit():
   attend = jax.jit(
     lambda c, x, f, i: K.decode_attend(c, x, x, x, f, f, f, policy=pol, scale=1.0, positions=jnp.array([i]))
   )
-  cache = K.init_cache(1, 4, 1, 1)
+  cache = K.init_layer_cache(1, 4, 1, 1)
   outs = []
   for i, f in enumerate([0.0, np.nan, 0.5, 0.2]):
     o, cache = attend(cache, _token(i)[0], jnp.full((1, 1, 1), f, jnp.float32), i)

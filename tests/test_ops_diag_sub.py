@@ -32,7 +32,7 @@ def _tile_inputs(seed, n, gates, lead=(2, 3)):
 
 
 def _sub_bias(lvl, phi):
-  """The sub-tiled bias of one tile, [..., n] -> [..., n, n], through `FPAGate.stats`' path."""
+  """The sub-tiled bias of one tile, [..., n] -> [..., n, n], through `FPABias.stats`' path."""
   a, c, ps = bias._sub_stats(phi[..., None, :], bias._diag_sub(phi.shape[-1]))
   return bias._diag_bias_tiled(lvl, a[..., 0, :, :], c[..., 0, :, :], ps[..., 0, :, :])
 

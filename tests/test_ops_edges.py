@@ -90,7 +90,7 @@ def test_inf_level_penalty_matches_reference():
       fin = np.isfinite(want)
       assert_close(got[b, h][fin], want[fin], n=T)
   # cache_penalty (the decode state) agrees: +inf keys are dead once a field value is seen.
-  cache = ops.init_cache(1, 3, 1, 2)
+  cache = ops.init_recurrent_cache(1, 3, 1, 2)
   x = jnp.zeros((1, 1, 2))
   for fld, lvl in ((0.5, INF), (0.2, 0.0), (0.7, INF)):
     g = lambda v: jnp.full((1, 1), v, jnp.float32)
@@ -122,7 +122,7 @@ def test_inf_level_every_impl_agrees_values_and_grads(inf_case, impl, blk, tol):
     dead_tiles = np.asarray(
       chunked.dead_tiles(
         *(jnp.asarray(a, jnp.float32) for a in args[:2]),
-        chunked.FPAGate(*(jnp.asarray(a, jnp.float32) for a in args[3:])),
+        bias.FPABias(*(jnp.asarray(a, jnp.float32) for a in args[3:])),
         skip_tolerance=tol,
         block_size=blk,
       )

@@ -17,7 +17,7 @@ import pytest
 
 from _tol import assert_close, rtol
 from fpa_jax import ops
-from fpa_jax.ops import chunked
+from fpa_jax.ops import bias, chunked
 from fpa_jax.ops import reference_np as ref
 from fpa_jax.ops.pallas import BlockSizes
 
@@ -174,13 +174,13 @@ def test_skip_drops_tiles_for_the_whole_group():
   q, k, v, _, _, _, _, _ = make(3, b, t, h, kvh)
   lf = np.full((b, t, kvh), -4.0)
   j = lambda x: jnp.asarray(x, jnp.float32)
-  gate = chunked.FoXGate(jnp.cumsum(j(lf), 1))
-  dead = chunked.dead_tiles(j(q), j(k), gate, skip_tolerance=1e-3, block_size=4)
+  fb = bias.FoXBias(jnp.cumsum(j(lf), 1))
+  dead = chunked.dead_tiles(j(q), j(k), fb, skip_tolerance=1e-3, block_size=4)
   assert dead.shape == (b, kvh, 8, 8) and bool(dead.any())
   # Scaling one query head of a group up can only keep more of that group's tiles.
   q2 = q.copy()
   q2[:, :, 1] *= 50.0
-  dead2 = chunked.dead_tiles(j(q2), j(k), gate, skip_tolerance=1e-3, block_size=4)
+  dead2 = chunked.dead_tiles(j(q2), j(k), fb, skip_tolerance=1e-3, block_size=4)
   assert bool((dead2 <= dead).all()) and int(dead2[:, 0].sum()) < int(dead[:, 0].sum())
   exact = ops.fox_attention(j(q), j(k), j(v), j(lf), impl="chunked", block_size=4)
   skip = ops.fox_attention(j(q), j(k), j(v), j(lf), impl="chunked", block_size=4, skip_tolerance=1e-3)
@@ -192,7 +192,7 @@ def test_decode_step_cache_holds_kv_heads():
   b, t, h, kvh = 2, 5, 4, 2
   q, k, v, field, level, _, _, _ = make(4, b, t, h, kvh)
   j = lambda x: jnp.asarray(x, jnp.float32)
-  cache = ops.init_cache(b, t, kvh, q.shape[-1], v.shape[-1])
+  cache = ops.init_recurrent_cache(b, t, kvh, q.shape[-1], v.shape[-1])
   outs = []
   for i in range(t):
     o, cache = ops.decode_step(

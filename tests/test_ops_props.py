@@ -124,8 +124,8 @@ def test_decode_loop_matches_quadratic(seg_kind, extra_capacity):
   pen = np.asarray(_penalty(jnp.swapaxes(field, 1, 2), jnp.swapaxes(level, 1, 2)))  # [B, H, T, T]
 
   step = jax.jit(functools.partial(ops.decode_step, scale=scale))
-  cache = ops.init_cache(b, t + extra_capacity, h, d, dv)
-  assert isinstance(cache, ops.FPACache)
+  cache = ops.init_recurrent_cache(b, t + extra_capacity, h, d, dv)
+  assert isinstance(cache, ops.RecurrentCache)
   prev = None
   for i in range(t):
     out, cache = step(

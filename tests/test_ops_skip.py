@@ -26,6 +26,7 @@ from _tol import assert_close, rtol
 from fpa_jax import ops
 from fpa_jax.ops import chunked
 from fpa_jax.ops import reference_np as ref
+from fpa_jax.ops.bias import FoXBias, FPABias
 from fpa_jax.ops.quadratic import masked_softmax_attention
 
 NAMES = ("q", "k", "v", "field", "level")
@@ -64,7 +65,7 @@ def grads(q, k, v, field, level, ct, seg, *, kind, tol=None):
     else:
       bias = -ops.first_passage_penalty(jnp.swapaxes(field, 1, 2), jnp.swapaxes(level, 1, 2))
       if kind == "masked":
-        dead = chunked.dead_tiles(q, k, chunked.FPAGate(field, level), skip_tolerance=tol, scale=SCALE, block_size=BLK)
+        dead = chunked.dead_tiles(q, k, FPABias(field, level), skip_tolerance=tol, scale=SCALE, block_size=BLK)
         dead = jnp.repeat(jnp.repeat(dead, BLK, -2), BLK, -1)[..., : q.shape[1], : q.shape[1]]
         bias = jnp.where(dead, chunked.NEG, bias)
       out = masked_softmax_attention(q, k, v, bias, scale=SCALE, segment_ids=seg)
@@ -110,8 +111,8 @@ def check_case(args, ct, eps, seg=None, min_dead=0.0, min_moved=0.0):
   """Runs both checks; returns the fraction of (batch, head) off-diagonal tiles dropped."""
   ja = [f32(x) for x in args]
   segj = None if seg is None else jnp.asarray(seg)
-  gate = chunked.FPAGate(ja[3], ja[4])
-  frac, frac_all = chunked.skipped_tile_fraction(ja[0], ja[1], gate, skip_tolerance=eps, scale=SCALE, block_size=BLK)
+  fb = FPABias(ja[3], ja[4])
+  frac, frac_all = chunked.skipped_tile_fraction(ja[0], ja[1], fb, skip_tolerance=eps, scale=SCALE, block_size=BLK)
   assert frac >= min_dead and 0.0 <= frac_all <= frac
   (val, out), got = grads(*ja, f32(ct), segj, kind="chunked", tol=eps)
   (mval, mout), masked = grads(*ja, f32(ct), segj, kind="masked", tol=eps)
@@ -127,7 +128,7 @@ def check_case(args, ct, eps, seg=None, min_dead=0.0, min_moved=0.0):
   # Bound against the exact op (no segments: the weights p below ignore them).
   (_, exact_out), exact = grads(*ja, f32(ct), None, kind="exact")
   p = weights_np(*args[:2], *args[3:], SCALE)
-  dead = np.asarray(chunked.dead_tiles(ja[0], ja[1], gate, skip_tolerance=eps, scale=SCALE, block_size=BLK))
+  dead = np.asarray(chunked.dead_tiles(ja[0], ja[1], fb, skip_tolerance=eps, scale=SCALE, block_size=BLK))
   dead = np.repeat(np.repeat(dead, BLK, -2), BLK, -1)[..., :T, :T]
   lost = (p * dead).sum(-1)
   assert lost.max() <= eps, "the bound promises each row loses at most eps of its weight"
@@ -202,7 +203,7 @@ def fox_grads(q, k, v, logf, ct, *, kind, tol=None):
       c = jnp.cumsum(logf, 1)
       bias = -ops.first_passage_penalty(jnp.swapaxes(c, 1, 2), jnp.swapaxes(c, 1, 2))
       if kind == "masked":
-        dead = chunked.dead_tiles(q, k, chunked.FoXGate(c), skip_tolerance=tol, scale=SCALE, block_size=BLK)
+        dead = chunked.dead_tiles(q, k, FoXBias(c), skip_tolerance=tol, scale=SCALE, block_size=BLK)
         bias = jnp.where(jnp.repeat(jnp.repeat(dead, BLK, -2), BLK, -1), chunked.NEG, bias)
       out = masked_softmax_attention(q, k, v, bias, scale=SCALE)
     return jnp.sum(out * ct), out
@@ -220,8 +221,8 @@ def test_fox_skipping_within_bound():
   q, k, v, logf, ct = (np.asarray(np.float32(x), np.float64) for x in (q, k, v, logf, ct))
   eps = 1e-3
   c = np.cumsum(logf, 1)
-  gate = chunked.FoXGate(jnp.cumsum(f32(logf), 1))  # the kernel's own fp32 cumsum: the same tiles
-  frac, _ = chunked.skipped_tile_fraction(f32(q), f32(k), gate, skip_tolerance=eps, scale=SCALE, block_size=BLK)
+  fb = FoXBias(jnp.cumsum(f32(logf), 1))  # the kernel's own fp32 cumsum: the same tiles
+  frac, _ = chunked.skipped_tile_fraction(f32(q), f32(k), fb, skip_tolerance=eps, scale=SCALE, block_size=BLK)
   assert frac >= 0.6
   # Same bound as FPA with field = level = c (penalty c_j - c_i).
   out, got = fox_grads(*map(f32, (q, k, v, logf, ct)), kind="chunked", tol=eps)
@@ -230,7 +231,7 @@ def test_fox_skipping_within_bound():
   for name, g, w in zip(("out", "q", "k", "v", "log_fgate"), (out, *got), (mout, *masked)):
     assert_close(g, w, n=T, err_msg=f"tight: {name}")
   p = weights_np(q, k, c, c, SCALE)
-  dead = np.asarray(chunked.dead_tiles(f32(q), f32(k), gate, skip_tolerance=eps, scale=SCALE, block_size=BLK))
+  dead = np.asarray(chunked.dead_tiles(f32(q), f32(k), fb, skip_tolerance=eps, scale=SCALE, block_size=BLK))
   dead = np.repeat(np.repeat(dead, BLK, -2), BLK, -1)
   assert (p * dead).sum(-1).max() <= eps
   out_b, (bq, bk, bv, bfield, blevel) = grad_bounds([q, k, v, c, c], ct, p, dead, eps, SCALE)

@@ -325,7 +325,7 @@ def test_score_policy_keeps_the_best_scored_keys():
   outside the protected window goes (ties oldest); the function sees the cache's keys."""
   pol = make_policy("score", 20, budget=5, recent=1, score=_key_norm)
   norms = np.random.default_rng(0).permutation(20).astype(np.float32) + 1.0
-  cache = K.init_cache(1, pol.capacity, 1, 1)
+  cache = K.init_layer_cache(1, pol.capacity, 1, 1)
   step = jax.jit(functools.partial(K.decode_attend, policy=pol, scale=1.0))
   alive = []
   for i in range(20):
@@ -342,7 +342,7 @@ def test_score_policy_keeps_the_best_scored_keys():
   with pytest.raises(ValueError, match="one score per cached key"):
     jax.eval_shape(
       functools.partial(K.decode_attend, policy=bad, scale=1.0, positions=jnp.array([0])),
-      K.init_cache(1, 5, 1, 2),
+      K.init_layer_cache(1, 5, 1, 2),
       *(jnp.zeros((1, 1, 1, 2)),) * 3,
       *(jnp.zeros((1, 1, 1)),) * 3,
     )

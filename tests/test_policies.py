@@ -119,7 +119,7 @@ def test_arguments_checked_before_tracing(tiny):
 def _stream(policy, fields, q=None):
   """Decode a 1-row stream with H heads (field = level = fields[:, h]); alive positions per step and head."""
   t, h = fields.shape
-  cache = K.init_cache(1, policy.capacity, h, 1)
+  cache = K.init_layer_cache(1, policy.capacity, h, 1)
   step = jax.jit(functools.partial(K.decode_attend, policy=policy, scale=1.0))
   ones = jnp.ones((1, 1, h, 1))
   sets = []
@@ -163,7 +163,7 @@ def test_prefill_keeps_the_window_then_the_smallest_penalties():
   pol = make_policy("fpa_budget", t + 4, budget=cap, recent=w)
   z = jnp.zeros((2, t, 1, 2))
   f = jnp.broadcast_to(jnp.asarray(field)[None, :, None], (2, t, 1))
-  cache = K.init_cache(2, cap, 1, 2)
+  cache = K.init_layer_cache(2, cap, 1, 2)
   _, cache = _prefill(cache, z, z, z, f, f, f, policy=pol, scale=1.0, lengths=lengths)
   for b, n in enumerate([t, 13]):
     window = set(range(n - w, n))
@@ -207,7 +207,7 @@ def test_snapkv_keeps_what_the_last_window_attends_to():
   q[0, :, 1] = [0.0, 1.0]
   z = jnp.zeros((1, t, 1))
   pol = make_policy("snapkv", t, budget=32 + 14)
-  cache = K.init_cache(1, pol.capacity, 1, 2)
+  cache = K.init_layer_cache(1, pol.capacity, 1, 2)
   _, cache = _prefill(
     cache, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), z, z, z, policy=pol, scale=1.0, lengths=jnp.array([t])
   )
@@ -228,7 +228,7 @@ def test_snapkv_matches_numpy_then_decodes_within_capacity():
   got = scores(jnp.asarray(q), jnp.asarray(k), field, level, jnp.array(lengths))
   cap, w, n_new = 38, 3, 6
   pol = make_policy("snapkv", t + n_new, budget=cap, recent=w)
-  cache = K.init_cache(b, cap, kvh, d)
+  cache = K.init_layer_cache(b, cap, kvh, d)
   _, cache = _prefill(
     cache, *map(jnp.asarray, (q, k, k, field, level, field)), policy=pol, scale=scale, lengths=jnp.array(lengths)
   )
@@ -315,7 +315,7 @@ def test_global_budget_matches_numpy(keys, cap, recent):
   pol = make_policy("fpa_global", t, budget=keys, head_cap=cap, recent=recent)
   g = pol.pool_slots(n_l, h)
   pool = P.init_global_cache(1, g, n_l, h, 1)
-  caches = tuple(K.init_cache(1, t, h, 1) for _ in range(n_l))  # measuring: one slot per token
+  caches = tuple(K.init_layer_cache(1, t, h, 1) for _ in range(n_l))  # measuring: one slot per token
   ones = jnp.ones((1, 1, h, 1))
 
   @jax.jit
@@ -353,7 +353,7 @@ def test_global_parallel_prefill_matches_numpy(keys, cap, recent):
   caches = []
   for l in range(n_l):
     f = jnp.broadcast_to(jnp.asarray(fields[:, l])[None], (2, t, h))
-    c = K.init_cache(2, min(pol.capacity, t), h, 2)
+    c = K.init_layer_cache(2, min(pol.capacity, t), h, 2)
     caches.append(_prefill(c, z, z, z, f, f, f, policy=pol, scale=1.0, lengths=jnp.array(lengths))[1])
   cache = jax.jit(lambda cs: P.pool_from_caches(D.global_evict(cs, pol, jnp.array(lengths) - 1), g))(caches)
   assert cache.pool.pos.shape == (2, g)

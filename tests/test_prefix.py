@@ -197,7 +197,7 @@ def test_prefill_chunk_full_equals_the_whole_prompt():
   arrays = (q, k, v, field, level)
   t, kvh = q.shape[1], k.shape[2]
   pol = make_policy("full", t)
-  empty = K.init_cache(2, t, kvh, q.shape[-1])
+  empty = K.init_layer_cache(2, t, kvh, q.shape[-1])
   whole_out, whole = K.prefill_attend(empty, *arrays, field, policy=pol, scale=0.5, lengths=jnp.full((2,), t))
   splits = [[[9], [1, 2, 3, 4, 5, 6, 7, 8, 9]], [[2, 5, 9], [4, 9]]]  # row 0 / row 1: different chunks
   splits += [[[p, 9], [9 - p, 9]] for p in range(1, 9)]  # a split at every position
@@ -274,7 +274,7 @@ def test_prefill_chunk_with_eviction_equals_float64_loops(name, kw):
   level[level == -np.inf] = 0.0
   arrays = (q, k, v, field, level)
   pol = make_policy(name, 12, **kw)
-  cache = K.init_cache(1, pol.capacity, 1, 2, threshold=kw.get("threshold"))
+  cache = K.init_layer_cache(1, pol.capacity, 1, 2, threshold=kw.get("threshold"))
   splits = [3, 4, 8, 12]
   out, caches = _chunks(cache, pol, arrays, [splits])
   want, kept = _simulate(pol, arrays, splits, 0.5, kw.get("threshold"))
@@ -295,7 +295,7 @@ def test_tolerance_policy_chunked_prefill_within_its_bound():
   field = np.cumsum(np.where(np.arange(t) % 6 < 3, 4.0, -6.0))[None, :, None].astype(F32)  # deep dips
   pol = make_policy("fpa", t, tolerance=eps)
   tau = float(tolerance_threshold(jnp.asarray(scale), t, eps))
-  cache = K.init_cache(1, t, 1, 4, threshold=tau)
+  cache = K.init_layer_cache(1, t, 1, 4, threshold=tau)
   out, caches = _chunks(cache, pol, (q, k, v, field, field), [[5, 6, 13, 20, 24]])
   full = ref.fpa_attention_np(q, k, v, field, field, scale=scale)
   assert np.abs(out - full).max() <= 2 * eps * np.abs(v).max() + rtol(F32, t) * np.abs(v).max()

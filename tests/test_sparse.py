@@ -19,7 +19,7 @@ import pytest
 from _tol import rtol
 from fpa_jax import configs as C
 from fpa_jax import ops
-from fpa_jax.ops import chunked, sparse
+from fpa_jax.ops import bias, sparse
 from fpa_jax.ops import reference_np as ref
 from test_ops_skip import dip_gates, f32, unit_rows, weights_np
 
@@ -52,7 +52,7 @@ def test_dropped_keys_have_negligible_weight(eps):
   q, k, v, field, level = _inputs(0)
   live = np.asarray(
     sparse.live_keys(
-      f32(q), f32(k), chunked.FPAGate(f32(field), f32(level)), skip_tolerance=eps, scale=SCALE, block_size=BLK
+      f32(q), f32(k), bias.FPABias(f32(field), f32(level)), skip_tolerance=eps, scale=SCALE, block_size=BLK
     )
   )
   p = weights_np(q, k, field, level, SCALE)  # [B, H, T, T]

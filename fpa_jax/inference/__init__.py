@@ -28,7 +28,7 @@ from fpa_jax.inference.cache import (
   LayerCaches,
   Prefill,
   decode_attend,
-  init_cache,
+  init_layer_cache,
   prefill_attend,
   prefill_chunk,
   snapkv_scores,
@@ -88,7 +88,7 @@ __all__ = [
   "Decode",
   "Prefill",
   "Extend",
-  "init_cache",
+  "init_layer_cache",
   "decode_attend",
   "prefill_attend",
   "prefill_chunk",
@@ -107,3 +107,12 @@ __all__ = [
   "tolerance_threshold",
   "key_tolerance_threshold",
 ]
+
+
+def __getattr__(name):
+  # `init_cache` is `init_layer_cache` now (`ops.recurrent` had one too): importable with a warning.
+  if name == "init_cache":
+    from fpa_jax.inference import cache
+
+    return getattr(cache, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,9 +77,11 @@ class LayerCache(NamedTuple):
     return self.threshold + jnp.minimum(self.key_cap, self.key_coef * norm)
 
 
-def init_cache(
+def init_layer_cache(
   batch: int, slots: int, heads: int, head_dim: int, *, dtype=F32, threshold=None, key_coef=None, key_cap=None
 ) -> LayerCache:
+  """An empty `LayerCache` of `slots` slots per (row, kv head) (`heads`: KVH) with the policy's
+  per-head threshold terms [KVH] (None: no threshold, no per-key term)."""
   bsh = (batch, slots, heads)
   thr = jnp.full((heads,), jnp.inf, F32) if threshold is None else jnp.asarray(threshold, F32).reshape(heads)
   per_head = lambda x: jnp.zeros((heads,), F32) if x is None else jnp.asarray(x, F32).reshape(heads)
@@ -200,7 +202,7 @@ def decode_attend(
   if not measure and slots < policy.capacity:
     raise ValueError(
       f"the cache has {slots} slots per (row, head), fewer than the {policy.capacity} keys policy {policy.name!r} "
-      f"may hold: make it with init_cache(batch, slots >= {policy.capacity}, ...)"
+      f"may hold: make it with init_layer_cache(batch, slots >= {policy.capacity}, ...)"
     )
   if measure and step is not None and not isinstance(step, jax.core.Tracer) and int(step) >= slots:
     raise ValueError(f"measure=True writes slot step={int(step)}, but the cache has {slots} slots: use slots >= steps")
@@ -573,3 +575,15 @@ class LayerCaches:
 
   def update(self, i: int, new: CacheView) -> LayerCaches:
     return dataclasses.replace(self, layers=self.layers[:i] + (new.state,) + self.layers[i + 1 :])
+
+
+def __getattr__(name):
+  # `init_cache` also named `ops.recurrent`'s cache: renamed, still importable with a warning.
+  if name == "init_cache":
+    import warnings
+
+    warnings.warn(
+      "fpa_jax.inference.init_cache is fpa_jax.inference.init_layer_cache now", DeprecationWarning, stacklevel=2
+    )
+    return init_layer_cache
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from fpa_jax.inference import pool
-from fpa_jax.inference.cache import Decode, LayerCache, LayerCaches, Prefill, init_cache, reset_rows
+from fpa_jax.inference.cache import Decode, LayerCache, LayerCaches, Prefill, init_layer_cache, reset_rows
 from fpa_jax.inference.graph import attention_layers, call_cached, check_decodable, layer_configs, vocab_size
 from fpa_jax.inference.policies import (
   CachePolicy,
@@ -149,7 +149,7 @@ def init_caches(
     thresholds = [None] * n
   # Slots per kv head: a key, its level and penalty are shared by the query heads of its group.
   return tuple(
-    init_cache(
+    init_layer_cache(
       batch,
       slots or policy.capacity,
       a.kv_heads,

@@ -4,7 +4,7 @@ from fpa_jax.ops.attention import IMPLS, Implementation, fox_attention, fpa_atte
 from fpa_jax.ops.budget import budget_keep, budgeted_attention
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.prefix import CachedKeys, fox_prefix_attention, prefix_attention
-from fpa_jax.ops.recurrent import FPACache, cache_penalty, decode_step, init_cache
+from fpa_jax.ops.recurrent import RecurrentCache, cache_penalty, decode_step, init_recurrent_cache
 
 __all__ = [
   "IMPLS",
@@ -18,8 +18,17 @@ __all__ = [
   "CachedKeys",
   "budget_keep",
   "budgeted_attention",
-  "FPACache",
-  "init_cache",
+  "RecurrentCache",
+  "init_recurrent_cache",
   "decode_step",
   "cache_penalty",
 ]
+
+
+def __getattr__(name):
+  # `ops.FPACache` / `ops.init_cache`: renamed (see `recurrent`), still importable with a warning.
+  if name in ("FPACache", "init_cache"):
+    from fpa_jax.ops import recurrent
+
+    return getattr(recurrent, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,6 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from fpa_jax.ops import bias as _bias
 from fpa_jax.ops import chunked as _chunked
 from fpa_jax.ops import pallas as _pallas
 from fpa_jax.ops import sparse as _sparse
@@ -163,7 +164,7 @@ def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
 def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
   if impl == "pallas":
     return _pallas.pallas_attention(
-      q, k, v, _chunked.FPAGate(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
+      q, k, v, _bias.FPABias(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
     )
   if impl == "quadratic":
     bias = -penalty_matrix(_bht(field), _bht(level))
@@ -177,7 +178,7 @@ def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
       q,
       k,
       v,
-      _chunked.FPAGate(field, level),
+      _bias.FPABias(field, level),
       scale=scale,
       segment_ids=segment_ids,
       block_size=block_size,
@@ -187,7 +188,7 @@ def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
     q,
     k,
     v,
-    _chunked.FPAGate(field, level),
+    _bias.FPABias(field, level),
     scale=scale,
     segment_ids=segment_ids,
     block_size=block_size,
@@ -266,14 +267,14 @@ def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_
 def _fox_impl(q, k, v, c, segment_ids, *, impl, scale, block_size, skip_tolerance, skip):
   if impl == "pallas":
     return _pallas.pallas_attention(
-      q, k, v, _chunked.FoXGate(c), scale=scale, segment_ids=segment_ids, block_sizes=block_size
+      q, k, v, _bias.FoXBias(c), scale=scale, segment_ids=segment_ids, block_sizes=block_size
     )
   if impl == "chunked" and skip == "keys":
     return _sparse.key_sparse_attention(
       q,
       k,
       v,
-      _chunked.FoXGate(c),
+      _bias.FoXBias(c),
       scale=scale,
       segment_ids=segment_ids,
       block_size=block_size,
@@ -284,7 +285,7 @@ def _fox_impl(q, k, v, c, segment_ids, *, impl, scale, block_size, skip_toleranc
       q,
       k,
       v,
-      _chunked.FoXGate(c),
+      _bias.FoXBias(c),
       scale=scale,
       segment_ids=segment_ids,
       block_size=block_size,

@@ -2,8 +2,8 @@
 
 One object per call, over per-token gates [B, T, KVH] (one bias per kv head, shared by its group):
 
-    FPAGate(field, level)  bias -dip(level_j, min field over (j, i])   (`first_passage`)
-    FoXGate(c)             bias c_i - c_j, c = cumsum(log_fgate)
+    FPABias(field, level)  bias -dip(level_j, min field over (j, i])   (`first_passage`)
+    FoXBias(c)             bias c_i - c_j, c = cumsum(log_fgate)
 
 Three kernels read it, each through the same few methods:
 
@@ -17,7 +17,7 @@ Three kernels read it, each through the same few methods:
                              key_bias(gathered keys, qst_i) -> [B, H, blk, C].
   Pallas (`ops.pallas`)      kind ("fpa" / "fox") and kernel_stats(blk, tp): the same statistics as
                              per-token rows / columns; the in-kernel tile bias is
-                             `ops.pallas.gate.tile_bias`.
+                             `ops.pallas.tile_bias`.
 
 FPA's statistics are the tiling identity of `first_passage.block_stats`: off a diagonal tile
 min field over (j, i] = min(S_j, R[I, J], C_i), a few elementwise passes over the tile. A
@@ -276,7 +276,7 @@ def _row(x, i):
   return jax.lax.dynamic_index_in_dim(x, i, axis=2, keepdims=False)
 
 
-class FPAGate:
+class FPABias:
   """First-passage bias -dip(level_j, min field over (j, i]) from field / level [B, T, H].
 
   Statistics (`stats`): kst = (level, S), qst = (C, diag), pst = (R,), with S, C [B, H, nb, blk]
@@ -338,7 +338,7 @@ class FPAGate:
     return -dip(lvl[..., None, :], jnp.minimum(low[..., None, :], prefix[..., :, None]))
 
   def kernel_stats(self, blk, tp):
-    """The Pallas layout (`ops.pallas.gate`): krow [B, H, 2 + L, Tp] = (level, S, N_0 .. N_{L-1}),
+    """The Pallas layout (`ops.pallas.tile_bias`): krow [B, H, 2 + L, Tp] = (level, S, N_0 .. N_{L-1}),
     qcol [B, H, Tp, 1 + L] = (C, M_0 .. M_{L-1}) and r = R [B, H, nb, nb], for tiles of blk
     tokens over the padded length tp; N, M the sparse table (`first_passage.window_mins`) with
     L = n_levels(blk)."""
@@ -350,7 +350,7 @@ class FPAGate:
     return krow, qcol, r
 
 
-class FoXGate:
+class FoXBias:
   """Forgetting Attention bias c_i - c_j from c = cumsum(log_fgate) [B, T, H] (kst = qst = (c,))."""
 
   kind: Kind = "fox"
@@ -366,7 +366,7 @@ class FoXGate:
   def off_bias(kst, qst, pst):
     return qst[0][..., :, None] - kst[0][..., None, :]
 
-  diag_bias = staticmethod(lambda kst, qst: FoXGate.off_bias(kst, qst, ()))
+  diag_bias = staticmethod(lambda kst, qst: FoXBias.off_bias(kst, qst, ()))
 
   @staticmethod
   def tile_floor(kst, qst, pst):
@@ -391,3 +391,8 @@ class FoXGate:
     """krow [B, H, 1, Tp] = (c,), qcol [B, H, Tp, 1] = (c,), no block-pair statistic (None)."""
     c = _flat(blocks(self.c.astype(F32), 1, tp))
     return c[:, :, None, :], c[..., None], None
+
+
+# What the tiled kernels take (`chunked.chunked_attention`, `sparse.key_sparse_attention`,
+# `pallas.pallas_attention`).
+Bias = FPABias | FoXBias

@@ -12,9 +12,9 @@ the rest of J after j, the whole blocks strictly between, and the start of I up 
 C_i)): O(block^2) elementwise work like FoX's c_i - c_j. A diagonal tile applies the same identity
 to its sub-tiles (`ops.bias.DIAG_SUB`), so it also costs O(block^2) elementwise work rather than
 O(block^2 log block). The tile biases and their statistics are the bias protocol (`ops.bias`:
-`FPAGate` / `FoXGate`), which the key-sparse and Pallas kernels read too.
+`FPABias` / `FoXBias`), which the key-sparse and Pallas kernels read too.
 
-Gradients. The statistics (`gate.stats`) are computed *outside* the custom VJP by plain
+Gradients. The statistics (`bias.stats`) are computed *outside* the custom VJP by plain
 differentiable JAX; the core treats them as inputs. In the backward pass each tile re-computes its
 bias under `jax.vjp` and pulls the softmax cotangent back to the statistics (`ops.bias`: the tile
 biases' hand-written pullbacks); JAX autodiff then routes them through the min-scans to the
@@ -58,7 +58,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.bias import FoXGate, FPAGate, blocks  # noqa: F401 (FPAGate, FoXGate: chunked's public names)
+from fpa_jax.ops.bias import Bias, blocks
 from fpa_jax.ops.common import F32
 
 DEFAULT_BLOCK = 256
@@ -101,8 +101,8 @@ def _logits(q, k, bias, scale, seg, i, j, causal, keep=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _core(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
-  return _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead)[0]
+def _core(bias, scale, blk, q, k, v, kst, qst, pst, seg, dead):
+  return _forward(bias, scale, blk, q, k, v, kst, qst, pst, seg, dead)[0]
 
 
 def _visit(dead, i, j, body, skip, *operands):
@@ -116,11 +116,11 @@ def _visit(dead, i, j, body, skip, *operands):
   return jax.lax.cond(keep.any(), lambda *o: body(keep, *o), skip, *operands)
 
 
-def _diag_start(gate, scale, blk, q, k, v, kst, qst, seg, i):
+def _diag_start(bias, scale, blk, q, k, v, kst, qst, seg, i):
   """Query block i's diagonal tile, the first step of its online softmax: (q tile, its query stats,
   (m, l, acc)) with m, l [B, KVH, G, bq] and acc [B, KVH, G, bq, Kv] fp32. Shared with `sparse`."""
   qi, qsti = _tile(q, i, blk), _takes(qst, i)
-  s = _logits(qi, _tile(k, i, blk), gate.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
+  s = _logits(qi, _tile(k, i, blk), bias.diag_bias(_takes(kst, i), qsti), scale, seg, i, i, True)
   m = s.max(-1)  # the diagonal entry is always unmasked, so m is finite
   p = jnp.exp(s - m[..., None])
   acc = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), _tile(v, i, blk), preferred_element_type=F32)
@@ -138,7 +138,7 @@ def _online_step(state, s, vt, v_layout: str):
   return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
 
-def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
+def _forward(bias, scale, blk, q, k, v, kst, qst, pst, seg, dead):
   """q: [B, Tp, KVH, G, K], k: [B, Tp, KVH, K], v: [B, Tp, KVH, Kv] -> (o [B, Tp, KVH, G, Kv],
   logsumexp [B, KVH, G, nb, blk])."""
   b, tp, kvh, grp, _ = q.shape
@@ -146,12 +146,12 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
 
   def q_block(i, carry):
     o_buf, lse_buf = carry
-    qi, qsti, (m, l, acc) = _diag_start(gate, scale, blk, q, k, v, kst, qst, seg, i)
+    qi, qsti, (m, l, acc) = _diag_start(bias, scale, blk, q, k, v, kst, qst, seg, i)
 
     def kv_block(j, c):
       def tile(keep, *state):
-        bias = gate.off_bias(_takes(kst, j), qsti, _pair(pst, i, j))
-        s = _logits(qi, _tile(k, j, blk), bias, scale, seg, i, j, False, keep)
+        tb = bias.off_bias(_takes(kst, j), qsti, _pair(pst, i, j))
+        s = _logits(qi, _tile(k, j, blk), tb, scale, seg, i, j, False, keep)
         return _online_step(state, s, _tile(v, j, blk), "bkhd")
 
       return _visit(dead, i, j, tile, lambda *c: c, *c)
@@ -166,12 +166,12 @@ def _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
   return jax.lax.fori_loop(0, nb, q_block, init)
 
 
-def _core_fwd(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead):
-  o, lse = _forward(gate, scale, blk, q, k, v, kst, qst, pst, seg, dead)
+def _core_fwd(bias, scale, blk, q, k, v, kst, qst, pst, seg, dead):
+  o, lse = _forward(bias, scale, blk, q, k, v, kst, qst, pst, seg, dead)
   return o, (q, k, v, kst, qst, pst, seg, dead, o, lse)
 
 
-def _core_bwd(gate, scale, blk, res, do):
+def _core_bwd(bias, scale, blk, res, do):
   q, k, v, kst, qst, pst, seg, dead, o, lse = res
   b, tp, kvh, grp, _ = q.shape
   nb = tp // blk
@@ -191,10 +191,10 @@ def _core_bwd(gate, scale, blk, res, do):
         # Tile-sized operands and results only: a cond carrying the full dQ buffer would copy it.
         qi, doi = _tile(q, i, blk), _tile(do, i, blk)
         if diag:
-          bias, pull = jax.vjp(gate.diag_bias, kstj, qsti)
+          tb, pull = jax.vjp(bias.diag_bias, kstj, qsti)
         else:
-          bias, pull = jax.vjp(gate.off_bias, kstj, qsti, pij)
-        s = _logits(qi, kj, bias, scale, seg, i, j, diag, keep)
+          tb, pull = jax.vjp(bias.off_bias, kstj, qsti, pij)
+        s = _logits(qi, kj, tb, scale, seg, i, j, diag, keep)
         p = jnp.exp(s - _take(lse, i, 3)[..., None])  # masked entries: exactly 0
         # dK / dV (and the bias cotangent below) sum over the group: k, v, bias are shared by it.
         dvj = dvj + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
@@ -258,7 +258,7 @@ def block_for(t: int, block_size: int | None) -> int:
   return min(blk, _round_up(t, 8))
 
 
-def _dead_tiles(q, k, gate, stats, scale, skip_tolerance, nb, blk):
+def _dead_tiles(q, k, bias, stats, scale, skip_tolerance, nb, blk):
   """[B, KVH, nb, nb] bool: tiles (I, J), J < I, that the bound in the module docstring drops.
   q: [B, T, H, K]; k: [B, T, KVH, K]."""
   b, t, h, _ = q.shape
@@ -268,18 +268,18 @@ def _dead_tiles(q, k, gate, stats, scale, skip_tolerance, nb, blk):
   qn = blocks(norms(q).reshape(b, t, kvh, h // kvh).max(-1), nb, blk).max(-1)  # [B, KVH, nb]
   kn = blocks(norms(k), nb, blk).max(-1)
   u = abs(scale) * qn[..., :, None] * (kn[..., None, :] + kn[..., :, None])
-  floor = gate.tile_floor(*stats)
+  floor = bias.tile_floor(*stats)
   below = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]
   # Piecewise constant in every input: no gradient flows through the choice of tiles.
   return jax.lax.stop_gradient(below & (floor >= u + (math.log(t) - math.log(skip_tolerance))))
 
 
-def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None, skip_tolerance=None):
-  """Tiled causal attention with a gate bias. q: [B, T, H, K], k: [B, T, KVH, K],
+def chunked_attention(q, k, v, bias: Bias, *, scale, segment_ids=None, block_size=None, skip_tolerance=None):
+  """Tiled causal attention with an FPA or FoX bias. q: [B, T, H, K], k: [B, T, KVH, K],
   v: [B, T, KVH, Kv] -> [B, T, H, Kv]; KVH divides H (query head h reads kv head h // G).
 
-  `gate` is an `FPAGate` or `FoXGate` over [B, T, KVH] gates (one bias per kv head). Any T: the sequence is padded to a multiple of the block
-  at the end, where causality alone keeps padding out of every real query. skip_tolerance: None
+  `bias` is an `ops.bias.FPABias` or `FoXBias` over [B, T, KVH] gates (one bias per kv head). Any
+  T: the sequence is padded to a multiple of the block at the end, where causality alone keeps padding out of every real query. skip_tolerance: None
   (exact) or eps in (0, 1): drop the tiles whose weights the module docstring's bound puts below
   eps / T, in the forward and the backward (each row loses total weight <= eps).
   """
@@ -290,20 +290,20 @@ def chunked_attention(q, k, v, gate, *, scale, segment_ids=None, block_size=None
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   nb = -(-t // blk)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, nb * blk - t), (0, 0), (0, 0)]) if nb * blk != t else x
-  kst, qst, pst = gate.stats(nb, blk)
+  kst, qst, pst = bias.stats(nb, blk)
   seg = None
   if segment_ids is not None:
     seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, nb * blk - t)], constant_values=-1)
     seg = seg.reshape(b, nb, blk)
   dead = None
   if skip_tolerance is not None:
-    dead = _dead_tiles(q, k, gate, (kst, qst, pst), scale, skip_tolerance, nb, blk)
+    dead = _dead_tiles(q, k, bias, (kst, qst, pst), scale, skip_tolerance, nb, blk)
   qg = pad(q).reshape(b, nb * blk, kvh, h // kvh, d)  # a view: no copy of k / v per group
-  o = _core(type(gate), float(scale), blk, qg, pad(k), pad(v), kst, qst, pst, seg, dead)
+  o = _core(type(bias), float(scale), blk, qg, pad(k), pad(v), kst, qst, pst, seg, dead)
   return o.reshape(b, nb * blk, h, -1)[:, :t]
 
 
-def dead_tiles(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
+def dead_tiles(q, k, bias: Bias, *, skip_tolerance, scale=None, block_size=None):
   """The tiles `chunked_attention(..., skip_tolerance=...)` drops: [B, KVH, nb, nb] bool (query block
   I, key block J; only J < I can be True). q: [B, T, H, K], k: [B, T, KVH, K]; scale defaults to
   K ** -0.5."""
@@ -311,13 +311,31 @@ def dead_tiles(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
   blk = block_for(t, block_size)
   nb = -(-t // blk)
   scale = d**-0.5 if scale is None else float(scale)
-  return _dead_tiles(q, k, gate, gate.stats(nb, blk), scale, skip_tolerance, nb, blk)
+  return _dead_tiles(q, k, bias, bias.stats(nb, blk), scale, skip_tolerance, nb, blk)
 
 
-def skipped_tile_fraction(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
+def skipped_tile_fraction(q, k, bias: Bias, *, skip_tolerance, scale=None, block_size=None):
   """(per_head, all_heads): the fraction of off-diagonal (J < I) tiles dropped per (batch, kv head),
   and the fraction dropped for every (batch, head) at once, whose compute is skipped. Floats."""
-  dead = dead_tiles(q, k, gate, skip_tolerance=skip_tolerance, scale=scale, block_size=block_size)
+  dead = dead_tiles(q, k, bias, skip_tolerance=skip_tolerance, scale=scale, block_size=block_size)
   nb = dead.shape[-1]
   n_off = max(nb * (nb - 1) // 2, 1)
   return float(dead.sum(axis=(-2, -1)).mean()) / n_off, float(dead.all(axis=(0, 1)).sum()) / n_off
+
+
+_RENAMED = {"FPAGate": "FPABias", "FoXGate": "FoXBias"}
+
+
+def __getattr__(name):
+  # The bias classes were `chunked.FPAGate` / `FoXGate`, a second meaning of "gate" beside the NNX
+  # `gates.Gate` that makes the gate values: still importable, with a warning.
+  if name in _RENAMED:
+    import warnings
+
+    from fpa_jax.ops import bias
+
+    warnings.warn(
+      f"fpa_jax.ops.chunked.{name} is fpa_jax.ops.bias.{_RENAMED[name]} now", DeprecationWarning, stacklevel=2
+    )
+    return getattr(bias, _RENAMED[name])
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,8 +6,9 @@ cached key j and the chunk's query i (0-based in the chunk), the range (j, i] is
 cached sequence after j and the chunk up to i, so
 
     min(field over (j, i]) = min(m_j, C_i)
-      m_j  the cached running min of the field over (j, last cached token]  (`recurrent.FPACache.
-           run_min`, `fpa_jax.inference.cache.LayerCache.run_min`; +inf for the newest key)
+      m_j  the cached running min of the field over (j, last cached token]  (`recurrent.
+           RecurrentCache.run_min`, `fpa_jax.inference.cache.LayerCache.run_min`; +inf for the
+           newest key)
       C_i  the min of the chunk's field over [0, i]                          (a prefix min)
 
 and penalty[i, j] = dip(level_j, min(m_j, C_i)): the tiling identity of `chunked` with the whole
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 
 from fpa_jax.ops import validate as _v
 from fpa_jax.ops.common import F32
-from fpa_jax.ops.first_passage import dip
+from fpa_jax.ops.first_passage import dip, min_scan
 from fpa_jax.ops.penalty import penalty_matrix
 
 DEFAULT_BLOCK = 256  # cached slots per online-softmax step
@@ -211,7 +212,7 @@ def _attend(q, k, v, field, level, cached: CachedKeys, *, scale, block_size):
     nb = -(-slots // blk)
     pad = lambda x, c: jnp.pad(x, [(0, 0), (0, nb * blk - slots)] + [(0, 0)] * (x.ndim - 2), constant_values=c)
     ck, cv, lvl, rmin, valid = pad(cached.k, 0), pad(cached.v, 0), pad(lvl, 0.0), pad(rmin, jnp.inf), pad(valid, False)
-    prefix = jax.lax.cummin(field, axis=1)  # [B, T, KVH]: C_i, the chunk's min through i
+    prefix = min_scan(field, axis=1)  # [B, T, KVH]: C_i, the chunk's min through i
 
     def block(c, state):
       take = lambda x: jax.lax.dynamic_slice_in_dim(x, c * blk, blk, axis=1)

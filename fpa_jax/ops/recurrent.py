@@ -23,8 +23,9 @@ from fpa_jax.ops import validate as _v
 from fpa_jax.ops.common import STATS_DTYPE
 
 
-class FPACache(NamedTuple):
-  """Per-sequence decode state. Slots [0, length) are filled.
+class RecurrentCache(NamedTuple):
+  """The recurrent form's state: a KV cache that never evicts. Slots [0, length) are filled (the
+  decoding cache with eviction policies is `fpa_jax.inference.cache.LayerCache`).
 
   k: [B, S, KVH, K], v: [B, S, KVH, Kv] cached keys / values (S = capacity).
   level: [B, S, KVH] fp32 key levels.
@@ -40,13 +41,20 @@ class FPACache(NamedTuple):
   segment: jax.Array
   length: jax.Array
 
+  @property
+  def penalty(self) -> jax.Array:
+    """[B, S, KVH] fp32 current penalty of every cached key (`cache_penalty`); NaN where a
+    disallowed gate value reached the key's state (`decode_step`)."""
+    nan = jnp.isnan(self.level) | jnp.isnan(self.run_min)
+    return jnp.where(nan, jnp.nan, fp.penalty(self.level, self.run_min))
 
-def init_cache(
+
+def init_recurrent_cache(
   batch: int, capacity: int, heads: int, head_dim: int, v_dim: int | None = None, dtype=jnp.float32
-) -> FPACache:
-  """An empty cache; `heads` is the number of kv heads (KVH)."""
+) -> RecurrentCache:
+  """An empty `RecurrentCache`; `heads` is the number of kv heads (KVH)."""
   v_dim = head_dim if v_dim is None else v_dim
-  return FPACache(
+  return RecurrentCache(
     k=jnp.zeros((batch, capacity, heads, head_dim), dtype),
     v=jnp.zeros((batch, capacity, heads, v_dim), dtype),
     level=jnp.zeros((batch, capacity, heads), STATS_DTYPE),
@@ -56,19 +64,18 @@ def init_cache(
   )
 
 
-def cache_penalty(cache: FPACache) -> jax.Array:
+def cache_penalty(cache: RecurrentCache) -> jax.Array:
   """[B, S, KVH] fp32 current penalty of every cached key (0 for the newest, whatever its level:
   run_min is +inf there; +inf for a level of +inf once a finite field value has been seen; NaN where
   a disallowed gate value reached the key's state, see `decode_step`; junk in empty slots)."""
-  nan = jnp.isnan(cache.level) | jnp.isnan(cache.run_min)
-  return jnp.where(nan, jnp.nan, fp.penalty(cache.level, cache.run_min))
+  return cache.penalty
 
 
-def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
+def decode_step(cache: RecurrentCache, q, k, v, field, level, *, scale, segment=None):
   """One token: update the cache with (k, v, field, level), then attend with q.
 
   Args:
-    cache: FPACache with length < capacity. A full cache raises ValueError where its length is
+    cache: a `RecurrentCache` with length < capacity. A full cache raises ValueError where its length is
       concrete; under jit a step on a full cache writes nothing: it returns the cache unchanged
       (length stays at the capacity) and an output of NaN, never a key over the last slot.
     q: [B, H, K]; k: [B, KVH, K]; v: [B, KVH, Kv]; field, level: [B, KVH]; segment: optional [B] int.
@@ -87,7 +94,7 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
   if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) >= capacity:
     raise ValueError(
       f"decode_step: the cache is full (length {int(cache.length)} = capacity {capacity}): make it with "
-      f"init_cache(..., capacity=N) for N >= the number of tokens to decode"
+      f"init_recurrent_cache(..., capacity=N) for N >= the number of tokens to decode"
     )
   _v.check_gate_values("field", field, ("batch", "kv head"))
   _v.check_gate_values("level", level, ("batch", "kv head"))
@@ -107,7 +114,7 @@ def decode_step(cache: FPACache, q, k, v, field, level, *, scale, segment=None):
     old = jax.lax.dynamic_slice_in_dim(buf, slot, 1, 1)
     return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(full, old, new.astype(buf.dtype)), slot, 1)
 
-  cache = FPACache(
+  cache = RecurrentCache(
     k=put(cache.k, k[:, None]),
     v=put(cache.v, v[:, None]),
     level=put(cache.level, l[:, None]),
@@ -138,7 +145,7 @@ def recurrent_attention(q, k, v, field, level, *, scale, segment_ids=None):
   b, t, h, d = q.shape
   if b == 0 or t == 0:  # nothing to scan (and decode_step's -1 reshape would divide by zero)
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
-  cache = init_cache(b, t, k.shape[2], d, v.shape[-1], dtype=k.dtype)
+  cache = init_recurrent_cache(b, t, k.shape[2], d, v.shape[-1], dtype=k.dtype)
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
 
   @jax.checkpoint
@@ -150,3 +157,16 @@ def recurrent_attention(q, k, v, field, level, *, scale, segment_ids=None):
   xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, field, level, seg))
   _, out = jax.lax.scan(step, cache, xs)
   return jnp.moveaxis(out, 0, 1)
+
+
+_RENAMED = {"FPACache": "RecurrentCache", "init_cache": "init_recurrent_cache"}
+
+
+def __getattr__(name):
+  # Old names, kept with a warning: `init_cache` also named `inference.cache`'s layer cache.
+  if name in _RENAMED:
+    import warnings
+
+    warnings.warn(f"fpa_jax.ops.{name} is fpa_jax.ops.{_RENAMED[name]} now", DeprecationWarning, stacklevel=2)
+    return globals()[_RENAMED[name]]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,7 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.ops.bias import blocks
+from fpa_jax.ops.bias import Bias, blocks
 from fpa_jax.ops.chunked import F32, NEG, _diag_start, _online_step, _take, _takes, block_for
 
 FORWARD_ONLY = (
@@ -60,7 +60,7 @@ def _block_bounds(q, k, scale, nb, blk):
   return per_block(qn, jnp.max), per_block(sii, jnp.min)
 
 
-def _live(gate, q, k, stats, scale, eps, t, nb, blk):
+def _live(bias, q, k, stats, scale, eps, t, nb, blk):
   """live(i) -> (live [B, KVH, Tp] bool, keys): block i's keys j < i0 that the bound keeps."""
   kst, qst, pst = stats
   qn, s_min = _block_bounds(q, k, scale, nb, blk)
@@ -70,9 +70,9 @@ def _live(gate, q, k, stats, scale, eps, t, nb, blk):
   jpos = jnp.arange(nb * blk)
 
   def live(i):
-    keys = gate.block_keys(kst, pst, i)
+    keys = bias.block_keys(kst, pst, i)
     thr = abs(scale) * _take(qn, i)[..., None] * kn - _take(s_min, i)[..., None] + slack
-    return (gate.key_floor(keys, _takes(qst, i)) < thr) & (jpos < i * blk), keys
+    return (bias.key_floor(keys, _takes(qst, i)) < thr) & (jpos < i * blk), keys
 
   return live
 
@@ -91,29 +91,29 @@ def _gather(x, ids):
   return jnp.take_along_axis(x, ids.reshape(ids.shape + (1,) * (x.ndim - 3)), axis=2)
 
 
-def _forward(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
+def _forward(bias, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
   """q: [B, Tp, KVH, G, K], k: [B, Tp, KVH, K], v: [B, Tp, KVH, Kv] -> o [B, Tp, KVH, G, Kv]."""
   b, tp, kvh, grp, _ = q.shape
   nb = tp // blk
-  live_of = _live(gate, q, k, (kst, qst, pst), scale, eps, t, nb, blk)
+  live_of = _live(bias, q, k, (kst, qst, pst), scale, eps, t, nb, blk)
   k_t, v_t = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)  # [B, KVH, Tp, .]: gathered per head
   seg_k = None if seg is None else jnp.broadcast_to(seg.reshape(b, 1, tp), (b, kvh, tp))
 
   def q_block(i, o_buf):
-    qi, qsti, state = _diag_start(gate, scale, blk, q, k, v, kst, qst, seg, i)
+    qi, qsti, state = _diag_start(bias, scale, blk, q, k, v, kst, qst, seg, i)
     live, keys = live_of(i)
     idx, count = _compact(live)
 
     def chunk(c, state):
       ids = jax.lax.dynamic_slice_in_dim(idx, c * blk, blk, axis=-1)  # [B, KVH, blk]
       valid = (c * blk + jnp.arange(blk)) < count[..., None]
-      bias = gate.key_bias([jnp.take_along_axis(x, ids, -1) for x in keys], qsti)
+      kb = bias.key_bias([jnp.take_along_axis(x, ids, -1) for x in keys], qsti)
       s = jnp.einsum("bqhgd,bhkd->bhgqk", qi, _gather(k_t, ids), preferred_element_type=F32) * scale
       mask = valid[:, :, None, None, :]
       if seg is not None:
         sq = _take(seg, i, 1)
         mask = mask & (sq[:, None, None, :, None] == jnp.take_along_axis(seg_k, ids, -1)[:, :, None, None, :])
-      s = jnp.where(mask, s + bias[:, :, None], NEG)
+      s = jnp.where(mask, s + kb[:, :, None], NEG)
       return _online_step(state, s, _gather(v_t, ids), "bhkd")
 
     n_chunks = (count.max() + blk - 1) // blk
@@ -125,8 +125,8 @@ def _forward(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _core(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
-  return _forward(gate, scale, blk, eps, t, q, k, v, kst, qst, pst, seg)
+def _core(bias, scale, blk, eps, t, q, k, v, kst, qst, pst, seg):
+  return _forward(bias, scale, blk, eps, t, q, k, v, kst, qst, pst, seg)
 
 
 def _core_fwd(*args):
@@ -140,7 +140,7 @@ def _core_bwd(*args):  # never reached: _core_fwd raises when a gradient is trac
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _prepare(q, k, v, gate, segment_ids, block_size):
+def _prepare(q, k, v, bias, segment_ids, block_size):
   b, t, h, d = q.shape
   kvh = k.shape[2]
   blk = block_for(t, block_size)
@@ -151,40 +151,40 @@ def _prepare(q, k, v, gate, segment_ids, block_size):
     seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, nb * blk - t)], constant_values=-1)
     seg = seg.reshape(b, nb, blk)  # the chunked kernel's layout (its diagonal tile reads it)
   qg = pad(q).reshape(b, nb * blk, kvh, h // kvh, d)
-  return blk, nb, qg, pad(k), pad(v), seg, gate.stats(nb, blk)
+  return blk, nb, qg, pad(k), pad(v), seg, bias.stats(nb, blk)
 
 
-def key_sparse_attention(q, k, v, gate, *, scale, skip_tolerance, segment_ids=None, block_size=None):
-  """Causal attention with a gate bias reading only the keys the bound keeps (module docstring).
-  q: [B, T, H, K], k: [B, T, KVH, K], v: [B, T, KVH, Kv] -> [B, T, H, Kv]; gate: `chunked.FPAGate`
-  or `chunked.FoXGate` over [B, T, KVH]; skip_tolerance eps in (0, 1): each row loses <= eps of
+def key_sparse_attention(q, k, v, bias: Bias, *, scale, skip_tolerance, segment_ids=None, block_size=None):
+  """Causal attention with an FPA or FoX bias reading only the keys the bound keeps (module
+  docstring). q: [B, T, H, K], k: [B, T, KVH, K], v: [B, T, KVH, Kv] -> [B, T, H, Kv]; bias:
+  `ops.bias.FPABias` or `FoXBias` over [B, T, KVH]; skip_tolerance eps in (0, 1): each row loses <= eps of
   its attention. Forward only (a gradient raises ValueError)."""
   b, t, h, _ = q.shape
   if b == 0 or t == 0:
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
-  blk, nb, qg, kp, vp, seg, (kst, qst, pst) = _prepare(q, k, v, gate, segment_ids, block_size)
-  o = _core(type(gate), float(scale), blk, float(skip_tolerance), t, qg, kp, vp, kst, qst, pst, seg)
+  blk, nb, qg, kp, vp, seg, (kst, qst, pst) = _prepare(q, k, v, bias, segment_ids, block_size)
+  o = _core(type(bias), float(scale), blk, float(skip_tolerance), t, qg, kp, vp, kst, qst, pst, seg)
   return o.reshape(b, nb * blk, h, -1)[:, :t]
 
 
-def live_keys(q, k, gate, *, skip_tolerance, scale=None, block_size=None):
+def live_keys(q, k, bias: Bias, *, skip_tolerance, scale=None, block_size=None):
   """The keys `key_sparse_attention` reads besides each diagonal tile: [B, KVH, nb, T] bool, True
   where key j (< the block's first query) is kept for query block I. q: [B, T, H, K], k: [B, T,
   KVH, K]; scale defaults to K ** -0.5."""
   b, t, h, d = q.shape
   scale = d**-0.5 if scale is None else float(scale)
-  blk, nb, qg, kp, _, _, stats = _prepare(q, k, k, gate, None, block_size)
-  live_of = _live(type(gate), qg, kp, stats, scale, float(skip_tolerance), t, nb, blk)
+  blk, nb, qg, kp, _, _, stats = _prepare(q, k, k, bias, None, block_size)
+  live_of = _live(type(bias), qg, kp, stats, scale, float(skip_tolerance), t, nb, blk)
   return jnp.moveaxis(jax.lax.map(lambda i: live_of(i)[0], jnp.arange(nb)), 0, 2)[..., :t]
 
 
-def live_key_stats(q, k, gate, *, skip_tolerance, scale=None, block_size=None) -> dict:
+def live_key_stats(q, k, bias: Bias, *, skip_tolerance, scale=None, block_size=None) -> dict:
   """How much of the off-diagonal key reads `key_sparse_attention` keeps, on these inputs (floats):
   kept_per_head: kept keys / keys before each query block, summed over blocks, mean over (batch,
   kv head); read: what the shared chunk loop reads (blk x chunks, the densest head of each block)
   over the same total: its off-diagonal work against the exact kernel's."""
   blk = block_for(q.shape[1], block_size)
-  counts = live_keys(q, k, gate, skip_tolerance=skip_tolerance, scale=scale, block_size=block_size).sum(-1)
+  counts = live_keys(q, k, bias, skip_tolerance=skip_tolerance, scale=scale, block_size=block_size).sum(-1)
   nb = counts.shape[-1]
   total = max(blk * nb * (nb - 1) // 2, 1)  # keys before block I: I * blk
   read = -(-counts.max((0, 1)) // blk) * blk

@@ -3,12 +3,12 @@
   forward  grid (B, H, query block I): the diagonal tile, then key blocks J < I with an online
            softmax; stores out and logsumexp. Tiles above the diagonal are never visited.
   dK / dV  grid (B, H, key block J): the diagonal tile, then query blocks I > J; dK, dV and the
-           key-side gate cotangents (and dR[:, J]) stay local to the program.
-  dQ       grid (B, H, query block I): the diagonal tile, then J < I; dQ and the query-side gate
+           key-side stat cotangents (and dR[:, J]) stay local to the program.
+  dQ       grid (B, H, query block I): the diagonal tile, then J < I; dQ and the query-side stat
            cotangents. Two backward kernels instead of atomics: every output block has one writer.
 
-Each tile's bias is computed in the kernel from small per-token stat vectors (`gate.py`; the
-bias protocol's `kernel_stats`, `ops.bias`); the stats are built outside the custom VJP by
+Each tile's bias is computed in the kernel from small per-token stat vectors (`tile_bias.py`;
+the bias protocol's `kernel_stats`, `ops.bias`); the stats are built outside the custom VJP by
 differentiable JAX, so the kernels only return stat cotangents and autodiff carries them to
 field / level / log_fgate (as in `fpa_jax.ops.chunked`). The looped-over operand (k / v in the
 forward and dQ kernels, q / dO in dK / dV) is one whole-T block per (batch, head), sliced with
@@ -18,7 +18,7 @@ done).
 
 Grouped-query attention (k, v, gates with KVH = H / G heads): the forward and dQ grids run over
 query heads, and their BlockSpec index maps send query head h to kv head h // G for k, v and the
-gate stats, so k / v are never repeated. The dK / dV grid runs over kv heads: each program reads
+bias stats, so k / v are never repeated. The dK / dV grid runs over kv heads: each program reads
 the [G, Tp, .] block of its group's q / dO / logsumexp / delta and loops over the G query heads,
 computing the tile bias once and pulling back the group's summed cotangent, so dK / dV and the
 key-stat cotangents are written once, in their own dtype (only the small query-stat cotangents
@@ -38,10 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from fpa_jax.ops.bias import FoXGate, FPAGate, Kind
+from fpa_jax.ops.bias import Bias, FoXBias, FPABias, Kind
 from fpa_jax.ops.common import F32, BlockSizes  # defined below validate / chunked: no import cycle
 from fpa_jax.ops.first_passage import n_levels
-from fpa_jax.ops.pallas.gate import INF, tile_bias
+from fpa_jax.ops.pallas.tile_bias import INF, tile_bias
 
 NEG = -1e30  # finite mask value: exp(NEG - m) == 0 without any inf - inf
 
@@ -92,7 +92,7 @@ def _pick(row, idx):
   return jnp.min(jnp.where(iota == idx, row, INF), axis=1, keepdims=True)
 
 
-def _tile_gate(cfg, blk, kvec, qvec, r, qseg, kseg, diag):
+def _tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag):
   """A tile's (bias [bq, bk] fp32, mask [bq, bk] bool or None, bias pullback): one per kv head,
   shared by the query heads of its group."""
   dist = None
@@ -138,7 +138,7 @@ def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
     ks = _rows(j, blk)
     r = _pick(r_ref[...], j) if has_r and not diag else None
     kseg = kseg_ref[:, ks] if has_seg else None
-    bias, mask, _ = _tile_gate(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
+    bias, mask, _ = _tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
     return _logits(cfg, q, k_ref[ks, :], bias, mask), v_ref[ks, :]
 
   s, v = logits(i, True)  # the diagonal entry is never masked, so m is finite from here on
@@ -176,7 +176,7 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
     qs = _rows(i, blk)
     r = _pick(r_col, i) if has_r and not diag else None
     qseg = qseg_ref[qs, :] if has_seg else None
-    bias, mask, pull = _tile_gate(cfg, blk, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
+    bias, mask, pull = _tile_terms(cfg, blk, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
     ds_group = None
     for g in range(cfg.group):  # the group's query heads share k, v and the bias: sum in here
       q, do = q_ref[g, qs, :], do_ref[g, qs, :]
@@ -223,7 +223,7 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
     k, v = k_ref[ks, :], v_ref[ks, :]
     r = _pick(r_ref[...], j) if has_r and not diag else None
     kseg = kseg_ref[:, ks] if has_seg else None
-    bias, mask, pull = _tile_gate(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
+    bias, mask, pull = _tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
     p = jnp.exp(_logits(cfg, q, k, bias, mask) - lse)
     ds = p * (_dot_nt(do, v) - delta)
     dq = dq + _dot(ds.astype(k.dtype), k) * cfg.scale
@@ -241,7 +241,7 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-# g: the grid runs over query heads h; an array with kv heads (k, v, gate stats) is read at h // g.
+# g: the grid runs over query heads h; an array with kv heads (k, v, bias stats) is read at h // g.
 def _tiled(blk, cols, g=1):  # [B, H, Tp, cols] in row tiles of T, indexed by the grid's third axis
   return pl.BlockSpec((None, None, blk, cols), lambda b, h, x: (b, h // g, x, 0))
 
@@ -382,7 +382,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, q, k, v, fst, bst, seg):
-  """fst / bst: the gate stats at the forward / backward tile size (bst None: the same tiles)."""
+  """fst / bst: the bias stats at the forward / backward tile size (bst None: the same tiles)."""
   return _forward(cfg, q, k, v, fst, seg)[0]
 
 
@@ -430,13 +430,13 @@ def _check_blocks(block_sizes, mode):
   return block_sizes
 
 
-def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None, interpret=None):
+def pallas_attention(q, k, v, bias: Bias, *, scale, segment_ids=None, block_sizes=None, interpret=None):
   """Causal attention with an FPA or FoX bias in Pallas kernels.
 
   Args:
     q: [B, T, H, K]; k: [B, T, KVH, K]; v: [B, T, KVH, Kv]; fp32 or bf16; KVH divides H (query
       head h reads kv head h // G; see the module docstring for the backward's group sum).
-    gate: `bias.FPAGate(field, level)` or `bias.FoXGate(c)` (c = cumsum(log_fgate)), [B, T, KVH].
+    bias: `ops.bias.FPABias(field, level)` or `ops.bias.FoXBias(c)` (c = cumsum(log_fgate)), [B, T, KVH].
     scale: logit scale.
     segment_ids: optional [B, T] int.
     block_sizes: `BlockSizes`, an int (both passes), or None (`BlockSizes.default` of the backend).
@@ -455,11 +455,11 @@ def pallas_attention(q, k, v, gate, *, scale, segment_ids=None, block_sizes=None
   bs = _check_blocks(block_sizes, mode)
   bf, bb = (_fit(n, t, mode == "gpu") for n in (bs.fwd, bs.backward))
   tp = -(-t // math.lcm(bf, bb)) * math.lcm(bf, bb)
-  if not isinstance(gate, (FPAGate, FoXGate)):
-    raise TypeError(f"gate must be an FPAGate or FoXGate, got {type(gate).__name__}")
-  kind = gate.kind
-  fst = gate.kernel_stats(bf, tp)
-  bst = None if (bb == bf or kind == "fox") else gate.kernel_stats(bb, tp)
+  if not isinstance(bias, (FPABias, FoXBias)):
+    raise TypeError(f"bias must be an ops.bias.FPABias or FoXBias, got {type(bias).__name__}")
+  kind = bias.kind
+  fst = bias.kernel_stats(bf, tp)
+  bst = None if (bb == bf or kind == "fox") else bias.kernel_stats(bb, tp)
   # [B, T, H, K] -> [B, H, Tp, K]: a tile is then a (rows, head_dim) block, the layout both
   # Mosaic and Triton tile natively. Triton also wants power-of-2 head dims (zero columns).
   dpad = lambda n: max(16, pl.next_power_of_2(n)) if mode == "gpu" else n

@@ -1,6 +1,6 @@
 """The in-kernel tile bias of the Pallas kernels, with its hand-written pullback, for FPA and FoX.
 
-The per-token statistics are the bias protocol's (`ops.bias`: `gate.kernel_stats(blk, tp)`, built
+The per-token statistics are the bias protocol's (`ops.bias`: `bias.kernel_stats(blk, tp)`, built
 outside the kernels by differentiable JAX), in this layout (Tp = T padded to a whole number of
 tiles, blk the tile):
   krow [B, H, nr, Tp]  key-side stats, one row per stat: a tile reads [1, bk] rows
