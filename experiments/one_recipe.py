@@ -577,7 +577,23 @@ def report(
   (out_dir / "one_recipe.md").write_text(md)
   if runs:
     pace_plot(runs, out_dir / "one_recipe_pace.png")
+    U.write_json(out_dir / "models.json", models_index(runs))
   return md
+
+
+def models_index(runs: dict[tuple[str, int], dict]) -> dict:
+  """The finished checkpoints in the forms the other studies read: `{method: {seeds, workdirs}}` (as
+  `text_pareto --models` reads the perplexity study's file) and `{method_s<seed>: {workdir, steps}}`
+  (as `evict_cost --passkey-results` reads the passkey study's), so both score these same models."""
+  out: dict[str, dict] = {}
+  for (m, s), r in sorted(runs.items()):
+    if r["steps"] < r["budget"]:
+      continue
+    e = out.setdefault(m, {"seeds": [], "workdirs": []})
+    e["seeds"].append(s)
+    e["workdirs"].append(r["workdir"])
+    out[f"{m}_s{s}"] = {"workdir": r["workdir"], "steps": r["steps"]}
+  return out
 
 
 def needle_table(evals: dict) -> str:

@@ -265,7 +265,7 @@ def test_policy_objects_check_their_arguments():
   assert rec == {"policy": "score", "budget": 0.25, "recent": 2, "score": "_neg_penalty"}
   assert ev.check_policy("window", 64, compression_ratio=0.75) == {"policy": "window", "compression_ratio": 0.75}
   # the CLIs: --compression-ratio beside --budget
-  from fpa_jax.generate import parse_args as generate_args
+  from fpa_jax.inference.__main__ import parse_args as generate_args
 
   a = ev.parse_args(["--workdir", "w", "--task", "passkey", "--policy", "window", "--compression-ratio", "0.75"])
   assert (
