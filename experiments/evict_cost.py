@@ -71,7 +71,8 @@ def main(argv=None) -> dict:
     rows.append(row)
   head = ["model", "steps"] + [h for k in a.multiples for h in (f"bits/token {k}x", f"vs {a.base}")]
   md = (
-    f"`{meta['command']}`: held-out bits per token (byte tokens) of the passkey study's models with the full "
+    f"`{meta['command']}`: held-out bits per token (byte tokens) of the models of `{Path(a.passkey_results).name}` "
+    "with the full "
     f"cache, on `fpa_text` validation windows ({a.rows} rows of the training length; the same tokens in fewer, "
     f"longer rows at larger multiples); per-run tables in `{Path(a.out).name}/`.\n\n" + U.md_table(head, rows)
   )
