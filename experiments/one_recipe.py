@@ -353,6 +353,17 @@ def results_table(runs: dict, evals: dict, budgets: list[str]) -> str:
   return U.md_table(heads, rows)
 
 
+def speed_table(evals: dict) -> str:
+  """Per (method, seed): the jitted prefill of 8x prompts with `skip="keys"` at the learned rule's
+  bound (each row loses <= eps of its attention) against the exact kernel, medians of 3."""
+  rows = [
+    [f"`{m}`", s, p["tokens"], f"{p['eps']:g}", f"{p['exact_s']:.3f}", f"{p['keys_s']:.3f}", f"{p['exact_s'] / p['keys_s']:.2f}x"]
+    for (m, s), e in sorted(evals.items())
+    if (p := e.get("prefill_speed"))
+  ]  # fmt: skip
+  return U.md_table(["method", "seed", "tokens", "eps", "exact s", "keys s", "speed-up"], rows) + "\n"
+
+
 def compression_table(evals: dict, prefill: str = "parallel") -> str:
   """kvpress's axis: each policy's 8x score (mean over seeds) by fraction *removed*, and the smallest
   kept fraction whose score is within 1 point of the full cache's on every seed."""
@@ -566,6 +577,8 @@ def report(
     md += "\n## Compression axis (kvpress: fraction removed), 8x, parallel prefill\n\n" + compression_table(evals)
     if any(k.startswith("decode/") for e in evals.values() for k in e.get("cache", {})):
       md += "\n### Decode prefill\n\n" + compression_table(evals, "decode")
+    if any(e.get("prefill_speed") for e in evals.values()):
+      md += "\n## Prefill with key skipping (`skip='keys'`), 8x prompts\n\n" + speed_table(evals)
     if any(e.get("needle") for e in evals.values()):
       md += "\n## Per head: the gate's penalty on the needle at the question\n\n" + needle_table(evals)
     v = verdicts(runs, evals, recipe_m, tuple(objective_ms), U.read_json(Path(bindings_path), {}))
@@ -587,7 +600,7 @@ def models_index(runs: dict[tuple[str, int], dict]) -> dict:
   (as `evict_cost --passkey-results` reads the passkey study's), so both score these same models."""
   out: dict[str, dict] = {}
   for (m, s), r in sorted(runs.items()):
-    if r["steps"] < r["budget"]:
+    if r["steps"] < r["budget"] or "workdir" not in r:
       continue
     e = out.setdefault(m, {"seeds": [], "workdirs": []})
     e["seeds"].append(s)

@@ -101,6 +101,11 @@ ONE_RECIPE: dict[str, dict[str, Any]] = {
   "recipe_t25_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25},
   # ... and a tenth of the weight
   "recipe_t25w01_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25, "evict_weight": 0.1},
+  # the recipe trained through the cache it will decode with (budget in the loop, Expire-Span's random
+  # caps): on half the steps an fpa_budget cache of 10-50% of the row, the LM loss over what it keeps.
+  # The hinge on the live fraction was met by a steady drift that lost passkey beyond 1x; here the only
+  # pressure is to predict from the keys the learned rule keeps.
+  "recipe_bloop_fh0": {**RECIPE_GATE, "fox_heads": 0, "budget_loop_prob": 0.5},
   # the single-head gate started at FOX_B5 (FoX's term, read-outs from zero at the full lr: the passkey
   # study's fpa_fox5, whose retrofit kept passkey at 12.5% of the cache) with the late objective: the
   # LM default's gate found no retrieval on seed 2 in 3000 steps (recipe_late)

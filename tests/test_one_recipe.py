@@ -123,3 +123,11 @@ def test_bindings_verdict_reads_the_recipe_row_seed_by_seed():
   from experiments.recipes import BINDINGS_LM, ONE_RECIPE, RECOMMENDED
 
   assert BINDINGS_LM["fpa_recipe"] == ONE_RECIPE[RECOMMENDED]  # the same recipe, not a bindings variant
+
+
+def test_speed_table_and_models_index():
+  evals = {("r", 0): {"prefill_speed": {"eps": 1e-3, "tokens": 4096, "exact_s": 2.0, "keys_s": 0.5}}, ("fox", 0): {}}
+  assert "| `r` | 0 | 4096 | 0.001 | 2.000 | 0.500 | 4.00x |" in O.speed_table(evals)
+  runs = {("r", 0): _train("r", 0, 600) | {"workdir": "runs/r0"}, ("r", 1): _train("r", 1, None, steps=900)}
+  idx = O.models_index(runs)  # only finished runs, in both the text_pareto and evict_cost forms
+  assert idx == {"r": {"seeds": [0], "workdirs": ["runs/r0"]}, "r_s0": {"workdir": "runs/r0", "steps": 3000}}
