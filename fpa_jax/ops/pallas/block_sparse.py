@@ -33,13 +33,14 @@ differentiable JAX. skip_tolerance=None walks every causal tile: the exact kerne
 Status: the grid, BlockSpecs and scalar prefetch are Mosaic TPU's form (tiles of 128 tokens
 there, `BlockSizes.default("tpu")`; m / l scratch [blk, 1]); only the interpreter on CPU has run
 them. Not done: Triton GPU (no scalar prefetch, no sequential grid axis: `pallas_attention` raises
-there), and splitting the prefetched lists ([B, KVH, nb, nb] int32 in SMEM: a few hundred KiB at
-most, e.g. B * KVH = 16, nb = 64) for larger calls. The grid always has nb list steps per block;
+there), and splitting the prefetched lists for larger calls: they sit in SMEM, flat (B KVH nb^2 int32:
+256 KiB for B KVH = 16, nb = 64). The grid always has nb list steps per block;
 the padded ones cost a grid step each but no copy and no compute.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -95,16 +96,30 @@ def tile_lists(dead, shape):
 # (b, h, x, n): x the program's own block, n its list entry.
 
 
-def _entry(cnt_ref, idx_ref, hk):
+@dataclasses.dataclass(frozen=True)
+class _SparseCfg(_Cfg):
+  kvh: int = 1
+  nb: int = 1
+
+  # The lists are flat in SMEM (count [B KVH nb], idx [B KVH nb nb]): Mosaic pads the last two dims
+  # of an SMEM array to (8, 128) words, which would multiply a [.., nb, nb] list's size.
+  def count_at(self, b, hk, x):
+    return (b * self.kvh + hk) * self.nb + x
+
+  def idx_at(self, b, hk, x, n):
+    return self.count_at(b, hk, x) * self.nb + n
+
+
+def _entry(cfg, cnt_ref, idx_ref, hk):
   b, x, n = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  return n, idx_ref[b, hk, x, n], n < cnt_ref[b, hk, x]
+  return n, idx_ref[cfg.idx_at(b, hk, x, n)], n < cnt_ref[cfg.count_at(b, hk, x)]
 
 
 def _fwd_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   # q, qcol, qseg, r: query block I; k, v, krow, kseg: key block J = idx[b, h // G, I, n].
   (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, rest = _unpack(refs, 5, has_r, has_seg)
   o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
-  n, j, live = _entry(cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
+  n, j, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
 
   def logits(diag):
     r = _pick(r_ref[...], j) if has_r and not diag else None
@@ -145,7 +160,7 @@ def _dkv_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   dk_ref, dv_ref, dkrow_ref = outs[:3]
   dr_ref = outs[3] if has_r else None
   dk_sc, dv_sc = outs[-2:]
-  n, i, live = _entry(cnt_ref, idx_ref, pl.program_id(1))
+  n, i, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1))
 
   def tile(diag):
     k, v = k_ref[...], v_ref[...]
@@ -190,7 +205,7 @@ def _dq_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   # q, dO, lse, delta, qcol, qseg, r: query block I; k, v, krow, kseg: key block idx[b, h // G, I, n].
   fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref, dq_sc) = _unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
-  n, j, live = _entry(cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
+  n, j, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
 
   def tile(diag):
     k, v = k_ref[...], v_ref[...]
@@ -240,14 +255,16 @@ def _own(shape, head_div=1):
   return pl.BlockSpec((None, None) + shape, lambda b, h, x, n, c, ix: (b, h // head_div, x, 0))
 
 
-def _walked(shape, g):
+def _walked(cfg, shape, g):
   """A [B, KVH, Tp, c] tile at the walked block idx[b, h // g, x, n]."""
-  return pl.BlockSpec((None, None) + shape, lambda b, h, x, n, c, ix: (b, h // g, ix[b, h // g, x, n], 0))
+  return pl.BlockSpec((None, None) + shape, lambda b, h, x, n, c, ix: (b, h // g, ix[cfg.idx_at(b, h // g, x, n)], 0))
 
 
-def _krow_spec(nr, blk, g, walked):
+def _krow_spec(cfg, nr, blk, g, walked):
   if walked:
-    return pl.BlockSpec((None, None, nr, blk), lambda b, h, x, n, c, ix: (b, h // g, 0, ix[b, h // g, x, n]))
+    return pl.BlockSpec(
+      (None, None, nr, blk), lambda b, h, x, n, c, ix: (b, h // g, 0, ix[cfg.idx_at(b, h // g, x, n)])
+    )
   return pl.BlockSpec((None, None, nr, blk), lambda b, h, x, n, c, ix: (b, h, 0, x))
 
 
@@ -255,10 +272,10 @@ def _r_spec(nbp, g):  # row x of R (or R^T) as [1, nbp]
   return pl.BlockSpec((None, None, None, 1, nbp), lambda b, h, x, n, c, ix: (b, h // g, x, 0, 0))
 
 
-def _seg_specs(blk, g, q_walked):
+def _seg_specs(cfg, blk, g, q_walked):
   """(qseg [B, Tp, 1], kseg [B, 1, Tp]) specs: one side the program's block, the other walked."""
   own = lambda b, h, x, n, c, ix: x
-  walk = lambda b, h, x, n, c, ix: ix[b, h // g, x, n]
+  walk = lambda b, h, x, n, c, ix: ix[cfg.idx_at(b, h // g, x, n)]
   qb, kb = (walk, own) if q_walked else (own, walk)
   return [
     pl.BlockSpec((None, blk, 1), lambda *a: (a[0], qb(*a), 0)),
@@ -275,14 +292,14 @@ def _forward(cfg, q, k, v, st, seg, lists):
   krow, qcol, r = st
   nr, nc = krow.shape[2], qcol.shape[3]
   args = [q, k, v, krow, qcol]
-  specs = [_own((blk, d)), _walked((blk, d), g), _walked((blk, dv), g), _krow_spec(nr, blk, g, True)]
+  specs = [_own((blk, d)), _walked(cfg, (blk, d), g), _walked(cfg, (blk, dv), g), _krow_spec(cfg, nr, blk, g, True)]
   specs.append(_own((blk, nc), g))
   if r is not None:
     args.append(_r_rows(r, nb))
     specs.append(_r_spec(nb, g))
   if seg is not None:
     args += list(seg)
-    specs += _seg_specs(blk, g, q_walked=False)
+    specs += _seg_specs(cfg, blk, g, q_walked=False)
   kernel = functools.partial(_fwd_kernel, cfg=cfg, blk=blk, has_r=r is not None, has_seg=seg is not None)
   scratch = [pltpu.VMEM((blk, 1), F32), pltpu.VMEM((blk, 1), F32), pltpu.VMEM((blk, dv), F32)]
   out_shape = [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype), jax.ShapeDtypeStruct((b, h, tp, 1), F32)]
@@ -310,11 +327,13 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
   has_r, has_seg = r is not None, seg is not None
 
   # dK / dV: grid (B, KVH, J, n) over the transposed lists; q-side tiles of the group: [G, blk, .].
-  group = lambda cols: pl.BlockSpec((None, g, blk, cols), lambda b, h, x, n, c, ix: (b, h, ix[b, h, x, n], 0))
+  group = lambda cols: pl.BlockSpec(
+    (None, g, blk, cols), lambda b, h, x, n, c, ix: (b, h, ix[cfg.idx_at(b, h, x, n)], 0)
+  )
   args = [q, k, v, do, lse, delta, krow, qcol]
   specs = [group(d), _own((blk, d)), _own((blk, dv_)), group(dv_), group(1), group(1)]
-  specs += [_krow_spec(nr, blk, 1, False), _walked((blk, nc), 1)]
-  out_specs = [_own((blk, d)), _own((blk, dv_)), _krow_spec(nr, blk, 1, False)]
+  specs += [_krow_spec(cfg, nr, blk, 1, False), _walked(cfg, (blk, nc), 1)]
+  out_specs = [_own((blk, d)), _own((blk, dv_)), _krow_spec(cfg, nr, blk, 1, False)]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_shape.append(jax.ShapeDtypeStruct(krow.shape, F32))
   if has_r:
@@ -324,7 +343,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
     out_shape.append(jax.ShapeDtypeStruct(r.shape[:2] + (nb, 1, nb), F32))
   if has_seg:
     args += list(seg)
-    specs += _seg_specs(blk, 1, q_walked=True)
+    specs += _seg_specs(cfg, blk, 1, q_walked=True)
   kernel = functools.partial(_dkv_kernel, cfg=cfg, blk=blk, has_r=has_r, has_seg=has_seg)
   scratch = [pltpu.VMEM((blk, d), F32), pltpu.VMEM((blk, dv_), F32)]
   outs = _call(
@@ -344,14 +363,14 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
 
   # dQ: grid (B, H, I, n) over the forward lists.
   args = [q, k, v, do, lse, delta, krow, qcol]
-  specs = [_own((blk, d)), _walked((blk, d), g), _walked((blk, dv_), g), _own((blk, dv_)), _own((blk, 1))]
-  specs += [_own((blk, 1)), _krow_spec(nr, blk, g, True), _own((blk, nc), g)]
+  specs = [_own((blk, d)), _walked(cfg, (blk, d), g), _walked(cfg, (blk, dv_), g), _own((blk, dv_)), _own((blk, 1))]
+  specs += [_own((blk, 1)), _krow_spec(cfg, nr, blk, g, True), _own((blk, nc), g)]
   if has_r:
     args.append(_r_rows(r, nb))
     specs.append(_r_spec(nb, g))
   if has_seg:
     args += list(seg)
-    specs += _seg_specs(blk, g, q_walked=False)
+    specs += _seg_specs(cfg, blk, g, q_walked=False)
   kernel = functools.partial(_dq_kernel, cfg=cfg, blk=blk, has_r=has_r, has_seg=has_seg)
   dq, dqcol = _call(
     cfg,
@@ -438,13 +457,14 @@ def block_sparse_attention(
   dead = None
   if skip_tolerance is not None:
     dead = _chunked._dead_tiles(q, k, bias, bias.stats(nb, blk), scale, skip_tolerance, nb, blk)
-  lists = tile_lists(dead, (b, k.shape[2], nb))
   st = bias.kernel_stats(blk, tp)
   prep = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), [(0, 0), (0, 0), (0, tp - t), (0, 0)])
   seg = None
   if segment_ids is not None:
     s = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, tp - t)], constant_values=-1)
     seg = (s[:, :, None], s[:, None, :])
-  cfg = _Cfg(bias.kind, float(scale), blk, blk, bool(interpret), mode, h // k.shape[2])
+  kvh = k.shape[2]
+  cfg = _SparseCfg(bias.kind, float(scale), blk, blk, bool(interpret), mode, h // kvh, kvh, nb)
+  lists = tuple(x.reshape(-1) for x in tile_lists(dead, (b, kvh, nb)))
   o = _core(cfg, prep(q), prep(k), prep(v), st, seg, lists)
   return jnp.swapaxes(o[:, :, :t], 1, 2)
