@@ -122,6 +122,22 @@ def test_block_sparse_walks_exactly_the_given_tiles(monkeypatch, fox):
   assert np.abs(np.asarray(exact[0] - want[0])).max() > 1e-2, "the mask should drop weight"
 
 
+def test_block_sparse_bf16():
+  # bf16 q / k / v: the kernels round p / dS to bf16 for their matmuls (as `kernels.py`); the
+  # reference, chunked in fp32 on the same rounded inputs, drops the same tiles (the bound reads
+  # fp32 norms of those values).
+  t, blk, tol = 29, 8, 1e-3
+  q, k, v, gate, level, ct, seg = make_inputs(6, 1, t, 2, 1, 8, False, False)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  got = value_and_grads(bf(q), bf(k), bf(v), gate, level, ct, seg, impl="pallas", blk=blk, fox=False, tol=tol)
+  assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
+  f32 = lambda x: bf(x).astype(jnp.float32)
+  want = value_and_grads(f32(q), f32(k), f32(v), gate, level, ct, seg, impl="chunked", blk=blk, fox=False, tol=tol)
+  assert _dead(f32(q), f32(k), gate, level, False, tol, blk).any()
+  for name, g, w in zip(NAMES, got, want):
+    assert_close(g, w, dtype=jnp.bfloat16, factor=2, err_msg=f"bf16 block-sparse vs fp32 chunked: {name}")
+
+
 def test_block_sparse_without_tolerance_is_exact():
   # skip_tolerance=None walks every causal tile: the exact result, values and gradients.
   q, k, v, gate, level, ct, seg = make_inputs(2, 1, 21, 2, 1, 4, True, False)
