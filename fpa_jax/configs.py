@@ -118,7 +118,8 @@ class ModelConfig(_Part):
   # chunked tile size; 0 -> ops default (shrinks for short sequences)
   block_size: int = _field(0, V.integer(0, "0 = the ops default"), free_on_resume=True)
   # None: exact. eps in (0, 1): the chunked kernel drops tiles whose every weight is <= eps / T
-  # (each row loses <= eps of its attention, `fpa_jax.ops.chunked`); attn_impl chunked (or auto) only.
+  # (each row loses <= eps of its attention, `fpa_jax.ops.chunked`); attn_impl chunked (or auto) or
+  # pallas (the block-sparse kernels, `fpa_jax.ops.pallas.block_sparse`).
   skip_tolerance: float | None = _field(None, _skip_tolerance, free_on_resume=True)
   # what skip_tolerance drops: "tiles" (forward and backward) or "keys" (per query block, each key the
   # bound rules out; forward only: prefill and evaluation, `fpa_jax.ops.sparse`; training refuses it)
@@ -239,7 +240,14 @@ class ModelConfig(_Part):
     _ops_validate.check_skip_tolerance(
       self.skip_tolerance, self.attn_impl, name=n("skip_tolerance"), impl_name=n("attn_impl")
     )
-    _ops_validate.check_skip(self.skip, self.skip_tolerance, name=n("skip"), tolerance_name=n("skip_tolerance"))
+    _ops_validate.check_skip(
+      self.skip,
+      self.skip_tolerance,
+      self.attn_impl,
+      name=n("skip"),
+      tolerance_name=n("skip_tolerance"),
+      impl_name=n("attn_impl"),
+    )
     return self
 
 

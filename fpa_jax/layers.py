@@ -219,7 +219,7 @@ class AttentionSpec:
     KVH, and then device s holds query heads [s H/M, (s+1) H/M) and exactly the kv heads they
     read, [s KVH/M, (s+1) KVH/M); otherwise heads are replicated."""
     kw = dict(impl=self.impl, block_size=self.block_size)
-    if self.skip_tolerance is not None:  # the op raises a clear error where impl is not chunked
+    if self.skip_tolerance is not None:  # the op raises a clear error where impl skips no tiles
       kw["skip_tolerance"] = self.skip_tolerance
     if self.skip != "tiles":  # config validation has already required a tolerance with it
       kw["skip"] = self.skip
@@ -431,8 +431,9 @@ class FirstPassageAttention(nnx.Module):
     rope: None = RoPE for softmax only (the gates give position); rope_theta its base.
     attn_impl, block_size: the ops impl ("auto", "chunked", "pallas", "quadratic", "recurrent")
       and tile size (None or 0 = the ops default). skip_tolerance: None (exact) or eps in (0, 1),
-      chunked only: each row loses at most eps of its attention (`fpa_jax.ops.chunked`); skip:
-      "tiles" drops whole tiles, "keys" single keys per query block (forward only, `ops.sparse`).
+      chunked or pallas: each row loses at most eps of its attention (`fpa_jax.ops.chunked`); skip:
+      "tiles" drops whole tiles, "keys" single keys per query block (forward only, chunked only,
+      `ops.sparse`).
     precision: matmul precision, "default" | "high" | "highest" (`configs.PRECISIONS`).
     init_std: std of the q, k, v (and output-gate) projections' init; out_init_std that of W_o
       (None = init_std; for a stack of L blocks init_std / sqrt(2 L) is GPT-2's depth scaling).

@@ -191,9 +191,13 @@ def test_skip_tolerance_config_fields():
   for bad, match in [(0.0, "skip_tolerance="), (1.0, "skip_tolerance="), (True, "skip_tolerance=")]:
     with pytest.raises(ValueError, match=match):
       C.get_config("tiny", skip_tolerance=bad)
-  for impl in ("quadratic", "recurrent", "pallas"):
-    with pytest.raises(ValueError, match="skip_tolerance only applies to the chunked kernel"):
+  for impl in ("quadratic", "recurrent"):
+    with pytest.raises(ValueError, match="skip_tolerance only applies to the tiled kernels"):
       C.get_config("tiny", skip_tolerance=1e-3, attn_impl=impl)
+  # pallas skips tiles (the block-sparse kernels), not keys
+  assert C.get_config("tiny", skip_tolerance=1e-3, attn_impl="pallas").model.skip_tolerance == 1e-3
+  with pytest.raises(ValueError, match="attn_impl='chunked'"):
+    C.get_config("tiny", skip_tolerance=1e-3, attn_impl="pallas", skip="keys")
   with pytest.raises(ValueError, match="unknown precision"):
     C.get_config("tiny", precision="bf16")
   # neither changes the parameters: a run may resume with another value

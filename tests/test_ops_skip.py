@@ -287,7 +287,7 @@ def test_bad_skip_tolerance_raises(bad):
 
 
 @pytest.mark.parametrize("impl", ["quadratic", "recurrent"])
-def test_skip_tolerance_is_chunked_only(impl):
+def test_skip_tolerance_is_for_the_tiled_kernels_only(impl):
   q, k, v, field, level = small()
   with pytest.raises(ValueError, match="impl='chunked'"):
     ops.fpa_attention(q, k, v, field, level, impl=impl, skip_tolerance=1e-3)

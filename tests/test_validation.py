@@ -159,9 +159,9 @@ def test_one_check_per_field_names_the_argument():
     ops.fpa_attention(q, q, q, f, f, impl="flash")
   with pytest.raises(ValueError, match=r"unknown attn_impl 'flash': the attn_impl must be one of"):
     C.ModelConfig(attn_impl="flash").validate()
-  with pytest.raises(ValueError, match=r"skip_tolerance only applies to the chunked kernel \(impl="):
+  with pytest.raises(ValueError, match=r"skip_tolerance only applies to the tiled kernels \(impl="):
     ops.fpa_attention(q, q, q, f, f, impl="quadratic", skip_tolerance=1e-3)
-  with pytest.raises(ValueError, match=r"skip_tolerance only applies to the chunked kernel \(attn_impl="):
+  with pytest.raises(ValueError, match=r"skip_tolerance only applies to the tiled kernels \(attn_impl="):
     C.ModelConfig(attn_impl="quadratic", skip_tolerance=1e-3).validate()
 
 

@@ -94,10 +94,12 @@ def fpa_attention(
     block_size: chunked / pallas / auto only; query/key tile size (default `chunked.DEFAULT_BLOCK`,
       or `pallas.BlockSizes.default` of the backend; pallas and auto also take a `BlockSizes`,
       of which auto (chunked) uses `fwd`).
-    skip_tolerance: None (exact, the default) or a float eps in (0, 1); "chunked" only (other
-      impls, and "auto" where it picks "pallas", raise ValueError). Drops the tiles whose every
-      weight is provably <= eps / seq (bound in `fpa_jax.ops.chunked`), forward and backward:
-      each row loses total weight <= eps, each output component moves by <= 2 eps max|v|.
+    skip_tolerance: None (exact, the default) or a float eps in (0, 1); "chunked" / "auto" or
+      "pallas" (other impls raise ValueError). Drops the tiles whose every weight is provably
+      <= eps / seq (bound in `fpa_jax.ops.chunked`), forward and backward: each row loses total
+      weight <= eps, each output component moves by <= 2 eps max|v|. "pallas" then runs the
+      block-sparse kernels (`fpa_jax.ops.pallas.block_sparse`: the same tiles dropped, never read;
+      one tile size for both passes; TPU or the interpreter, ValueError on GPU).
     skip: what skip_tolerance drops: "tiles" (the default above) or "keys": per query block, each
       key whose weights the bound puts below eps / seq, the live keys gathered into dense chunks
       (`fpa_jax.ops.sparse`; the same guarantee per row). It turns a head that keeps a sparse set
@@ -119,7 +121,8 @@ def fpa_attention(
   scale = _v.default_scale(scale, d)
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
-  _v.check_skip(skip, skip_tolerance)
+  _v.check_skip(skip, skip_tolerance, impl)
+  _v.check_pallas_skip(impl, block_size, skip_tolerance)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   return _fpa_core(
@@ -164,7 +167,14 @@ def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
 def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
   if impl == "pallas":
     return _pallas.pallas_attention(
-      q, k, v, _bias.FPABias(field, level), scale=scale, segment_ids=segment_ids, block_sizes=block_size
+      q,
+      k,
+      v,
+      _bias.FPABias(field, level),
+      scale=scale,
+      segment_ids=segment_ids,
+      block_sizes=block_size,
+      skip_tolerance=skip_tolerance,
     )
   if impl == "quadratic":
     bias = -penalty_matrix(_bht(field), _bht(level))
@@ -221,7 +231,7 @@ def fox_attention(
       entries are clamped to 0 (forget gate 1, gradient 0 there) before any impl sees them, so
       every impl computes the same, defined result. Non-finite entries (NaN, +-inf): ValueError
       where concrete; under jit NaN rows from the bad token on, as in `fpa_attention`.
-    skip_tolerance, skip: as in `fpa_attention` (chunked only); the tile floor is min_J c - max_I c,
+    skip_tolerance, skip: as in `fpa_attention` (chunked, or pallas for skip="tiles"); the tile floor is min_J c - max_I c,
       a key's floor for query block I is c_j - max_I c.
     Others as in `fpa_attention`.
   """
@@ -232,7 +242,8 @@ def fox_attention(
   _v.check_segment_ids(segment_ids, (b, t))
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
-  _v.check_skip(skip, skip_tolerance)
+  _v.check_skip(skip, skip_tolerance, impl)
+  _v.check_pallas_skip(impl, block_size, skip_tolerance)
   _v.check_gate_values("log_fgate", log_fgate)
   _v.check_log_fgate(log_fgate)
   if _v.is_empty(b, t):
@@ -267,7 +278,14 @@ def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_
 def _fox_impl(q, k, v, c, segment_ids, *, impl, scale, block_size, skip_tolerance, skip):
   if impl == "pallas":
     return _pallas.pallas_attention(
-      q, k, v, _bias.FoXBias(c), scale=scale, segment_ids=segment_ids, block_sizes=block_size
+      q,
+      k,
+      v,
+      _bias.FoXBias(c),
+      scale=scale,
+      segment_ids=segment_ids,
+      block_sizes=block_size,
+      skip_tolerance=skip_tolerance,
     )
   if impl == "chunked" and skip == "keys":
     return _sparse.key_sparse_attention(

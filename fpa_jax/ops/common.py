@@ -16,8 +16,8 @@ import jax.numpy as jnp
 # its `implementation`); IMPLS is derived from it for runtime checks and listings.
 Implementation = Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
 IMPLS: tuple[str, ...] = get_args(Implementation)
-# What skip_tolerance drops (chunked only): whole tiles (forward and backward, `chunked`) or single
-# keys per query block (forward only, `sparse`).
+# What skip_tolerance drops: whole tiles (forward and backward, `chunked`, and the block-sparse Pallas
+# kernels) or single keys per query block (forward only, `sparse`; chunked only).
 Skip = Literal["tiles", "keys"]
 SKIPS: tuple[str, ...] = get_args(Skip)
 # The tiled impls, which take a block_size ("auto" resolves to one of them).

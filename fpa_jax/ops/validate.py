@@ -142,19 +142,44 @@ def default_scale(scale, head_dim: int) -> float:
   return head_dim**-0.5 if scale is None else float(scale)
 
 
+# The tiled kernels that drop dead tiles: chunked ("auto" resolves to it) and the block-sparse
+# Pallas kernels (`ops.pallas.block_sparse`).
+SKIPPING = ("chunked", "pallas")
+
+PALLAS_SKIP_GPU = (
+  "impl='pallas' with skip_tolerance runs block-sparse kernels over scalar-prefetched index lists "
+  "(Mosaic TPU, or the interpreter off TPU / GPU); Triton on GPU has neither: use impl='chunked' (the "
+  "same tiles dropped) or skip_tolerance=None there"
+)
+
+
 def check_skip_tolerance(skip_tolerance, impl: str | None = None, *, name="skip_tolerance", impl_name="impl") -> None:
-  """None (exact) or a Python float eps in (0, 1); with `impl` given, for the chunked kernel only
-  ("auto" resolves to it)."""
+  """None (exact) or a Python float eps in (0, 1); with `impl` given, for the tiled kernels that skip
+  dead tiles only (SKIPPING; "auto" resolves to chunked)."""
   if skip_tolerance is None:
     return
   # A Python float only: it sets a static threshold, so arrays / tracers have no meaning here.
   if not isinstance(skip_tolerance, float) or not 0.0 < skip_tolerance < 1.0:
     raise ValueError(f"{name}={skip_tolerance!r}: use None (exact) or a float in (0, 1), e.g. 1e-3")
-  if impl is not None and resolve_impl(impl) != "chunked":
+  if impl is not None and resolve_impl(impl) not in SKIPPING:
     raise ValueError(
-      f"{name} only applies to the chunked kernel ({impl_name}='chunked' or 'auto'), got {impl_name}={impl!r}: "
-      f"set {impl_name}='chunked' or {name}=None"
+      f"{name} only applies to the tiled kernels ({impl_name}='chunked', 'auto' or 'pallas'), got "
+      f"{impl_name}={impl!r}: set {impl_name}='chunked' or {name}=None"
     )
+
+
+def check_pallas_skip(impl, block_size, skip_tolerance, *, name="skip_tolerance", block_name="block_size") -> None:
+  """impl="pallas" with a tolerance (the block-sparse kernels): one tile size for the forward and
+  backward kernels (they drop the same tiles), and a backend with scalar prefetch."""
+  if impl != "pallas" or skip_tolerance is None:
+    return
+  if isinstance(block_size, BlockSizes) and block_size.backward != block_size.fwd:
+    raise ValueError(
+      f"{name} drops the same tiles in the Pallas forward and backward kernels, so they take one tile "
+      f"size, got {block_name}={block_size}: pass {block_name}={block_size.fwd}"
+    )
+  if jax.default_backend() == "gpu":
+    raise ValueError(PALLAS_SKIP_GPU)
 
 
 def check_skip_name(skip, *, name="skip") -> None:
@@ -163,12 +188,20 @@ def check_skip_name(skip, *, name="skip") -> None:
     raise ValueError(f"{name}={skip!r}: the {name} must be one of {SKIPS}")
 
 
-def check_skip(skip, skip_tolerance, *, name="skip", tolerance_name="skip_tolerance") -> None:
-  """skip: "tiles" (default) or "keys" (forward-only key-sparse prefill, which needs a tolerance)."""
+def check_skip(
+  skip, skip_tolerance, impl=None, *, name="skip", tolerance_name="skip_tolerance", impl_name="impl"
+) -> None:
+  """skip: "tiles" (default) or "keys" (forward-only key-sparse prefill, which needs a tolerance and
+  the chunked kernel)."""
   check_skip_name(skip, name=name)
   if skip == "keys" and skip_tolerance is None:
     raise ValueError(
       f"{name}='keys' drops keys under a tolerance: set {tolerance_name}=eps in (0, 1) (e.g. 1e-3) or {name}='tiles'"
+    )
+  if skip == "keys" and impl is not None and resolve_impl(impl) == "pallas":
+    raise ValueError(
+      f"{name}='keys' (key-sparse prefill) is the chunked kernel's; the Pallas kernels skip whole tiles: "
+      f"set {name}='tiles' or {impl_name}='chunked'"
     )
 
 

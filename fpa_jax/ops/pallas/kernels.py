@@ -430,7 +430,9 @@ def _check_blocks(block_sizes, mode):
   return block_sizes
 
 
-def pallas_attention(q, k, v, bias: Bias, *, scale, segment_ids=None, block_sizes=None, interpret=None):
+def pallas_attention(
+  q, k, v, bias: Bias, *, scale, segment_ids=None, block_sizes=None, interpret=None, skip_tolerance=None
+):
   """Causal attention with an FPA or FoX bias in Pallas kernels.
 
   Args:
@@ -441,9 +443,25 @@ def pallas_attention(q, k, v, bias: Bias, *, scale, segment_ids=None, block_size
     segment_ids: optional [B, T] int.
     block_sizes: `BlockSizes`, an int (both passes), or None (`BlockSizes.default` of the backend).
     interpret: run the kernels in the Pallas interpreter; default: on anything but TPU / GPU.
+    skip_tolerance: None (these kernels, exact) or eps in (0, 1): the block-sparse kernels
+      (`block_sparse.block_sparse_attention`), which drop the chunked kernel's dead tiles.
   Returns:
     [B, T, H, Kv] in q's dtype.
   """
+  if skip_tolerance is not None:
+    from fpa_jax.ops.pallas.block_sparse import block_sparse_attention  # which imports this module
+
+    return block_sparse_attention(
+      q,
+      k,
+      v,
+      bias,
+      scale=scale,
+      skip_tolerance=skip_tolerance,
+      segment_ids=segment_ids,
+      block_sizes=block_sizes,
+      interpret=interpret,
+    )
   b, t, h, d = q.shape
   dv = v.shape[-1]
   if b == 0 or t == 0:  # an empty grid: nothing to run
