@@ -88,6 +88,14 @@ def test_no_tracker_numbers(page):
   assert not hits, f"{page.relative_to(ROOT)} cites {hits}: say what and why instead"
 
 
+@pytest.mark.parametrize("sub", ["fpa_jax", "notebooks"])
+def test_no_tracker_numbers_in_the_package_or_notebooks(sub):
+  """The package's code, messages and the notebooks a user runs: the same rule as the docs."""
+  files = [p for p in sorted((ROOT / sub).rglob("*")) if p.suffix in (".py", ".ipynb")]
+  bad = [f"{p.relative_to(ROOT)}: {hits}" for p in files if (hits := ISSUE.findall(p.read_text()))]
+  assert files and not bad, "say what and why instead: " + "; ".join(bad)
+
+
 def test_readme_is_an_entry_point():
   lines = (ROOT / "README.md").read_text().splitlines()
   assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail to docs/"
