@@ -77,6 +77,9 @@ BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
 THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
 WINDOWED = ("fpa_budget", "fpa_global", "snapkv", SCORE)  # have a protected recent window
 BOUNDS = ("keys", "params")
+# fpa_global's implementations, one behaviour: "masked" (each head over the whole pool, masked; eviction by
+# top-k), "gather" (each head over its own slots, gathered), "reference" (masked; eviction by one sort of the pool)
+POOL_IMPLS = ("masked", "gather", "reference")
 N_SINK = 4
 OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
 KERNEL = 7  # snapkv: max-pool width over keys
@@ -105,6 +108,7 @@ class Policy:
   obs_window: int = OBS_WINDOW  # snapkv
   kernel: int = KERNEL  # snapkv
   score: Callable | None = None  # score
+  pool_impl: str = "masked"  # fpa_global: `POOL_IMPLS`
 
   @property
   def thresholded(self) -> bool:
