@@ -216,7 +216,11 @@ def _attend_slots(c: int, scale: float, q, k, v, pen, mine):
   -> [B, H/KVH, K] fp32."""
   b, g = mine.shape
   rank = jnp.where(mine, jnp.cumsum(mine, axis=1) - 1, c)  # [B, G]; c: not this head's, dropped
-  idx = jnp.full((b, c), g, jnp.int32).at[jnp.arange(b)[:, None], rank].set(jnp.arange(g, dtype=jnp.int32)[None], mode="drop")
+  idx = (
+    jnp.full((b, c), g, jnp.int32)
+    .at[jnp.arange(b)[:, None], rank]
+    .set(jnp.arange(g, dtype=jnp.int32)[None], mode="drop")
+  )
   held = idx < g  # [B, C]
   idx = jnp.where(held, idx, 0)
   kk = jnp.take_along_axis(k, idx[..., None], axis=1)  # [B, C, K]
@@ -243,7 +247,9 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   (f, lv), bad = _sanitize(field[:, 0], level[:, 0])  # [B, KVH]; disallowed values as in decode_attend
   head = pool.owner - layer * kvh  # the slot's kv head if this layer owns it
   mine = pool.alive & (head >= 0) & (head < kvh)  # [B, G]
-  f_slot = sum(jnp.where(head == j, f[:, j : j + 1], 0.0) for j in range(kvh))  # [B, G] its head's field (a select: CPU gathers are slow)
+  f_slot = sum(
+    jnp.where(head == j, f[:, j : j + 1], 0.0) for j in range(kvh)
+  )  # [B, G] its head's field (a select: CPU gathers are slow)
   run_min = jnp.where(mine, fp.advance(pool.run_min, f_slot), pool.run_min)
   pool = pool._replace(run_min=run_min)
   if policy.head_cap is not None:  # a head at its limit drops its victim (fpa_budget's rule, per head)
@@ -295,7 +301,6 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCach
   else:
     gone = evict_few(pen, pool.pos, pool.owner, cand, excess, cache.n_layers * cache.kv_heads)
   return cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
-
 
 
 def evict_few(pen, pos, owner, cand, count, most: int) -> jax.Array:
