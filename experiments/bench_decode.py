@@ -8,8 +8,13 @@
 Policies (`POLICIES`, label -> policy and arguments): full; fpa_budget, window, snapkv at 25%;
 fpa_global at 25% (one shared slot pool per row of 25% of every layer's and head's keys: the cache
 bytes of fpa_budget 25% plus an int32 owner tag per slot; each head attends over the whole pool,
-masked, so its decode compute is layers x kv heads times fpa_budget's); fpa_global_cap at 25% with
-a per-head limit of 50% (the same bytes). Budgets are thus compared at equal cache bytes (the
+masked); fpa_global_cap at 25% with a per-head limit of 50% (the same bytes); fpa_global_gather and
+fpa_global_sort: fpa_global's other implementations (`Policy.pool_impl` "gather": each head over its
+own slots, gathered; "reference": eviction by one sort of the pool, as before top-k), the same keys.
+Each context's policies are timed interleaved (a repeat of each in turn), so a loaded machine slows
+them alike: compare the ratios to full, not the seconds. With --profile (default) fpa_global's step
+at the largest context is split into attention, eviction and the rest (each part: the step's time
+minus the step's with that part replaced by a stand-in of no cost). Budgets are thus compared at equal cache bytes (the
 `cache MiB` column: what each policy's cache allocates). For the global budgets, the kept fraction
 per layer and kv head at the end of the largest context is written as a heat map
 (`<out>_kept_<label>.png`). With --tolerance (default 1e-3; 0: skip) the `fpa` tolerance policy's

@@ -5,10 +5,17 @@ Shape legend: B batch, G pool slots per row, L layers, KVH kv heads, H query hea
 The global budget is G = policy.keys * L * KVH keys per row for the whole cache, so the pool has
 exactly G slots per row and allocates what `fpa_budget`'s per-head caches allocate at the same
 budget, plus an int32 owner tag per slot (`decode.cache_bytes`). A slot holds one key of one
-(layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key). Static shapes:
-a query head attends over the whole pool masked to its own (layer, kv head) slots, so attention
-costs O(G) per head and step, L * KVH times a per-head cache of the same budget: the price of
-sharing the slots without dynamic shapes (a paged kernel would gather the head's own pages).
+(layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key).
+
+Cost per token (`Policy.pool_impl`; every implementation keeps the same keys and decodes the same
+tokens): "masked" (default) attends each query head over the whole pool masked to its own slots,
+so a layer reads all G slots, O(G) per head: on CPU this read is most of the step, and a cost that
+follows the keys each head holds needs each head's keys contiguous (a repack), since gathers and
+scatters of slot lists cost more there than the masked read. "gather" lists each head's slots and
+gathers them into the least of a few static capacities that holds them (`_attend_gathered`):
+attention O(keys the head holds), plus O(G) to list them. Eviction takes the step's at most
+L * KVH keys by three top-k passes over the pool (`evict_few`); "reference" is the masked attention
+with eviction by one sort of the pool (the original implementation, kept to test against).
 
 A decode step, per layer l (`pool_decode_attend`, what the layer's `PoolView.attend` runs):
 advance the running min of the slots layer l owns with their head's field (gathered by owner),
