@@ -8,8 +8,13 @@
 Policies (`POLICIES`, label -> policy and arguments): full; fpa_budget, window, snapkv at 25%;
 fpa_global at 25% (one shared slot pool per row of 25% of every layer's and head's keys: the cache
 bytes of fpa_budget 25% plus an int32 owner tag per slot; each head attends over the whole pool,
-masked, so its decode compute is layers x kv heads times fpa_budget's); fpa_global_cap at 25% with
-a per-head limit of 50% (the same bytes). Budgets are thus compared at equal cache bytes (the
+masked); fpa_global_cap at 25% with a per-head limit of 50% (the same bytes); fpa_global_gather and
+fpa_global_sort: fpa_global's other implementations (`Policy.pool_impl` "gather": each head over its
+own slots, gathered; "reference": eviction by one sort of the pool, as before top-k), the same keys.
+Each context's policies are timed interleaved (a repeat of each in turn), so a loaded machine slows
+them alike: compare the ratios to full, not the seconds. With --profile (default) fpa_global's step
+at the largest context is split into attention, eviction and the rest (each part: the step's time
+minus the step's with that part replaced by a stand-in of no cost). Budgets are thus compared at equal cache bytes (the
 `cache MiB` column: what each policy's cache allocates). For the global budgets, the kept fraction
 per layer and kv head at the end of the largest context is written as a heat map
 (`<out>_kept_<label>.png`). With --tolerance (default 1e-3; 0: skip) the `fpa` tolerance policy's
@@ -30,6 +35,8 @@ Writes results/bench_decode.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -53,8 +60,12 @@ POLICIES: dict[str, tuple[str, dict]] = {
   "snapkv": ("snapkv", {"budget": 0.25}),
   "fpa_global": ("fpa_global", {"budget": 0.25}),  # fpa_budget 25%'s bytes (a shared pool)
   "fpa_global_cap": ("fpa_global", {"budget": 0.25, "head_cap": 0.5}),  # the same, a per-head limit
+  # the same policy, other implementations (`Policy.pool_impl`; the same keys and tokens)
+  "fpa_global_gather": ("fpa_global", {"budget": 0.25, "pool_impl": "gather"}),
+  "fpa_global_sort": ("fpa_global", {"budget": 0.25, "pool_impl": "reference"}),
 }
-QUICK = ("full", "fpa_budget", "window", "fpa_global")
+QUICK = ("full", "fpa_budget", "window", "fpa_global", "fpa_global_sort")
+IMPL_KW = ("pool_impl",)  # POLICIES keywords for the resolved `Policy`, not `make_policy`
 
 
 def plot_kept_heatmap(kept, path: str, title: str) -> None:
@@ -119,9 +130,60 @@ def decode_timer(model, prompt, n_new: int, policy):
 
 def time_decode(model, prompt, n_new: int, repeats: int, policy) -> tuple[float, np.ndarray]:
   """(median seconds per decode step (compile and one warm-up call excluded), kept [L, KVH] at the end)."""
-  run = decode_timer(model, prompt, n_new, policy)
-  run(), run()
-  return statistics.median(run() for _ in range(repeats)) / n_new, run.kept[0]
+  (per_token,), (kept,) = time_interleaved(model, prompt, n_new, repeats, [policy])
+  return per_token, kept
+
+
+def time_interleaved(model, prompt, n_new: int, repeats: int, policies) -> tuple[list[float], list[np.ndarray]]:
+  """`time_decode` for several policies on one prompt, their repeats interleaved (policy 1, 2, ...,
+  1, 2, ...) so a machine loaded by other jobs slows each alike: ([median s per step], [kept])."""
+  runs = [decode_timer(model, prompt, n_new, p) for p in policies]
+  for run in runs:
+    run(), run()
+  times = [[] for _ in runs]
+  for _ in range(repeats):
+    for t, run in zip(times, runs):
+      t.append(run())
+  return [statistics.median(t) / n_new for t in times], [run.kept[0] for run in runs]
+
+
+@contextlib.contextmanager
+def _without(part: str):
+  """fpa_global with one part of its step replaced by a stand-in of no cost (for the profile only:
+  the tokens it then decodes mean nothing): "attention" (every head's attention over the pool) or
+  "eviction" (`pool_evict` between steps)."""
+  from fpa_jax.inference import pool as P
+
+  name, stub = {
+    "attention": ("_attend_masked", lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum()),
+    "eviction": ("pool_evict", lambda cache, policy, now: cache),
+  }[part]
+  old = getattr(P, name)
+  setattr(P, name, stub)
+  try:
+    yield
+  finally:
+    setattr(P, name, old)
+
+
+def profile_global(model, prompt, n_new: int, repeats: int, policy) -> dict:
+  """fpa_global's step split by stand-ins (`_without`), timed interleaved with the whole step:
+  {"step_ms", "attention_ms", "eviction_ms", "rest_ms"} per token (a part's time: the whole step's
+  minus the step's without it)."""
+  runs = [decode_timer(model, prompt, n_new, policy)]
+  for part in ("attention", "eviction"):
+    with _without(part):  # traced (and compiled) inside: the stand-in is baked into this program
+      run = decode_timer(model, prompt, n_new, policy)
+      run(), run()
+    runs.append(run)
+  runs[0](), runs[0]()
+  times = [[] for _ in runs]
+  for _ in range(repeats):
+    for t, run in zip(times, runs):
+      t.append(run())
+  step, no_attn, no_evict = (statistics.median(t) / n_new * 1e3 for t in times)
+  attn, evict = step - no_attn, step - no_evict
+  return {"step_ms": step, "attention_ms": attn, "eviction_ms": evict, "rest_ms": step - attn - evict}
 
 
 def tolerance_study(model, prompt, eps: float) -> dict:
@@ -167,6 +229,12 @@ def main(argv=None) -> dict:
     help="prompts of the tolerance study: random tokens, or the passkey test prompts at 1x (byte models trained "
     "by experiments.passkey: what the model was trained to read)",
   )
+  ap.add_argument(
+    "--profile",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="split fpa_global's step at the largest context into attention, eviction and the rest",
+  )
   ap.add_argument("--out", default=str(ROOT / "results" / "bench_decode"))
   a = ap.parse_args(argv)
   labels = list(a.policies or (QUICK if a.quick else POLICIES))
@@ -187,12 +255,22 @@ def main(argv=None) -> dict:
   rng = np.random.default_rng(0)
   rows, table = {}, []
   prompts = {m: rng.integers(3, cfg.vocab_size, (a.batch, length * m)) for m in a.multiples}
-  todo = [(m, label) for m in a.multiples for label in labels]
-  for mult, label in tqdm(todo, desc="bench_decode", disable=None):
+
+  def resolve(label: str, p: int):
+    policy, kw = POLICIES[label]
+    pol = make_policy(policy, p + a.new_tokens, **{k: v for k, v in kw.items() if k not in IMPL_KW})
+    return dataclasses.replace(pol, **{k: v for k, v in kw.items() if k in IMPL_KW})
+
+  timed = {}
+  for mult in tqdm(a.multiples, desc="bench_decode", disable=None):  # each context's policies interleaved
+    p = length * mult
+    pols = [resolve(label, p) for label in labels]
+    timed[mult] = dict(zip(labels, zip(*time_interleaved(model, prompts[mult], a.new_tokens, a.repeats, pols))))
+  for mult, label in [(m, label) for m in a.multiples for label in labels]:
     p = length * mult
     policy, kw = POLICIES[label]
-    pol = make_policy(policy, p + a.new_tokens, **kw)
-    per_token, kept = time_decode(model, prompts[mult], a.new_tokens, a.repeats, pol)
+    pol = resolve(label, p)
+    per_token, kept = timed[mult][label]
     r = {
       "context": p,
       "multiple": mult,
@@ -200,6 +278,7 @@ def main(argv=None) -> dict:
       "label": label,
       "budget": kw.get("budget"),
       "head_cap": kw.get("head_cap"),
+      "pool_impl": pol.pool_impl if pol.is_global else None,
       "capacity": pol.capacity,
       "slots_per_row": _slots_per_row(model, pol),
       "recent": pol.recent,
@@ -213,7 +292,7 @@ def main(argv=None) -> dict:
   top = max(a.multiples)
   heatmaps = {}
   for label in labels:
-    if POLICIES[label][0] == "fpa_global":
+    if POLICIES[label][0] == "fpa_global" and "pool_impl" not in POLICIES[label][1]:
       path = f"{a.out}_kept_{label}.png"
       r = rows[f"{top}x/{label}"]
       title = f"{cfg.name} {cfg.attention} {label} ({r['budget']} keys, head cap {r['head_cap'] or 'none'}) at {top}x"
@@ -248,10 +327,14 @@ def main(argv=None) -> dict:
         ]
       )
   targets = {}
-  for label in ("fpa_budget", "fpa_global"):
+  for label in ("fpa_budget", "fpa_global", "fpa_global_gather", "fpa_global_sort"):
     if label in labels:
       targets[f"{label}_cache_bytes_over_full_{top}x"] = rows[f"{top}x/{label}"]["cache_bytes_over_full"]
       targets[f"{label}_decode_time_over_full_{top}x"] = rows[f"{top}x/{label}"]["decode_time_over_full"]
+  profile = None
+  if "fpa_global" in labels and a.profile:
+    profile = profile_global(model, prompts[top], a.new_tokens, a.repeats, resolve("fpa_global", length * top))
+    profile["context"] = length * top
   meta = run_meta(
     "experiments.bench_decode",
     argv,
@@ -268,7 +351,7 @@ def main(argv=None) -> dict:
     new_tokens=a.new_tokens,
     workdir=a.workdir,
   )
-  out = {"rows": rows, "targets": targets, "tolerance": tol, "heatmaps": heatmaps, "meta": meta}
+  out = {"rows": rows, "targets": targets, "profile": profile, "tolerance": tol, "heatmaps": heatmaps, "meta": meta}
   write_json(a.out + ".json", out)
   head = (
     f"`{meta['command']}`: {cfg.name} {cfg.attention} model (d_model {cfg.d_model}, {cfg.n_layers} layers, "
@@ -293,14 +376,29 @@ def main(argv=None) -> dict:
     ],
     table,
   )
-  for label in ("fpa_budget", "fpa_global"):
+  for label, goal in (("fpa_budget", 1.0), ("fpa_global", 0.5)):
     if label in labels:
       tb, tt = targets[f"{label}_cache_bytes_over_full_{top}x"], targets[f"{label}_decode_time_over_full_{top}x"]
       md += (
         f"\nAt {top}x: {label} holds **{tb:.3f}x** the cache bytes of full (target <= 0.3: "
-        f"{'met' if tb <= 0.3 else 'not met'}) and decodes a token in **{tt:.3f}x** full's time (target < 1: "
-        f"{'met' if tt < 1 else 'not met'}).\n"
+        f"{'met' if tb <= 0.3 else 'not met'}) and decodes a token in **{tt:.3f}x** full's time (target <= {goal:g}: "
+        f"{'met' if tt <= goal else 'not met'}).\n"
       )
+  for label in ("fpa_global_gather", "fpa_global_sort"):
+    if label in labels:
+      md += (
+        f"\nAt {top}x: {label} (`pool_impl={POLICIES[label][1]['pool_impl']!r}`: the same keys and tokens) decodes a "
+        f"token in **{targets[f'{label}_decode_time_over_full_{top}x']:.3f}x** full's time.\n"
+      )
+  if profile:
+    st = profile["step_ms"]
+    md += (
+      f"\nfpa_global's step at {top}x ({profile['context']} tokens; each part: the step's time minus the step's "
+      f"with that part replaced by a stand-in of no cost, interleaved): {st:.2f} ms/token = attention over the pool "
+      f"{profile['attention_ms']:.2f} ({profile['attention_ms'] / st:.0%}) + eviction between steps "
+      f"{profile['eviction_ms']:.2f} ({profile['eviction_ms'] / st:.0%}) + the rest (projections, MLP, pool "
+      f"bookkeeping) {profile['rest_ms']:.2f} ({profile['rest_ms'] / st:.0%}).\n"
+    )
   if tol:
     md += (
       f"\nTolerance policy `fpa` (eps = {a.tolerance:g}) at 1x ({length} tokens, every token decoded; "

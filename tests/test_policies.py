@@ -484,3 +484,55 @@ def test_key_bound_evicts_more_and_loses_at_most_eps(tiny_qk):
   assert not keys["overflow"]
   assert keys["kept_fraction_mean"] <= params["kept_fraction_mean"]
   assert keys["kept_fraction_mean"] < 1.0, keys
+
+
+def test_evict_few_is_evict_largest():
+  """pool_evict's top-k eviction (at most L * KVH keys a step) picks exactly fp.evict_largest's keys:
+  many exact penalty and position ties, (position, owner) unique as in a pool, counts from none to
+  more than the rows' candidates; more than `most` takes the sort."""
+  from fpa_jax.ops import first_passage as fp
+
+  rng = np.random.default_rng(0)
+  for trial in range(20):
+    b, n, most = 3, 96, 8
+    u = np.stack([rng.permutation(40 * 6)[:n] for _ in range(b)])  # unique (pos, owner) per row
+    pen = jnp.asarray(rng.integers(0, 3, (b, n)) * rng.random((b, 1)), jnp.float32)
+    pos, owner = jnp.asarray(u // 6, jnp.int32), jnp.asarray(u % 6, jnp.int32)
+    cand = jnp.asarray(rng.random((b, n)) < rng.choice([0.05, 0.5, 1.0]))
+    count = jnp.asarray(rng.integers(0, most + 1, b) if trial % 5 else [most + 3, 0, n], jnp.int32)
+    want = fp.evict_largest(pen, pos, owner, cand, count)
+    np.testing.assert_array_equal(np.asarray(P.evict_few(pen, pos, owner, cand, count, most)), np.asarray(want))
+
+
+@pytest.mark.parametrize("head_cap", [None, 6])
+def test_pool_impls_agree(tiny, head_cap):
+  """The tiny model decoded token by token through fpa_global's pool with each implementation in
+  one program: "masked" (the default: top-k eviction) and "gather" (each head over its own slots)
+  hold exactly the keys of "reference" (the whole pool masked, one sort per eviction) at every
+  step, and their logits agree."""
+  import dataclasses
+
+  b, t = 2, 20
+  tok = jax.random.randint(jax.random.key(3), (b, t), 0, tiny.cfg.vocab_size)
+  base = make_policy("fpa_global", t, budget=4, head_cap=head_cap)
+  pols = [dataclasses.replace(base, pool_impl=i) for i in ("reference", "masked", "gather")]
+  graphdef, state = nnx.split(tiny)
+
+  @jax.jit
+  def run(state, tok):
+    m = nnx.merge(graphdef, state)
+
+    def body(caches, xs):
+      x, i = xs
+      pos = jnp.full((b,), i, jnp.int32)
+      out = [D._step(m, c, x, pos, p) for c, p in zip(caches, pols)]
+      return tuple(c for _, c in out), tuple((lg, _membership(c, t)) for lg, c in out)
+
+    init = tuple(D.init_caches(m, b, p, t) for p in pols)
+    return jax.lax.scan(body, init, (tok.T, jnp.arange(t)))[1]
+
+  (l_ref, m_ref), *rest = run(state, tok)
+  assert np.asarray(m_ref).sum((2, 3, 4)).max() <= 3 * tiny.cfg.n_layers * tiny.cfg.kv_heads
+  for lg, mem in rest:
+    np.testing.assert_array_equal(np.asarray(mem), np.asarray(m_ref))
+    assert_close(np.asarray(lg), np.asarray(l_ref), n=t * tiny.cfg.d_model * tiny.cfg.n_layers)

@@ -21,8 +21,8 @@ Policies (`Policy.name`):
                 together, each tagged with its owner (layer, kv head), so it allocates what
                 `fpa_budget` allocates at the same budget plus an int32 tag per slot
                 (`decode.cache_bytes`). Static shapes: each query head attends over the whole pool
-                masked to its own slots, O(G) compute per head and step (n_layers * kv_heads times
-                `fpa_budget`'s at the same budget). `head_cap` (optional): at most that many keys per
+                masked to its own slots, O(G) per head and step (`Policy.pool_impl` "gather": each
+                head over its own slots, gathered; `fpa_jax.inference.pool`). `head_cap` (optional): at most that many keys per
                 (layer, kv head), its largest penalty going first as in `fpa_budget` (default: no
                 limit, a head may fill the pool). The last W keys of every head are protected. Between
                 steps at most G - n_layers * kv_heads keys are held, so each step's new keys always find
@@ -77,6 +77,9 @@ BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
 THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
 WINDOWED = ("fpa_budget", "fpa_global", "snapkv", SCORE)  # have a protected recent window
 BOUNDS = ("keys", "params")
+# fpa_global's implementations, one behaviour: "masked" (each head over the whole pool, masked; eviction by
+# top-k), "gather" (each head over its own slots, gathered), "reference" (masked; eviction by one sort of the pool)
+POOL_IMPLS = ("masked", "gather", "reference")
 N_SINK = 4
 OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
 KERNEL = 7  # snapkv: max-pool width over keys
@@ -91,6 +94,7 @@ class Policy:
   keys: fpa_global's mean key budget per (layer, kv head); the row's total (its pool) is keys * L * KVH.
   head_cap: fpa_global's per-head limit (None: none; then capacity = the sequence length).
   score: the `score` policy's function (`CachePolicy`; `score_keys`).
+  pool_impl: how fpa_global's pool runs (`POOL_IMPLS`; `fpa_jax.inference.pool`), the same keys kept.
   """
 
   name: str
@@ -105,6 +109,13 @@ class Policy:
   obs_window: int = OBS_WINDOW  # snapkv
   kernel: int = KERNEL  # snapkv
   score: Callable | None = None  # score
+  pool_impl: str = "masked"  # fpa_global: `POOL_IMPLS`
+
+  def __post_init__(self):
+    if self.pool_impl not in POOL_IMPLS:
+      raise ValueError(
+        f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
+      )
 
   @property
   def thresholded(self) -> bool:

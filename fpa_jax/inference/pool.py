@@ -5,10 +5,17 @@ Shape legend: B batch, G pool slots per row, L layers, KVH kv heads, H query hea
 The global budget is G = policy.keys * L * KVH keys per row for the whole cache, so the pool has
 exactly G slots per row and allocates what `fpa_budget`'s per-head caches allocate at the same
 budget, plus an int32 owner tag per slot (`decode.cache_bytes`). A slot holds one key of one
-(layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key). Static shapes:
-a query head attends over the whole pool masked to its own (layer, kv head) slots, so attention
-costs O(G) per head and step, L * KVH times a per-head cache of the same budget: the price of
-sharing the slots without dynamic shapes (a paged kernel would gather the head's own pages).
+(layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key).
+
+Cost per token (`Policy.pool_impl`; every implementation keeps the same keys and decodes the same
+tokens): "masked" (default) attends each query head over the whole pool masked to its own slots,
+so a layer reads all G slots, O(G) per head: on CPU this read is most of the step, and a cost that
+follows the keys each head holds needs each head's keys contiguous (a repack), since gathers and
+scatters of slot lists cost more there than the masked read. "gather" lists each head's slots and
+gathers them into the least of a few static capacities that holds them (`_attend_gathered`):
+attention O(keys the head holds), plus O(G) to list them. Eviction takes the step's at most
+L * KVH keys by three top-k passes over the pool (`evict_few`); "reference" is the masked attention
+with eviction by one sort of the pool (the original implementation, kept to test against).
 
 A decode step, per layer l (`pool_decode_attend`, what the layer's `PoolView.attend` runs):
 advance the running min of the slots layer l owns with their head's field (gathered by owner),
@@ -25,6 +32,7 @@ Per-layer state that is not per key (the gate's running sum `carry` [B, KVH]) st
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -34,6 +42,8 @@ from fpa_jax.inference.cache import LayerCache, _sanitize
 from fpa_jax.inference.policies import Policy
 from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops.common import F32
+
+_EXACT = 2**24  # float32 holds every integer below it: slots, positions, owners compared as floats
 
 
 class SlotPool(NamedTuple):
@@ -149,6 +159,85 @@ def _head_mask(pool: SlotPool, layer: int, kv_heads: int) -> jax.Array:
   return pool.alive[:, None, :] & (pool.owner[:, None, :] == tags[None, :, None])
 
 
+def _free_slots(free: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+  """The first n free slots of each row, in slot order: free [B, G] -> (slots [B, n] int32, no room
+  [B, n] bool; a slot without room is G, which the scatters drop)."""
+  b, g = free.shape
+  if g < _EXACT:  # one top_k of n (the slot index as a float) instead of a cumsum and n compares over G
+    val, slot = jax.lax.top_k(jnp.where(free, -jnp.arange(g, dtype=F32), -jnp.inf), n)
+    no_room = val == -jnp.inf
+  else:
+    rank = jnp.cumsum(free, axis=1) - 1  # [B, G] index of each free slot among the free ones
+    pick = free[:, None, :] & (rank[:, None, :] == jnp.arange(n)[None, :, None])  # [B, n, G]
+    no_room = ~jnp.any(pick, axis=2)
+    slot = jnp.argmax(pick, axis=2)
+  return jnp.where(no_room, g, slot).astype(jnp.int32), no_room
+
+
+def _head_limit(policy: Policy, slots: int) -> int:
+  """The most keys one (layer, kv head) can hold during a step: its per-head limit, the sequence
+  length (`policy.capacity` without one) or the whole pool, whichever is least."""
+  return min(policy.capacity, slots)
+
+
+def _buckets(limit: int) -> tuple[int, ...]:
+  """Static per-head capacities (ascending, the last `limit`) a step picks the least sufficient of:
+  halvings of `limit`, so a head never gathers more than twice what it holds (above 16 keys)."""
+  out, c = [limit], limit
+  while c > 16:
+    c = -(-c // 2)
+    out.append(c)
+  return tuple(sorted(set(out)))
+
+
+def _attend_masked(qg, pool: SlotPool, mine, scale: float, limit: int):
+  """Every query head over the whole pool [B, G], masked to its own slots: O(G) per head (the
+  reference layout, `Policy.pool_impl` "masked", "reference"). qg [B, KVH, H/KVH, K]; mine [B, KVH, G]."""
+  s = jnp.einsum("bhgk,bsk->bhgs", qg, pool.k, preferred_element_type=F32) * scale  # [B, KVH, G/H, G]
+  logits = s - pool.penalty[:, None, None, :]
+  p = jax.nn.softmax(jnp.where(mine[:, :, None, :], logits, -jnp.inf), axis=-1)
+  return jnp.einsum("bhgs,bsk->bhgk", p.astype(pool.v.dtype), pool.v, preferred_element_type=F32)
+
+
+def _attend_gathered(qg, pool: SlotPool, mine, scale: float, limit: int):
+  """Each kv head's query heads over its own slots only, gathered from the pool: O(keys it holds).
+
+  Per kv head j, the least capacity C of `_buckets(limit)` that holds its keys in every row is
+  picked at run time (`lax.switch`: shapes stay static, only the chosen branch runs), its slots are
+  listed in pool order (ranks of a cumsum, scattered into C entries) and gathered. Heads pick
+  separately, so a head that holds few keys costs little while another holds many.
+  """
+  caps = _buckets(limit)
+  n = jnp.sum(mine, axis=-1)  # [B, KVH]
+  pen = pool.penalty
+  outs = []
+  for j in range(qg.shape[1]):
+    pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(n[:, j]))  # the least capacity >= its keys
+    branches = [functools.partial(_attend_slots, c, scale) for c in caps]
+    outs.append(jax.lax.switch(pick, branches, qg[:, j], pool.k, pool.v, pen, mine[:, j]))
+  return jnp.stack(outs, axis=1)
+
+
+def _attend_slots(c: int, scale: float, q, k, v, pen, mine):
+  """q [B, H/KVH, K] over the (at most c) slots `mine` [B, G] marks in k, v [B, G, K], pen [B, G]
+  -> [B, H/KVH, K] fp32."""
+  b, g = mine.shape
+  rank = jnp.where(mine, jnp.cumsum(mine, axis=1) - 1, c)  # [B, G]; c: not this head's, dropped
+  idx = (
+    jnp.full((b, c), g, jnp.int32)
+    .at[jnp.arange(b)[:, None], rank]
+    .set(jnp.arange(g, dtype=jnp.int32)[None], mode="drop")
+  )
+  held = idx < g  # [B, C]
+  idx = jnp.where(held, idx, 0)
+  kk = jnp.take_along_axis(k, idx[..., None], axis=1)  # [B, C, K]
+  vv = jnp.take_along_axis(v, idx[..., None], axis=1)
+  s = jnp.einsum("bgk,bck->bgc", q, kk, preferred_element_type=F32) * scale
+  logits = s - jnp.take_along_axis(pen, idx, axis=1)[:, None, :]
+  p = jax.nn.softmax(jnp.where(held[:, None, :], logits, -jnp.inf), axis=-1)
+  return jnp.einsum("bgc,bck->bgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
+
+
 def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Policy, scale: float, positions):
   """One token per row for layer `view.layer` against the shared pool: advance, cap, insert, attend.
 
@@ -165,7 +254,9 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   (f, lv), bad = _sanitize(field[:, 0], level[:, 0])  # [B, KVH]; disallowed values as in decode_attend
   head = pool.owner - layer * kvh  # the slot's kv head if this layer owns it
   mine = pool.alive & (head >= 0) & (head < kvh)  # [B, G]
-  f_slot = jnp.take_along_axis(f, jnp.clip(head, 0, kvh - 1), axis=1)  # [B, G] its head's field
+  f_slot = sum(
+    jnp.where(head == j, f[:, j : j + 1], 0.0) for j in range(kvh)
+  )  # [B, G] its head's field (a select: CPU gathers are slow)
   run_min = jnp.where(mine, fp.advance(pool.run_min, f_slot), pool.run_min)
   pool = pool._replace(run_min=run_min)
   if policy.head_cap is not None:  # a head at its limit drops its victim (fpa_budget's rule, per head)
@@ -175,11 +266,7 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
     out_slot = fp.victim(pen, pos, own, positions[:, None, None], policy.recent, axis=2)  # [B, KVH]
     gone = jnp.any(full[:, :, None] & (jnp.arange(g)[None, None, :] == out_slot[:, :, None]), axis=1)  # [B, G]
     pool = pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner))
-  free = ~pool.alive
-  rank = jnp.cumsum(free, axis=1) - 1  # [B, G] index of each free slot among the free ones
-  pick = free[:, None, :] & (rank[:, None, :] == jnp.arange(kvh)[None, :, None])  # [B, KVH, G]
-  no_room = ~jnp.any(pick, axis=2)  # [B, KVH]: fewer free slots than kv heads (the invariant broken)
-  slot = jnp.where(no_room, g, jnp.argmax(pick, axis=2))  # [B, KVH] the j-th free slot; g: dropped
+  slot, no_room = _free_slots(~pool.alive, kvh)  # [B, KVH]; no_room: fewer free slots than kv heads
   bi = jnp.arange(b)[:, None]
   put = lambda x, val: x.at[bi, slot].set(val.astype(x.dtype))
   tags = jnp.broadcast_to(layer * kvh + jnp.arange(kvh, dtype=jnp.int32)[None], (b, kvh))
@@ -195,11 +282,9 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   )
   _, _, h, dk = q.shape
   qg = q[:, 0].reshape(b, kvh, h // kvh, dk)  # query head h -> kv head h // (H / KVH)
-  s = jnp.einsum("bhgk,bsk->bhgs", qg, pool.k, preferred_element_type=F32) * scale  # [B, KVH, G/H, G]
-  logits = s - pool.penalty[:, None, None, :]
-  live = _head_mask(pool, layer, kvh)[:, :, None, :]  # each group over its own (layer, kv head) slots
-  p = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
-  out = jnp.einsum("bhgs,bsk->bhgk", p.astype(pool.v.dtype), pool.v, preferred_element_type=F32)
+  mine = _head_mask(pool, layer, kvh)  # [B, KVH, G]
+  attend = _attend_gathered if policy.pool_impl == "gather" else _attend_masked
+  out = attend(qg, pool, mine, scale, _head_limit(policy, g))
   out = jnp.where((no_room | bad)[:, :, None, None], jnp.nan, out)
   new = dataclasses.replace(view, pool=pool, carry=cum[:, 0].astype(F32))
   return out.reshape(b, h, dk).astype(q.dtype)[:, None], new
@@ -217,8 +302,41 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCach
   limit = (policy.keys - 1) * cache.n_layers * cache.kv_heads
   cand = pool.alive & (pool.pos <= now[:, None] + 1 - policy.recent)
   excess = jnp.maximum(jnp.sum(pool.alive, axis=1) - limit, 0)  # [B]
-  gone = fp.evict_largest(pool.penalty, pool.pos, pool.owner, cand, excess)
+  pen = pool.penalty
+  if policy.pool_impl == "reference":
+    gone = fp.evict_largest(pen, pool.pos, pool.owner, cand, excess)
+  else:
+    gone = evict_few(pen, pool.pos, pool.owner, cand, excess, cache.n_layers * cache.kv_heads)
   return cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
+
+
+def evict_few(pen, pos, owner, cand, count, most: int) -> jax.Array:
+  """`fp.evict_largest` (largest penalty first, ties oldest, then lower owner) when each row
+  evicts at most `most` keys, as after a decode step (L * KVH new keys): three `lax.top_k`s of
+  `most` over the row instead of one sort of all of it. pen, pos, owner, cand [B, N]; count [B]
+  -> bool [B, N]. Rows evicting more, NaN penalties or positions / owners from 2**24 on take the
+  sort, so the result is always `fp.evict_largest`'s.
+  """
+  n = pen.shape[1]
+  k = min(most, n)
+  ok = (jnp.max(count) <= k) & ~jnp.any(cand & jnp.isnan(pen))
+  ok &= jnp.all(~cand | ((pos < _EXACT) & (owner < _EXACT)))
+
+  def few(pen, pos, owner, cand, count):
+    # Each pass keeps the larger-is-first key's need-th best value v: keys above v go, those at v
+    # are tied and the next key decides among them; (pos, owner) is unique, so three passes do.
+    gone, tie, need = jnp.zeros_like(cand), cand, count
+    for key in (pen, -pos.astype(F32), -owner.astype(F32)):
+      x = jnp.where(tie, key, -jnp.inf)
+      top = jax.lax.top_k(x, k)[0]  # [B, k] descending
+      v = jnp.take_along_axis(top, jnp.clip(need - 1, 0, k - 1)[:, None], axis=1)
+      above = tie & (x > v) & (need > 0)[:, None]
+      gone |= above
+      need = need - jnp.sum(above, axis=1)
+      tie = tie & (x == v) & (need > 0)[:, None]
+    return gone | tie
+
+  return jax.lax.cond(ok, few, fp.evict_largest, pen, pos, owner, cand, count)
 
 
 def pool_from_caches(caches: Sequence[LayerCache], slots: int) -> GlobalCache:
