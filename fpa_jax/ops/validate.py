@@ -164,11 +164,12 @@ def check_skip_name(skip, *, name="skip") -> None:
 
 
 def check_skip(skip, skip_tolerance, *, name="skip", tolerance_name="skip_tolerance") -> None:
-  """skip: "tiles" (default) or "keys" (forward-only key-sparse prefill, which needs a tolerance)."""
+  """skip: "tiles" (default) or "keys" / "keys_shared" / "keys_per_head" (key-sparse, which needs a
+  tolerance)."""
   check_skip_name(skip, name=name)
-  if skip == "keys" and skip_tolerance is None:
+  if skip != "tiles" and skip_tolerance is None:
     raise ValueError(
-      f"{name}='keys' drops keys under a tolerance: set {tolerance_name}=eps in (0, 1) (e.g. 1e-3) or {name}='tiles'"
+      f"{name}={skip!r} drops keys under a tolerance: set {tolerance_name}=eps in (0, 1) (e.g. 1e-3) or {name}='tiles'"
     )
 
 
