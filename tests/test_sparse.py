@@ -257,7 +257,7 @@ def test_fox_gradients():
   eps = 1e-2
   c32 = jnp.cumsum(f32(logf), 1)  # the kernel's own fp32 cumsum: the same live keys
   drop = _drop_mask(q, k, bias.FoXBias(c32), eps, BLK, 1)
-  assert drop.sum() > 0.3 * B * H * T * T / 2
+  assert drop.sum() > 0.2 * B * H * T * T / 2
   c = np.asarray(c32, np.float64)
   rc = lambda x: np.flip(np.cumsum(np.flip(x, 1), 1), 1)
   w = ref.fpa_attention_vjp_np(q, k, v, c, c, ct, SCALE, None, drop)

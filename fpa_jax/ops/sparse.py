@@ -1,5 +1,5 @@
-"""Key-sparse prefill: the chunked forward pass reading, per query block, only the keys that the
-skip bound cannot rule out (`skip="keys"`); forward only.
+"""Key-sparse attention: the chunked kernel reading, per query block, only the keys that the skip
+bound cannot rule out (`skip="keys"`), forward and backward.
 
 Why keys, not tiles. Tile skipping (`chunked`, `skip="tiles"`) drops a [blk x blk] tile only when
 every one of its weights is negligible. A head trained to forget keeps a sparse set of keys alive
@@ -20,16 +20,39 @@ exactly, not bounded. Key j is dropped for block I when
 
     floor[I, j] >= |scale| |q|_I |k_j| - s_I + log T - log eps,
 
-so each of its weights is <= eps / T and each row loses total weight <= eps: each output
+so each of its weights is <= eps / T and each row loses total weight delta_i <= eps: each output
 component moves by <= 2 eps max|v|, the guarantee of tile skipping. Keys j >= i0 (the diagonal
 tile) are always read, exactly as in `chunked`.
 
-Cost. Per query block: the floor and the test, O(T) elementwise; the live keys compacted in key
-order (a cumulative sum and a scatter, O(T)); then ceil(n / blk) gathered chunks of blk keys, n the
-largest live count over (batch row, kv head) of the block: every row and head of a call shares the
-chunk loop (one batched matmul per chunk), so the work follows the densest head. The loop length
-is data dependent (a while loop), which is why there is no backward pass: differentiating raises a
-ValueError (train with `skip="tiles"`, whose backward skips the same tiles as its forward).
+Backward. The kernel is the exact attention with the dropped keys masked out, and so is its
+gradient: a custom VJP whose forward saves the kept-key sets ([nb, B, KVH, Tp] bool, T^2 / blk bytes
+per (row, kv head): the backward reads exactly the forward's keys, no re-decided threshold) and the
+logsumexp; the backward runs query block by query block, the diagonal tile as in `chunked`, then the
+same chunks of the same keys, p recomputed from the logsumexp; dQ stays local to the block, dK, dV
+and the cotangents of the gathered key statistics are scatter-added at the keys read, and the bias
+pullbacks are `chunked`'s (`ops.bias`: the same subgradients at ties), so the gradients into field
+and level (or log_fgate) are the chunked kernel's restricted to the kept keys. Against the exact
+gradient (A = max_i |do_i| max_j |v_j|, 2-norms): the logit cotangent ds_ij = p_ij (do_i.v_j -
+do_i.o_i) moves by <= 2 A p_ij on a dropped entry and by <= 4 A p_ij eps / (1 - eps) on a kept one
+(renormalised by 1 / (1 - delta_i)), so per row sum_j |d ds_ij| <= 6 A eps / (1 - eps); hence
+|d dq_i| <= 6 |scale| A max|k| eps / (1 - eps), and dk_j, d level_j, d field_s are the sums of
+those per-entry bounds against |scale| |q_i|, 1, 1 over the entries each one enters, dv_j moves
+by <= sum_i p_ij |do_i| (1 dropped, eps / (1 - eps) kept) (`tests/test_sparse.py` checks both:
+equality with float64 loops masked the same way, and this bound against the unmasked ones).
+
+Reads. Per query block: the floor and the test, O(T) elementwise; the live keys compacted in key
+order (a cumulative sum and a scatter, O(T)); then chunks of C = key_chunk keys (a divisor of the
+block, default the block), N = B * KVH of them per step (one batched matmul of [G * blk, K] x
+[K, C] each), scheduled in one of two ways:
+  * shared: step s reads chunk s of every (batch row, kv head): ceil(n / C) steps, n the largest
+    live count over (row, kv head) of the block, so the reads follow the densest head;
+  * per_head: the chunks of every (row, kv head), ceil(n_bh / C) each, listed one after the other
+    and cut into steps of N: keys read = keys kept rounded up to C per head (+ the last step's
+    unused items). Its steps gather q / do per item and merge the softmax state by scatter;
+  * auto (default, `skip="keys"`): per block, per_head where its steps times PER_HEAD_COST are
+    fewer than shared's (a lax.cond), i.e. where the kept counts differ between heads by more than
+    that factor. `skip="keys_shared"` / `"keys_per_head"` force one.
+The loop lengths are data dependent (while loops): the custom VJP is what makes it differentiable.
 """
 
 from __future__ import annotations
