@@ -187,6 +187,14 @@ def reads_cell(model, recorded, tokens, eps: float, repeats: int) -> dict:
     for q, k, _, g, cfg in recorded
   ]
   cell = {f"keys_{n}": float(np.mean([x[n] for x in st])) for n in st[0]}
+  half = [  # the per_head reads with chunks of half a block (rounding per head halved; not timed)
+    sparse.live_key_stats(
+      q, k, _bias(g), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None,
+      key_chunk=max(1, (cfg.block_size or 256) // 2),
+    )["read_per_head"]
+    for q, k, _, g, cfg in recorded
+  ]
+  cell["keys_read_per_head_half_chunk"] = float(np.mean(half))
   att = {}
   for q, k, v, gates, cfg in recorded:
     op = ops.fpa_attention if len(gates) == 2 else ops.fox_attention
@@ -213,6 +221,7 @@ READS_COLUMNS = [
   "eps",
   "keys kept per head",
   "read: shared / per_head / auto (x kept)",
+  "per_head, chunk blk/2",
   "attention fwd s: exact",
   "shared",
   "per_head",
@@ -245,8 +254,10 @@ def reads_markdown(res: dict) -> str:
       kept = v["keys_kept_per_head"]
       rd = " / ".join(f"{v[f'keys_read_{n}']:.3f} ({v[f'keys_read_{n}'] / max(kept, 1e-12):.2f})" for n in ("shared", "per_head", "auto"))
       a, g, p = v["attention_s_exact"], v["attention_s_exact_grad"], v["prefill_s_exact"]
+      hc = v.get("keys_read_per_head_half_chunk")
+      hc = "-" if hc is None else f"{hc:.3f} ({hc / max(kept, 1e-12):.2f})"
       rows.append(
-        [m, e, f"{kept:.3f}", rd, f"{a:.3f}"]
+        [m, e, f"{kept:.3f}", rd, hc, f"{a:.3f}"]
         + [sp(a, v[f"attention_s_{n}"]) for n in KEY_SKIPS]
         + [f"{g:.3f}", sp(g, v["attention_s_keys_grad"]), f"{p:.3f}"]
         + [sp(p, v[f"prefill_s_{n}"]) for n in KEY_SKIPS]
