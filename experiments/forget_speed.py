@@ -10,7 +10,7 @@ prompts at `--multiple` x their training length (depths spread over 0-100%). For
   * tiles (`skip="tiles"`, forward and backward): `ops.chunked.skipped_tile_fraction` on every
     layer's own q, k, field and level (recorded from one forward pass), per (batch, kv head) and for
     all of them at once (only then is a tile's compute skipped), averaged over the layers;
-  * keys (`skip="keys"`, forward only, `ops.sparse`): the share of keys before each query block
+  * keys (`skip="keys"`, `ops.sparse`): the share of keys before each query block
     that are kept per (batch, kv head), and the share the shared chunk loop reads (the densest head
     of each block sets it), averaged over the layers;
   * time, median of `--repeats` after a compile and a warm-up: the attention ops alone on the
@@ -19,11 +19,23 @@ prompts at `--multiple` x their training length (depths spread over 0-100%). For
   * answers: greedy exact match of the passkey answers with each way on (teacher-forced, as the
     passkey study scores them), which the bound says cannot change beyond eps per row.
 Writes results/forget_speed.{json,md}.
+
+    python -m experiments.forget_speed --workdirs t25=runs/one_recipe/recipe_t25_fh0_s2 \
+        none=runs/one_recipe/recipe_fh0_no_objective_s2 --train-length 512 --batch 2 --tolerances 1e-3
+
+Trainer workdirs instead (`--workdirs NAME=PATH`, e.g. the one-recipe models trained with the
+evictability objective; `--train-length` their L): per tolerance, the key-sparse schedules side by
+side (`ops.sparse`, reads "shared" / "per_head" / "auto"): keys kept per (row, kv head) and read by
+each schedule (`live_key_stats`), the attention ops' forward with each and forward + backward
+(skip="keys") against exact, and prefill with each. Every time of one table row is measured
+interleaved (round robin over the variants, median of `--repeats`), so a loaded machine slows
+them alike. Rows are merged into the results file by name (a rerun of one model keeps the others).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -139,6 +151,169 @@ def attention_seconds(recorded, eps, skip: str, repeats: int, grad: bool = False
   return total
 
 
+def interleaved_seconds(fns: dict, repeats: int) -> dict:
+  """{name: median seconds} of fns {name: (fn, args)}, each compiled and warmed up first, then
+  timed round robin: one call of each per round, so load on a shared machine hits all alike."""
+  import jax
+
+  for fn, args in fns.values():
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+  times = {n: [] for n in fns}
+  for _ in range(repeats):
+    for n, (fn, args) in fns.items():
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[n].append(time.perf_counter() - t)
+  return {n: statistics.median(x) for n, x in times.items()}
+
+
+KEY_SKIPS = ("keys_shared", "keys_per_head", "keys")  # reads: shared, per_head, auto
+
+
+def reads_cell(model, recorded, tokens, eps: float, repeats: int) -> dict:
+  """The key-sparse schedules side by side at eps: reads (`live_key_stats`, mean over layers),
+  attention forward / forward + backward and prefill seconds, each against exact, interleaved."""
+  import jax
+  import jax.numpy as jnp
+
+  from fpa_jax import ops
+  from fpa_jax.ops import sparse
+
+  st = [
+    sparse.live_key_stats(
+      q, k, _bias(g), skip_tolerance=eps, scale=cfg.head_dim**-0.5, block_size=cfg.block_size or None
+    )
+    for q, k, _, g, cfg in recorded
+  ]
+  cell = {f"keys_{n}": float(np.mean([x[n] for x in st])) for n in st[0]}
+  half = [  # the per_head reads with chunks of half a block (rounding per head halved; not timed)
+    sparse.live_key_stats(
+      q,
+      k,
+      _bias(g),
+      skip_tolerance=eps,
+      scale=cfg.head_dim**-0.5,
+      block_size=cfg.block_size or None,
+      key_chunk=max(1, (cfg.block_size or 256) // 2),
+    )["read_per_head"]
+    for q, k, _, g, cfg in recorded
+  ]
+  cell["keys_read_per_head_half_chunk"] = float(np.mean(half))
+  att = {}
+  for q, k, v, gates, cfg in recorded:
+    op = ops.fpa_attention if len(gates) == 2 else ops.fox_attention
+    base = dict(block_size=cfg.block_size or None, scale=cfg.head_dim**-0.5)
+    ct = jax.random.normal(jax.random.key(0), q.shape[:3] + v.shape[-1:], q.dtype)
+    fns = {}
+    for name, kw in [("exact", {})] + [(sk, dict(skip_tolerance=eps, skip=sk)) for sk in KEY_SKIPS]:
+      fwd = functools.partial(op, **base, **kw)
+      fns[name] = (jax.jit(fwd), (q, k, v, *gates))
+      if name in ("exact", "keys"):
+        loss = lambda *a, f=fwd: jnp.sum(f(*a) * ct)  # noqa: B023 (ct of this layer)
+        fns[f"{name}_grad"] = (jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(gates))))), (q, k, v, *gates))
+    for n, t in interleaved_seconds(fns, repeats).items():
+      att[n] = att.get(n, 0.0) + t
+  cell.update({f"attention_s_{n}": t for n, t in att.items()})
+  pre = {"exact": (U.forward_fn(with_skip(model, None)), (tokens,))}
+  pre.update({sk: (U.forward_fn(with_skip(model, eps, sk)), (tokens,)) for sk in KEY_SKIPS})
+  cell.update({f"prefill_s_{n}": t for n, t in interleaved_seconds(pre, repeats).items()})
+  return cell
+
+
+READS_COLUMNS = [
+  "model",
+  "eps",
+  "keys kept per head",
+  "read: shared / per_head / auto (x kept)",
+  "per_head, chunk blk/2",
+  "attention fwd s: exact",
+  "shared",
+  "per_head",
+  "auto",
+  "fwd+bwd s: exact",
+  "auto",
+  "prefill s: exact",
+  "shared",
+  "per_head",
+  "auto",
+]
+
+
+def reads_markdown(res: dict) -> str:
+  meta = res["reads_meta"]
+  md = (
+    f"\n### Key-sparse schedules and backward\n\n`{meta['command']}`: trainer workdirs reading "
+    f"{meta['batch']} passkey prompts of {meta['prompt_tokens']} tokens ({meta['multiple']}x L={meta['train_length']}), "
+    f"{meta['machine']['backend']}, {meta['machine']['cpu_count']} cores, load {meta['load_avg_1_5_15min']}. "
+    "Keys kept per (row, kv head) and read by each schedule of `skip='keys'` (shares of the off-diagonal "
+    "keys; in brackets read / kept): shared (one chunk loop for every row and head, the densest sets it), "
+    "per_head (each (row, kv head) its own chunks), auto (per query block the one with fewer steps, "
+    "`ops.sparse.PER_HEAD_COST`). Times: medians, every variant of a row measured interleaved; "
+    "speed-up against exact in brackets. fwd+bwd: d sum(out * ct) / d every input.\n\n"
+  )
+  sp = lambda base, t: f"{t:.3f} ({base / t:.2f}x)"
+  rows = []
+  for m, r in res["reads_rows"].items():
+    for e, v in r.items():
+      kept = v["keys_kept_per_head"]
+      rd = " / ".join(
+        f"{v[f'keys_read_{n}']:.3f} ({v[f'keys_read_{n}'] / max(kept, 1e-12):.2f})"
+        for n in ("shared", "per_head", "auto")
+      )
+      a, g, p = v["attention_s_exact"], v["attention_s_exact_grad"], v["prefill_s_exact"]
+      hc = v.get("keys_read_per_head_half_chunk")
+      hc = "-" if hc is None else f"{hc:.3f} ({hc / max(kept, 1e-12):.2f})"
+      rows.append(
+        [m, e, f"{kept:.3f}", rd, hc, f"{a:.3f}"]
+        + [sp(a, v[f"attention_s_{n}"]) for n in KEY_SKIPS]
+        + [f"{g:.3f}", sp(g, v["attention_s_keys_grad"]), f"{p:.3f}"]
+        + [sp(p, v[f"prefill_s_{n}"]) for n in KEY_SKIPS]
+      )
+  return md + U.md_table(READS_COLUMNS, rows)
+
+
+def main_workdirs(a, argv) -> dict:
+  import jax.numpy as jnp
+
+  from fpa_jax.data import passkey_eval_examples
+  from fpa_jax.inference import load_model
+
+  t0 = time.perf_counter()
+  depths = np.linspace(0, 100, a.batch).round().astype(int).tolist()
+  exs = [passkey_eval_examples(a.train_length, a.multiple, d, n=1, seed=i)[0] for i, d in enumerate(depths)]
+  cut = min(len(e["tokens"]) for e in exs)
+  tokens = jnp.asarray(np.stack([e["tokens"][:cut] for e in exs]).astype(np.int32))
+  res = U.read_json(f"{a.out}.json", {}) or {}
+  rows = res.setdefault("reads_rows", {})
+  for spec in a.workdirs:
+    name, path = spec.split("=", 1)
+    model, _ = load_model(U.ROOT / path if not path.startswith("/") else path)
+    recorded = record_attention_inputs(with_skip(model, None), tokens)
+    rows[name] = {}
+    for eps in a.tolerances:
+      c = rows[name][f"{eps:g}"] = reads_cell(model, recorded, tokens, eps, a.repeats)
+      print(
+        f"[forget_speed] {name} eps={eps:g}: kept {c['keys_kept_per_head']:.3f}, read shared "
+        f"{c['keys_read_shared']:.3f} per_head {c['keys_read_per_head']:.3f} auto {c['keys_read_auto']:.3f}; "
+        f"prefill exact {c['prefill_s_exact']:.3f} s, per_head {c['prefill_s_keys_per_head']:.3f}, auto "
+        f"{c['prefill_s_keys']:.3f}; fwd+bwd {c['attention_s_exact_grad']:.3f} -> {c['attention_s_keys_grad']:.3f}",
+        file=sys.stderr,
+      )
+  res["reads_meta"] = U.run_meta(
+    MODULE,
+    argv,
+    wall_s=time.perf_counter() - t0,
+    prompt_tokens=cut,
+    batch=a.batch,
+    multiple=a.multiple,
+    train_length=a.train_length,
+  )
+  md = (markdown(res) if "rows" in res else "") + reads_markdown(res)
+  U.write_prefixed(a.out, res, md)
+  return res
+
+
 def prefill_seconds(model, tokens, repeats: int) -> float:
   return _median_s(U.forward_fn(model), (tokens,), repeats)
 
@@ -180,7 +355,7 @@ def markdown(res: dict) -> str:
     f"{meta['machine']['backend']}, {meta['machine']['cpu_count']} cores. Dropped under the bound that puts "
     "every weight skipped below eps / T (each row loses <= eps of its attention): whole tiles "
     "(`skip='tiles'`; per (batch row, kv head), and for all of them at once, the only tiles whose "
-    "compute the kernel skips), or single keys per query block (`skip='keys'`, forward only; kept per "
+    "compute the kernel skips), or single keys per query block (`skip='keys'`; kept per "
     "(row, kv head), and read: what the chunk loop shared by all rows and heads reads), shares of the "
     "off-diagonal keys / tiles, mean over layers. Attention: the ops alone on the recorded inputs, summed "
     "over layers; prefill: the jitted forward pass of the whole model. Times are medians (speed-up "
@@ -218,7 +393,11 @@ def main(argv=None) -> dict:
   ap.add_argument("--tolerances", type=float, nargs="+", default=[1e-3, 1e-1])
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--out", default=str(U.ROOT / "results" / "forget_speed"))
+  ap.add_argument("--workdirs", nargs="+", metavar="NAME=PATH", help="trainer workdirs instead of --models")
+  ap.add_argument("--train-length", type=int, default=512, help="the workdirs' training length L")
   a = ap.parse_args(argv)
+  if a.workdirs:
+    return main_workdirs(a, argv)
   import jax.numpy as jnp
 
   from fpa_jax.data import passkey_eval_examples
@@ -269,8 +448,10 @@ def main(argv=None) -> dict:
         file=sys.stderr,
       )
   meta = U.run_meta(MODULE, argv, wall_s=time.perf_counter() - t0, prompt_tokens=cut, batch=a.batch)
-  res = {"rows": rows, "train_length": train_len, "multiple": a.multiple, "meta": meta}
-  U.write_prefixed(a.out, res, markdown(res))
+  res = {**(U.read_json(f"{a.out}.json", {}) or {}), "rows": rows, "train_length": train_len, "multiple": a.multiple}
+  res["meta"] = meta
+  md = markdown(res) + (reads_markdown(res) if "reads_rows" in res else "")
+  U.write_prefixed(a.out, res, md)
   return res
 
 

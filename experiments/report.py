@@ -434,7 +434,7 @@ def _speed(doc) -> str:
   return (
     f"skip='keys' at {doc['multiple']}x (L={doc['train_length']}), against the exact kernel on the same prompts: "
     + "; ".join(parts)
-    + ". Training keeps tile skipping (key skipping is forward only), so the speed-up is prefill's, not training's"
+    + ". Tile skipping was what these runs trained with (key skipping has a backward pass since), so the speed-up is prefill's, not training's"
   )
 
 

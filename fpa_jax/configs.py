@@ -122,7 +122,7 @@ class ModelConfig(_Part):
   # pallas (the block-sparse kernels, `fpa_jax.ops.pallas.block_sparse`).
   skip_tolerance: float | None = _field(None, _skip_tolerance, free_on_resume=True)
   # what skip_tolerance drops: "tiles" (forward and backward) or "keys" (per query block, each key the
-  # bound rules out; forward only: prefill and evaluation, `fpa_jax.ops.sparse`; training refuses it)
+  # bound rules out, forward and backward, `fpa_jax.ops.sparse`)
   skip: str = _field("tiles", _skip, free_on_resume=True)
   # one of PRECISIONS: fp32 matmul passes (TPU: default = bf16 passes)
   precision: str = _field("default", V.choice(PRECISIONS), free_on_resume=True)
@@ -409,12 +409,10 @@ class Config(TrainConfig, DataConfig, ModelConfig):
 
   def validate(self, *, training: bool = False) -> Config:
     """Each part's checks, then those across parts (no devices needed); raises ValueError.
-    `training=True` (`fpa_jax.train`) adds what only a training run needs: a config with
-    skip='keys' builds a model for prefill and evaluation, but cannot be trained."""
+    `training=True` (`fpa_jax.train`) adds what only a training run needs (nothing today: both
+    skips, tiles and keys, have a backward pass)."""
     for part in (self.model, self.data, self.train):
       part.validate()
-    if training and self.skip == "keys":
-      raise ValueError("skip='keys' is forward only (prefill, evaluation): train with skip='tiles' (the default)")
     if self.batch_size % self.grad_accum:
       raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
     if self.evict_weight > 0 and self.attention not in GATED:

@@ -186,7 +186,7 @@ class AttentionSpec:
     forget gate) or "none" (softmax / nope: the FoX kernel with a zero log-gate).
   impl: the ops impl, "auto" resolved (`ops.validate.resolve_impl`); block_size: the tile, None =
     the ops default (only set for a blocked impl); skip_tolerance, skip: dead tiles / keys dropped
-    (forward only for "keys"); scale: the logit scale head_dim ** -0.5; precision: matmul precision.
+    (both differentiable); scale: the logit scale head_dim ** -0.5; precision: matmul precision.
   """
 
   kind: str
@@ -432,8 +432,8 @@ class FirstPassageAttention(nnx.Module):
     attn_impl, block_size: the ops impl ("auto", "chunked", "pallas", "quadratic", "recurrent")
       and tile size (None or 0 = the ops default). skip_tolerance: None (exact) or eps in (0, 1),
       chunked or pallas: each row loses at most eps of its attention (`fpa_jax.ops.chunked`); skip:
-      "tiles" drops whole tiles, "keys" single keys per query block (forward only, chunked only,
-      `ops.sparse`).
+      "tiles" drops whole tiles, "keys" (or "keys_shared" / "keys_per_head") single keys per query
+      block (chunked only, `ops.sparse`).
     precision: matmul precision, "default" | "high" | "highest" (`configs.PRECISIONS`).
     init_std: std of the q, k, v (and output-gate) projections' init; out_init_std that of W_o
       (None = init_std; for a stack of L blocks init_std / sqrt(2 L) is GPT-2's depth scaling).

@@ -305,7 +305,7 @@ def train(
   `log` line per logged step when stderr is a pipe or a file.
   """
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-  cfg = config.validate(training=True)  # refuses what cannot be trained (skip='keys')
+  cfg = config.validate(training=True)  # refuses what cannot be trained
   mesh = mesh if mesh is not None else S.make_mesh(cfg.mesh or None)
   cfg.validate_mesh(dict(mesh.shape))
   os.makedirs(workdir, exist_ok=True)

@@ -253,10 +253,9 @@ def test_field_lists_come_from_the_fields():
   assert C.get_config("small").validate() == C.get_config("small")
 
 
-def test_training_refuses_what_only_evaluation_can_use():
-  """skip='keys' makes a valid (prefill / evaluation) config, but not a training run's."""
-  cfg = C.get_config("tiny", attn_impl="chunked", skip_tolerance=1e-3, skip="keys")
-  assert cfg.validate() is cfg
-  with pytest.raises(ValueError, match="skip='keys' is forward only"):
-    cfg.validate(training=True)
+def test_training_accepts_key_skipping():
+  """skip='keys' (and its two schedules) has a backward pass: a valid training config too."""
+  for skip in ("keys", "keys_shared", "keys_per_head"):
+    cfg = C.get_config("tiny", attn_impl="chunked", skip_tolerance=1e-3, skip=skip)
+    assert cfg.validate() is cfg and cfg.validate(training=True) is cfg
   C.get_config("tiny").validate(training=True)

@@ -126,10 +126,8 @@ def test_allowed_infinities_pass():
 
 @functools.partial(jax.jit, static_argnames=("impl", "blk", "tol", "skip"))
 def _run(q, k, v, field, level, ct, *, impl, blk, tol, skip):
-  """(out, d sum(out * ct) / d (field, level), or None for the forward-only key skipping)."""
+  """(out, d sum(out * ct) / d (field, level))."""
   op = lambda f, lv: ops.fpa_attention(q, k, v, f, lv, impl=impl, block_size=blk, skip_tolerance=tol, skip=skip)
-  if skip == "keys":
-    return op(field, level), None
   out, pull = jax.vjp(op, field, level)
   return out, pull(jnp.where(jnp.isnan(out), 0.0, ct))  # the loss of the finite rows
 
@@ -160,8 +158,6 @@ def test_under_jit_nan_exactly_in_the_rows_at_or_after_a_bad_token(nan_case, imp
       assert_close(out[~rows], clean[~rows], n=T, err_msg=f"{impl} {what}")
     else:  # the skipping bound: each output component moves by <= 2 eps max|v|
       assert np.abs(out[~rows] - clean[~rows]).max() <= 2 * tol * vmax + rtol(np.float32, T) * vmax, (impl, what)
-    if g is None:  # key skipping is forward only
-      continue
     bad = np.isnan(field) | np.isneginf(field) | np.isnan(level)
     for name, gx, gq in zip(("field", "level"), g, want_grads[what]):
       gx = np.asarray(gx)

@@ -187,6 +187,10 @@ def test_field_plus_inf_and_level_minus_inf_every_impl_agrees(other_inf_case, im
     sparse = ops.fpa_attention(*map(j, args), block_size=blk, skip_tolerance=tol, skip="keys")
     vmax = np.abs(args[2]).max()
     assert np.abs(np.asarray(sparse) - want).max() <= 2 * tol * vmax + rtol(np.float32, T) * vmax
+    loss = lambda *a: jnp.sum(ops.fpa_attention(*a, block_size=blk, skip_tolerance=tol, skip="keys") * j(ct))
+    for name, x, w in zip(NAMES, jax.grad(loss, argnums=tuple(range(5)))(*map(j, args)), g_q):
+      assert np.all(np.isfinite(x)), ("keys", name)
+      assert_close(x, w, n=T, err_msg=f"keys d/d{name} vs quadratic")
 
 
 # ----------------------------------------------------------------------------- FoX log_fgate > 0

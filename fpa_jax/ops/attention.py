@@ -53,7 +53,9 @@ from fpa_jax.ops.recurrent import recurrent_attention
 
 Implementation = _v.Implementation  # Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
 IMPLS = _v.IMPLS  # the same names as a tuple (typing.get_args(Implementation))
-Skip = _v.Skip  # Literal["tiles", "keys"]: what skip_tolerance drops
+Skip = _v.Skip  # Literal["tiles", "keys", "keys_shared", "keys_per_head"]: what skip_tolerance drops
+# skip -> `sparse.key_sparse_attention`'s reads
+_READS = {"keys": "auto", "keys_shared": "shared", "keys_per_head": "per_head"}
 
 
 def _bht(x: jax.Array) -> jax.Array:  # [B, T, H] -> [B, H, T] fp32
@@ -102,9 +104,11 @@ def fpa_attention(
       one tile size for both passes; TPU or the interpreter, ValueError on GPU).
     skip: what skip_tolerance drops: "tiles" (the default above) or "keys": per query block, each
       key whose weights the bound puts below eps / seq, the live keys gathered into dense chunks
-      (`fpa_jax.ops.sparse`; the same guarantee per row). It turns a head that keeps a sparse set
-      of keys alive into fewer reads where no tile is wholly dead. Forward only (prefill, eval): a
-      gradient raises ValueError.
+      (`fpa_jax.ops.sparse`; the same guarantee per row, forward and backward, gradients within
+      the bound stated there). It turns a head that keeps a sparse set of keys alive into fewer
+      reads where no tile is wholly dead. "keys" schedules the chunks per query block
+      automatically; "keys_shared" / "keys_per_head" force one loop for every (batch row, kv
+      head) / each (row, kv head) its own chunks.
   Returns:
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
     Infinite gates, disallowed values (NaN, a field of -inf: ValueError where concrete, NaN rows from
@@ -183,7 +187,7 @@ def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
     return recurrent_attention(
       q, k, v, field.astype(_v.STATS_DTYPE), level.astype(_v.STATS_DTYPE), scale=scale, segment_ids=segment_ids
     )
-  if skip == "keys":
+  if skip in _READS:
     return _sparse.key_sparse_attention(
       q,
       k,
@@ -193,6 +197,7 @@ def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
       segment_ids=segment_ids,
       block_size=block_size,
       skip_tolerance=skip_tolerance,
+      reads=_READS[skip],
     )
   return _chunked.chunked_attention(
     q,
@@ -287,7 +292,7 @@ def _fox_impl(q, k, v, c, segment_ids, *, impl, scale, block_size, skip_toleranc
       block_sizes=block_size,
       skip_tolerance=skip_tolerance,
     )
-  if impl == "chunked" and skip == "keys":
+  if impl == "chunked" and skip in _READS:
     return _sparse.key_sparse_attention(
       q,
       k,
@@ -297,6 +302,7 @@ def _fox_impl(q, k, v, c, segment_ids, *, impl, scale, block_size, skip_toleranc
       segment_ids=segment_ids,
       block_size=block_size,
       skip_tolerance=skip_tolerance,
+      reads=_READS[skip],
     )
   if impl == "chunked":
     return _chunked.chunked_attention(

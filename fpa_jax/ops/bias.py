@@ -263,6 +263,22 @@ def _diag_bias_sub_bwd(res, g):
 _diag_bias_sub.defvjp(_diag_bias_sub_fwd, _diag_bias_sub_bwd)
 
 
+@jax.custom_vjp
+def _key_low(suffix, r):
+  """min(S_j, R[I, J]) of every key for one query block (same shapes), with `_fpa_bias`'s
+  subgradient at ties (S_j wins over R)."""
+  return jnp.minimum(suffix, r)
+
+
+def _key_low_bwd(res, g):
+  suffix, r = res
+  to_s = suffix <= r
+  return jnp.where(to_s, g, 0.0), jnp.where(to_s, 0.0, g)
+
+
+_key_low.defvjp(lambda s, r: (jnp.minimum(s, r), (s, r)), _key_low_bwd)
+
+
 Kind = Literal["fpa", "fox"]  # the bias of a call, as the Pallas kernels branch on it
 
 
@@ -321,7 +337,7 @@ class FPABias:
     """What query block i (first query i0) reads of every key: (level, min field over (j, i0)),
     each [B, H, Tp]; meaningful for j < i0 only."""
     (lvl, suffix), (r,) = kst, pst
-    return _flat(lvl), _flat(jnp.minimum(suffix, _row(r, i)[..., None]))
+    return _flat(lvl), _flat(_key_low(suffix, jnp.broadcast_to(_row(r, i)[..., None], suffix.shape)))
 
   @staticmethod
   def key_floor(keys, qsti):
@@ -335,7 +351,10 @@ class FPABias:
     """Gathered `block_keys` [B, H, C] and the block's query stats [B, H, blk] -> bias [B, H, blk, C]."""
     lvl, low = keys
     prefix = qsti[0]  # min field over [i0, i]
-    return -dip(lvl[..., None, :], jnp.minimum(low[..., None, :], prefix[..., :, None]))
+    # The off-diagonal tile bias with R = +inf (low already holds it): its hand-written pullback,
+    # so that the key-sparse backward routes cotangents as the chunked one does.
+    inf = jnp.full(low.shape[:-1] + (1, 1), jnp.inf, low.dtype)
+    return _fpa_bias(lvl[..., None, :], low[..., None, :], prefix[..., :, None], inf)
 
   def kernel_stats(self, blk, tp):
     """The Pallas layout (`ops.pallas.tile_bias`): krow [B, H, 2 + L, Tp] = (level, S, N_0 .. N_{L-1}),

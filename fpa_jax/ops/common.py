@@ -16,9 +16,11 @@ import jax.numpy as jnp
 # its `implementation`); IMPLS is derived from it for runtime checks and listings.
 Implementation = Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
 IMPLS: tuple[str, ...] = get_args(Implementation)
-# What skip_tolerance drops: whole tiles (forward and backward, `chunked`, and the block-sparse Pallas
-# kernels) or single keys per query block (forward only, `sparse`; chunked only).
-Skip = Literal["tiles", "keys"]
+# What skip_tolerance drops, forward and backward: whole tiles (`chunked`, and the block-sparse Pallas
+# kernels) or single keys per query block (`sparse`; chunked only), their chunks scheduled per block
+# automatically ("keys"), in one loop shared by every (batch row, kv head) ("keys_shared") or per
+# (row, kv head) ("keys_per_head").
+Skip = Literal["tiles", "keys", "keys_shared", "keys_per_head"]
 SKIPS: tuple[str, ...] = get_args(Skip)
 # The tiled impls, which take a block_size ("auto" resolves to one of them).
 BLOCKED = ("chunked", "pallas", "auto")

@@ -200,3 +200,55 @@ def live_sets_from_penalty(pen, tol=0.0):
   pen = np.asarray(pen)
   t = pen.shape[0]
   return [{j for j in range(i + 1) if pen[i, j] <= tol} for i in range(t)]
+
+
+def fpa_attention_vjp_np(q, k, v, field, level, ct, scale=None, segment_ids=None, drop=None):
+  """First Passage Attention and its gradients, float64 loops: (out, dq, dk, dv, dfield, dlevel)
+  of loss = sum(out * ct), with the keys `drop` marks removed from the softmax.
+
+  Args:
+    q, k: [B, T, H, K]; v, ct: [B, T, H, Kv]; field, level: [B, T, H] (heads ungrouped);
+    segment_ids: optional [B, T]; drop: optional [B, H, T, T] bool, True where key j is left out
+      of query i's softmax (the diagonal must stay).
+  The penalty's derivative: -1 to level_j and +1 to the field value that sets min field over
+  (j, i] (the first such position on ties) where level_j is above it, else 0.
+  """
+  q, k, v, ct = (np.asarray(x, np.float64) for x in (q, k, v, ct))
+  field, level = np.asarray(field, np.float64), np.asarray(level, np.float64)
+  bsz, t, heads, d = q.shape
+  scale = d**-0.5 if scale is None else float(scale)
+  seg = None if segment_ids is None else np.asarray(segment_ids)
+  out, dq, dk, dv = np.zeros(v.shape), np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+  dfield, dlevel = np.zeros(field.shape), np.zeros(level.shape)
+  for b in range(bsz):
+    for h in range(heads):
+      for i in range(t):
+        keys, logits, argmins, active = [], [], [], []
+        for j in range(i + 1):
+          if (seg is not None and seg[b, j] != seg[b, i]) or (drop is not None and drop[b, h, i, j]):
+            continue
+          lowest, at = math.inf, -1
+          for s in range(j + 1, i + 1):
+            if field[b, s, h] < lowest:
+              lowest, at = float(field[b, s, h]), s
+          lv = float(level[b, j, h])
+          pen = lv - lowest if lv > lowest else 0.0
+          keys.append(j)
+          logits.append(scale * float(q[b, i, h] @ k[b, j, h]) - pen)
+          argmins.append(at)
+          active.append(lv > lowest)
+        m = max(logits)
+        w = np.array([math.exp(x - m) for x in logits])
+        p = w / w.sum()
+        for j, pj in zip(keys, p):
+          out[b, i, h] += pj * v[b, j, h]
+        delta = float(ct[b, i, h] @ out[b, i, h])
+        for j, pj, at, act in zip(keys, p, argmins, active):
+          ds = pj * (float(ct[b, i, h] @ v[b, j, h]) - delta)
+          dq[b, i, h] += scale * ds * k[b, j, h]
+          dk[b, j, h] += scale * ds * q[b, i, h]
+          dv[b, j, h] += pj * ct[b, i, h]
+          if act:
+            dlevel[b, j, h] -= ds
+            dfield[b, at, h] += ds
+  return out, dq, dk, dv, dfield, dlevel

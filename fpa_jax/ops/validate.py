@@ -191,16 +191,16 @@ def check_skip_name(skip, *, name="skip") -> None:
 def check_skip(
   skip, skip_tolerance, impl=None, *, name="skip", tolerance_name="skip_tolerance", impl_name="impl"
 ) -> None:
-  """skip: "tiles" (default) or "keys" (forward-only key-sparse prefill, which needs a tolerance and
-  the chunked kernel)."""
+  """skip: "tiles" (default) or "keys" / "keys_shared" / "keys_per_head" (key-sparse, which needs a
+  tolerance and the chunked kernel)."""
   check_skip_name(skip, name=name)
-  if skip == "keys" and skip_tolerance is None:
+  if skip != "tiles" and skip_tolerance is None:
     raise ValueError(
-      f"{name}='keys' drops keys under a tolerance: set {tolerance_name}=eps in (0, 1) (e.g. 1e-3) or {name}='tiles'"
+      f"{name}={skip!r} drops keys under a tolerance: set {tolerance_name}=eps in (0, 1) (e.g. 1e-3) or {name}='tiles'"
     )
-  if skip == "keys" and impl is not None and resolve_impl(impl) == "pallas":
+  if skip != "tiles" and impl is not None and resolve_impl(impl) == "pallas":
     raise ValueError(
-      f"{name}='keys' (key-sparse prefill) is the chunked kernel's; the Pallas kernels skip whole tiles: "
+      f"{name}={skip!r} (key-sparse attention) is the chunked kernel's; the Pallas kernels skip whole tiles: "
       f"set {name}='tiles' or {impl_name}='chunked'"
     )
 
