@@ -16,6 +16,7 @@ each run's loss-by-position table under results/evict_cost/.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def main(argv=None) -> dict:
     rows.append(row)
   head = ["model", "steps"] + [h for k in a.multiples for h in (f"bits/token {k}x", f"vs {a.base}")]
   md = (
-    f"`{meta['command']}`: held-out bits per token (byte tokens) of the models of `{Path(a.passkey_results).name}` "
+    f"`{meta['command']}`: held-out bits per token (byte tokens) of the models of `{os.path.relpath(Path(a.passkey_results).resolve(), U.ROOT)}` "
     "with the full "
     f"cache, on `fpa_text` validation windows ({a.rows} rows of the training length; the same tokens in fewer, "
     f"longer rows at larger multiples); per-run tables in `{Path(a.out).name}/`.\n\n" + U.md_table(head, rows)

@@ -110,7 +110,7 @@ def markdown(res: dict) -> str:
   mults = [str(m) for m in r["multiples"]]
   head = (
     f"`python -m {MODULE}` (command in text_pareto.json): held-out bits per byte of the 2-layer byte LMs of "
-    f"`{Path(res.get('models', 'perplexity_T3000.json')).stem}` on `fpa_text` validation rows ({r['rows']} rows at "
+    f"`{res.get('models', 'results/perplexity_T3000.json')}` on `fpa_text` validation rows ({r['rows']} rows at "
     "1x, the same tokens in fewer, longer rows at larger multiples), with the full cache (parallel model) and with "
     "the cache cut to a fraction of each row by `fpa_budget` (the learned rule; FoX's own decay on FoX) or "
     "`window`, decoded token by token. Mean over seeds; cache = peak keys held per (layer, head) / row length.\n\n"
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
   if res.get("recipe") != recipe:
     res = {"recipe": recipe, "runs": {}}
   models = U.read_json(args.models)
-  res["models"] = Path(args.models).name  # whose checkpoints: the header names them
+  res["models"] = os.path.relpath(Path(args.models).resolve(), U.ROOT)  # whose checkpoints: the header names them
   if models is None:
     raise SystemExit(f"{args.models} not found: train the models first (see `python -m {MODULE} --help`)")
   t0 = time.perf_counter()
