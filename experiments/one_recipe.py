@@ -548,12 +548,20 @@ def verdicts(
     {s: cache_ok(r) for s, (r, _) in ev.items()},
     ", ".join(
       f"seed {s}: {_acc(_cell(r, 'parallel/fpa_budget/0.25'))} / {_acc(_cell(r, 'parallel/fpa_budget/0.125'))}"
+      + _tolerance_kept(r)
       for s, (r, _) in ev.items()
     ),
   )
   out.append(objective_verdict(evals, recipe_m, objective_ms))
   out.append(bindings_verdict(bindings or {}))
   return out
+
+
+def _tolerance_kept(e: dict) -> str:
+  """Why a cut cache may fail: the share of the cache the sound tolerance policy keeps (near 1: the
+  penalties rule out almost no key, so a budget must evict keys the rule cannot tell apart)."""
+  c = _cell(e, "parallel/fpa/tol")
+  return "" if not c or "cache_fraction" not in c else f" (tolerance policy keeps {c['cache_fraction']:.4f})"
 
 
 def report(
