@@ -61,6 +61,7 @@ POLICIES: dict[str, tuple[str, dict]] = {
   "fpa_global": ("fpa_global", {"budget": 0.25}),  # fpa_budget 25%'s bytes (a shared pool)
   "fpa_global_cap": ("fpa_global", {"budget": 0.25, "head_cap": 0.5}),  # the same, a per-head limit
   # the same policy, other implementations (`Policy.pool_impl`; the same keys and tokens)
+  "fpa_global_packed": ("fpa_global", {"budget": 0.25, "pool_impl": "packed"}),
   "fpa_global_gather": ("fpa_global", {"budget": 0.25, "pool_impl": "gather"}),
   "fpa_global_sort": ("fpa_global", {"budget": 0.25, "pool_impl": "reference"}),
 }
@@ -154,16 +155,21 @@ def _without(part: str):
   "eviction" (`pool_evict` between steps)."""
   from fpa_jax.inference import pool as P
 
-  name, stub = {
-    "attention": ("_attend_masked", lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum()),
-    "eviction": ("pool_evict", lambda cache, policy, now: cache),
+  stubs = {
+    "attention": {
+      "_attend_masked": lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum(),
+      "_attend_packed": lambda qg, pool, index, layer, scale, limit: qg * pool.k[:, :1, :1].sum(),
+    },
+    "eviction": {"pool_evict": lambda cache, policy, now: cache},
   }[part]
-  old = getattr(P, name)
-  setattr(P, name, stub)
+  old = {name: getattr(P, name) for name in stubs}
+  for name, stub in stubs.items():
+    setattr(P, name, stub)
   try:
     yield
   finally:
-    setattr(P, name, old)
+    for name, fn in old.items():
+      setattr(P, name, fn)
 
 
 def profile_global(model, prompt, n_new: int, repeats: int, policy) -> dict:

@@ -134,7 +134,8 @@ def init_caches(
   if policy.is_global and slots is None:
     c = layers[0]  # the same in every layer (`_check_model_policy`)
     g = policy.pool_slots(n, c.kv_heads)
-    return pool.init_global_cache(batch, g, n, c.kv_heads, c.head_dim, dtype=jnp.dtype(c.dtype))
+    empty = pool.init_global_cache(batch, g, n, c.kv_heads, c.head_dim, dtype=jnp.dtype(c.dtype))
+    return pool.prepare(empty, policy, jnp.full((batch,), -1, jnp.int32))
   coefs = caps = [None] * n
   if policy.name == "fpa" and policy.bound == "keys":
     us = layer_logit_bounds(model)
@@ -296,6 +297,7 @@ def prefill_parallel(model, prompt, lengths, policy: Policy, n_keys: int):
   if policy.is_global:
     kvh = caches[0].pos.shape[2]
     caches = pool.pool_from_caches(global_evict(caches, policy, lengths - 1), policy.pool_slots(len(caches), kvh))
+    caches = pool.prepare(caches, policy, lengths - 1)
   return logits, caches
 
 

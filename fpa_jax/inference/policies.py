@@ -78,8 +78,10 @@ THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
 WINDOWED = ("fpa_budget", "fpa_global", "snapkv", SCORE)  # have a protected recent window
 BOUNDS = ("keys", "params")
 # fpa_global's implementations, one behaviour: "masked" (each head over the whole pool, masked; eviction by
-# top-k), "gather" (each head over its own slots, gathered), "reference" (masked; eviction by one sort of the pool)
-POOL_IMPLS = ("masked", "gather", "reference")
+# top-k), "packed" (the pool repacked by owner every `repack_every` steps, each head over its own range),
+# "gather" (each head over its own slots, gathered), "reference" (masked; eviction by one sort of the pool)
+POOL_IMPLS = ("masked", "packed", "gather", "reference")
+REPACK_EVERY = 32  # "packed": decode steps between repacks (a sort of the pool each)
 N_SINK = 4
 OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
 KERNEL = 7  # snapkv: max-pool width over keys
@@ -95,6 +97,7 @@ class Policy:
   head_cap: fpa_global's per-head limit (None: none; then capacity = the sequence length).
   score: the `score` policy's function (`CachePolicy`; `score_keys`).
   pool_impl: how fpa_global's pool runs (`POOL_IMPLS`; `fpa_jax.inference.pool`), the same keys kept.
+  repack_every: pool_impl "packed": decode steps between repacks of the pool by owner (N).
   """
 
   name: str
@@ -110,12 +113,16 @@ class Policy:
   kernel: int = KERNEL  # snapkv
   score: Callable | None = None  # score
   pool_impl: str = "masked"  # fpa_global: `POOL_IMPLS`
+  repack_every: int = REPACK_EVERY  # fpa_global, pool_impl "packed"
 
   def __post_init__(self):
     if self.pool_impl not in POOL_IMPLS:
       raise ValueError(
         f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
       )
+    n = self.repack_every
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"repack_every must be an int >= 1 (decode steps between repacks of the pool), got {n!r}")
 
   @property
   def thresholded(self) -> bool:

@@ -73,11 +73,34 @@ class SlotPool(NamedTuple):
     return jnp.where(self.alive, fp.penalty(self.level, self.run_min), 0.0)
 
 
+class PackIndex(NamedTuple):
+  """Where each owner's keys lie in a repacked pool (`Policy.pool_impl` "packed"); O = L * KVH owners,
+  N = `policy.repack_every` steps between repacks.
+
+  start, count: [B, O] int32 owner o's range [start, start + count): its keys at the last repack,
+                side by side (`repack`); the range's slots evicted since are masked, not reused by o's range.
+  since:        [B] int32 the first position after the last repack: a slot holds one of the range's own
+                keys exactly while it is alive with pos < since (newer keys are in `new_slot`).
+  new_slot:     [B, O, N] int32 the slot owner o's key of the i-th step since the repack went to (G: none).
+  new_pos:      [B, N] int32 that step's position: an entry is live while its slot still holds that key.
+  step:         [B] int32 steps since the repack (< N between steps).
+  """
+
+  start: jax.Array
+  count: jax.Array
+  since: jax.Array
+  new_slot: jax.Array
+  new_pos: jax.Array
+  step: jax.Array
+
+
 class GlobalCache(NamedTuple):
-  """fpa_global's decode state between steps: the pool and each layer's gate carry [B, KVH]."""
+  """fpa_global's decode state between steps: the pool, each layer's gate carry [B, KVH] and, for
+  `pool_impl="packed"`, where each owner's keys lie (`PackIndex`; None otherwise)."""
 
   pool: SlotPool
   carry: tuple[jax.Array, ...]
+  index: PackIndex | None = None
 
   @property
   def n_layers(self) -> int:
@@ -99,6 +122,7 @@ class PoolView:
   layer: int = dataclasses.field(metadata=dict(static=True))
   policy: Policy | None = dataclasses.field(default=None, metadata=dict(static=True))
   positions: jax.Array | None = None  # [B] the step's token positions
+  index: PackIndex | None = None  # pool_impl "packed": where each owner's keys lie
 
   def attend(self, spec, q, k, v, gates):
     """`pool_decode_attend` at the layer's `spec.scale` -> (out [B, 1, H, K], the view after it)."""
@@ -117,11 +141,11 @@ class PoolStep:
   positions: jax.Array  # [B]
 
   def layer(self, i: int) -> PoolView:
-    return PoolView(self.cache.pool, self.cache.carry[i], i, self.policy, self.positions)
+    return PoolView(self.cache.pool, self.cache.carry[i], i, self.policy, self.positions, self.cache.index)
 
   def update(self, i: int, new: PoolView) -> PoolStep:
     carry = self.cache.carry[:i] + (new.carry,) + self.cache.carry[i + 1 :]
-    return dataclasses.replace(self, cache=GlobalCache(new.pool, carry))
+    return dataclasses.replace(self, cache=GlobalCache(new.pool, carry, new.index))
 
 
 def init_pool(batch: int, slots: int, head_dim: int, *, dtype=F32) -> SlotPool:
@@ -238,6 +262,98 @@ def _attend_slots(c: int, scale: float, q, k, v, pen, mine):
   return jnp.einsum("bgc,bck->bgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
 
 
+def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: float, limit: int):
+  """Each kv head's query heads over its range of the repacked pool plus the keys it wrote since:
+  O(keys it held at the repack + N) per head, no per-step listing of slots.
+
+  Per kv head j, the least width C of `_buckets(limit)` that holds its range in every row is picked
+  at run time (`lax.switch`: static shapes, only the chosen branch runs) and a [B, C] window of the
+  pool starting at its range is read (`lax.dynamic_slice` per row); the range's slots evicted or
+  reused by other heads since the repack are masked. The N keys each head wrote since the repack are
+  gathered for the whole layer at once ([B, KVH * N]). qg [B, KVH, H/KVH, K] -> [B, KVH, H/KVH, K] fp32.
+  """
+  b, g = pool.pos.shape
+  kvh = qg.shape[1]
+  lo = layer * kvh
+  # A range's own keys are the alive slots with pos < since (their slots have not moved since the
+  # repack; keys written since sit in free slots anywhere and are listed in new_slot instead).
+  old = pool.alive & (pool.pos < index.since[:, None])
+  bias = jnp.where(old, -fp.penalty(pool.level, pool.run_min), -jnp.inf)  # [B, G]
+  ns = index.new_slot[:, lo : lo + kvh]  # [B, KVH, N]
+  n = ns.shape[-1]
+  flat = jnp.minimum(ns, g - 1).reshape(b, kvh * n)
+  take = lambda x: jnp.take_along_axis(x, flat if x.ndim == 2 else flat[..., None], axis=1).reshape((b, kvh, n) + x.shape[2:])
+  tags = (lo + jnp.arange(kvh, dtype=jnp.int32))[None, :, None]
+  live = (ns < g) & (take(pool.owner) == tags) & (take(pool.pos) == index.new_pos[:, None, :])  # [B, KVH, N]
+  new_bias = jnp.where(live, -fp.penalty(take(pool.level), take(pool.run_min)), -jnp.inf)
+  s_new = jnp.einsum("bhgk,bhnk->bhgn", qg, take(pool.k), preferred_element_type=F32) * scale
+  s_new = s_new + new_bias[:, :, None, :]  # [B, KVH, H/KVH, N]
+  v_new = take(pool.v)  # [B, KVH, N, K]
+  caps = _buckets(limit)
+  branches = [functools.partial(_attend_range, c, scale) for c in caps]
+  outs = []
+  for j in range(kvh):
+    start, count = index.start[:, lo + j], index.count[:, lo + j]  # [B]
+    pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(count))  # the least width >= its range in every row
+    outs.append(jax.lax.switch(pick, branches, qg[:, j], pool.k, pool.v, bias, start, count, s_new[:, j], v_new[:, j]))
+  return jnp.stack(outs, axis=1)
+
+
+def _attend_range(c: int, scale: float, q, k, v, bias, start, count, s_new, v_new):
+  """q [B, H/KVH, K] over the window [start, start + count) (read as c slots: c >= count) of
+  k, v [B, G, K] with logit bias [B, G] (-penalty, -inf where not a range's own key), and over the
+  gathered new keys (logits s_new [B, H/KVH, N], values v_new [B, N, K]), one softmax -> [B, H/KVH, K] fp32."""
+  g = k.shape[1]
+  s0 = jnp.clip(start, 0, g - c)  # where dynamic_slice starts (it clamps the same way)
+  cut = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, c, axis=0))
+  kk, vv, bb = cut(k, s0), cut(v, s0), cut(bias, s0)
+  idx = s0[:, None] + jnp.arange(c, dtype=jnp.int32)[None]  # [B, C] pool slot of each window entry
+  inside = (idx >= start[:, None]) & (idx < (start + count)[:, None])  # not a neighbour's range
+  s = jnp.einsum("bgk,bck->bgc", q, kk, preferred_element_type=F32) * scale
+  s = s + jnp.where(inside, bb, -jnp.inf)[:, None, :]
+  p = jax.nn.softmax(jnp.concatenate([s, s_new], axis=-1), axis=-1)
+  out = jnp.einsum("bgc,bck->bgk", p[..., :c].astype(vv.dtype), vv, preferred_element_type=F32)
+  return out + jnp.einsum("bgn,bnk->bgk", p[..., c:].astype(v_new.dtype), v_new, preferred_element_type=F32)
+
+
+def repack(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
+  """The pool sorted by owner (free slots last) and a fresh `PackIndex`: each owner's keys side by
+  side in [start, start + count), nothing written since. `now` [B]: the position of the last key
+  written (-1: none yet). One sort of the G slots per row: `pool_evict` runs it every
+  `policy.repack_every` steps, so a step pays 1 / repack_every of it. Only slots move: every
+  (layer, kv head) holds the same keys."""
+  pool = cache.pool
+  b, g = pool.pos.shape
+  n_own = cache.n_layers * cache.kv_heads
+  key = jnp.where(pool.alive, pool.owner, n_own)  # free slots sort last
+  iota = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None], (b, g))
+  key, perm = jax.lax.sort((key, iota), dimension=1, num_keys=1, is_stable=True)
+  take = lambda x: jnp.take_along_axis(x, perm if x.ndim == 2 else perm[..., None], axis=1)
+  pool = SlotPool(*(take(x) for x in pool))
+  tags = jnp.arange(n_own, dtype=jnp.int32)
+  start = jax.vmap(lambda r: jnp.searchsorted(r, tags, side="left"))(key).astype(jnp.int32)
+  end = jax.vmap(lambda r: jnp.searchsorted(r, tags, side="right"))(key).astype(jnp.int32)
+  n = policy.repack_every
+  index = PackIndex(
+    start=start,
+    count=end - start,
+    since=(now + 1).astype(jnp.int32),
+    new_slot=jnp.full((b, n_own, n), g, jnp.int32),
+    new_pos=jnp.full((b, n), -1, jnp.int32),
+    step=jnp.zeros((b,), jnp.int32),
+  )
+  return cache._replace(pool=pool, index=index)
+
+
+def prepare(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
+  """A `GlobalCache` ready for `policy`'s implementation: "packed" repacks it and adds its
+  `PackIndex` (`now` [B]: the position of the last key written, -1 for an empty pool); the other
+  implementations need no index (None)."""
+  if policy.pool_impl == "packed":
+    return repack(cache, policy, now)
+  return cache._replace(index=None)
+
+
 def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Policy, scale: float, positions):
   """One token per row for layer `view.layer` against the shared pool: advance, cap, insert, attend.
 
@@ -267,6 +383,17 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
     gone = jnp.any(full[:, :, None] & (jnp.arange(g)[None, None, :] == out_slot[:, :, None]), axis=1)  # [B, G]
     pool = pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner))
   slot, no_room = _free_slots(~pool.alive, kvh)  # [B, KVH]; no_room: fewer free slots than kv heads
+  index = view.index
+  if policy.pool_impl == "packed":
+    if index is None:
+      raise ValueError(
+        "pool_impl='packed' needs the pool's PackIndex: build the cache with decode.init_caches / "
+        "prefill_parallel, or pass it through pool.prepare(cache, policy, now)"
+      )
+    col = jnp.arange(policy.repack_every)[None] == index.step[:, None]  # [B, N] this step's column
+    lo = layer * kvh
+    ns = index.new_slot.at[:, lo : lo + kvh].set(jnp.where(col[:, None], slot[:, :, None], index.new_slot[:, lo : lo + kvh]))
+    index = index._replace(new_slot=ns, new_pos=jnp.where(col, positions[:, None], index.new_pos))
   bi = jnp.arange(b)[:, None]
   put = lambda x, val: x.at[bi, slot].set(val.astype(x.dtype))
   tags = jnp.broadcast_to(layer * kvh + jnp.arange(kvh, dtype=jnp.int32)[None], (b, kvh))
@@ -282,11 +409,13 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   )
   _, _, h, dk = q.shape
   qg = q[:, 0].reshape(b, kvh, h // kvh, dk)  # query head h -> kv head h // (H / KVH)
-  mine = _head_mask(pool, layer, kvh)  # [B, KVH, G]
-  attend = _attend_gathered if policy.pool_impl == "gather" else _attend_masked
-  out = attend(qg, pool, mine, scale, _head_limit(policy, g))
+  if policy.pool_impl == "packed":
+    out = _attend_packed(qg, pool, index, layer, scale, _head_limit(policy, g))
+  else:
+    attend = _attend_gathered if policy.pool_impl == "gather" else _attend_masked
+    out = attend(qg, pool, _head_mask(pool, layer, kvh), scale, _head_limit(policy, g))  # mine [B, KVH, G]
   out = jnp.where((no_room | bad)[:, :, None, None], jnp.nan, out)
-  new = dataclasses.replace(view, pool=pool, carry=cum[:, 0].astype(F32))
+  new = dataclasses.replace(view, pool=pool, carry=cum[:, 0].astype(F32), index=index)
   return out.reshape(b, h, dk).astype(q.dtype)[:, None], new
 
 
@@ -307,7 +436,12 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCach
     gone = fp.evict_largest(pen, pool.pos, pool.owner, cand, excess)
   else:
     gone = evict_few(pen, pool.pos, pool.owner, cand, excess, cache.n_layers * cache.kv_heads)
-  return cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
+  cache = cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
+  if policy.pool_impl != "packed":
+    return cache
+  cache = cache._replace(index=cache.index._replace(step=cache.index.step + 1))
+  due = jnp.max(cache.index.step) >= policy.repack_every  # the new-key lists are full: repack every row
+  return jax.lax.cond(due, lambda c: repack(c, policy, now), lambda c: c, cache)
 
 
 def evict_few(pen, pos, owner, cand, count, most: int) -> jax.Array:
