@@ -51,6 +51,7 @@ from experiments._common import ROOT, md_table, run_meta, write_json
 from fpa_jax import configs as C
 from fpa_jax.inference import cache_bytes, cached_logits, load_model, make_policy
 from fpa_jax.inference.decode import _occupancy, _slots_per_row, _step, prefill_parallel
+from fpa_jax.inference.pool import scan_steps
 from fpa_jax.models import build_model
 
 POLICIES: dict[str, tuple[str, dict]] = {
@@ -106,12 +107,12 @@ def decode_timer(model, prompt, n_new: int, policy):
   def decode(state, caches, tok):
     m = nnx.merge(graphdef, state)
 
-    def body(carry, pos):
+    def body(carry, pos, repack=True):
       caches, tok = carry
-      logits, caches = _step(m, caches, tok, jnp.full((b,), pos, jnp.int32), policy)
+      logits, caches = _step(m, caches, tok, jnp.full((b,), pos, jnp.int32), policy, repack=repack)
       return (caches, jnp.argmax(logits, -1).astype(jnp.int32)), None
 
-    (caches, tok), _ = jax.lax.scan(body, (caches, tok), jnp.arange(p, p + n_new))
+    (caches, tok), _ = scan_steps(body, (caches, tok), jnp.arange(p, p + n_new), policy)  # generate's loop
     held = _occupancy(caches)[1]  # [L, B, KVH]
     return tok, jnp.mean(held, axis=1) / (p + n_new)  # kept fraction per layer and kv head
 
@@ -160,7 +161,7 @@ def _without(part: str):
       "_attend_masked": lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum(),
       "_attend_packed": lambda qg, pool, index, layer, scale, limit: qg * pool.k[:, :1, :1].sum(),
     },
-    "eviction": {"pool_evict": lambda cache, policy, now: cache},
+    "eviction": {"pool_evict": lambda cache, policy, now, repack_due=True: cache},
   }[part]
   old = {name: getattr(P, name) for name in stubs}
   for name, stub in stubs.items():

@@ -572,8 +572,7 @@ def test_packed_pool_attends_like_float64(head_cap, held, seed):
     alive=jnp.asarray(owner >= 0),
     owner=jnp.asarray(owner, jnp.int32),
   )
-  now = jnp.full((b,), p0 - 1, jnp.int32)
-  caches = [P.prepare(empty._replace(pool=pool), pol, now) for pol in pols]
+  caches = [P.prepare(empty._replace(pool=pool), pol) for pol in pols]
   assert (np.asarray(caches[1].index.count) == np.asarray(held)).all()
 
   @jax.jit

@@ -264,64 +264,58 @@ def _attend_slots(c: int, scale: float, q, k, v, pen, mine):
 
 def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: float, limit: int):
   """Each kv head's query heads over its range of the repacked pool plus the keys it wrote since:
-  O(keys it held at the repack + N) per head, no per-step listing of slots.
+  O(KVH * (C + N)) per layer, C the widest of its heads' ranges (rounded up), no per-step listing.
 
-  Per kv head j, the least width C of `_buckets(limit)` that holds its range in every row is picked
-  at run time (`lax.switch`: static shapes, only the chosen branch runs) and a [B, C] window of the
-  pool starting at its range is read (`lax.dynamic_slice` per row); the range's slots evicted or
-  reused by other heads since the repack are masked. The N keys each head wrote since the repack are
-  gathered for the whole layer at once ([B, KVH * N]). qg [B, KVH, H/KVH, K] -> [B, KVH, H/KVH, K] fp32.
+  The least width C of `_buckets(limit)` that holds every range of the layer's heads in every row
+  is picked at run time (`lax.switch`: static shapes, only the chosen branch runs); per head, the
+  C slots from its range's start (a window that may reach into its neighbours' ranges, masked)
+  and the N slots its keys of the steps since the repack went to are gathered in one index
+  [B, KVH, C + N]: one gather per pool array and one batched attention for the whole layer.
+  qg [B, KVH, H/KVH, K] -> [B, KVH, H/KVH, K] fp32.
   """
-  b, g = pool.pos.shape
   kvh = qg.shape[1]
   lo = layer * kvh
-  # A range's own keys are the alive slots with pos < since (their slots have not moved since the
-  # repack; keys written since sit in free slots anywhere and are listed in new_slot instead).
-  old = pool.alive & (pool.pos < index.since[:, None])
-  bias = jnp.where(old, -fp.penalty(pool.level, pool.run_min), -jnp.inf)  # [B, G]
+  own = slice(lo, lo + kvh)
+  pen = fp.penalty(pool.level, pool.run_min)  # [B, G]
+  caps = _buckets(limit)
+  pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(index.count[:, own]))  # the least width >= every range
+  branches = [functools.partial(_attend_window, c, scale, lo) for c in caps]
+  return jax.lax.switch(pick, branches, qg, pool, pen, index.start[:, own], index.count[:, own], index)
+
+
+def _attend_window(c: int, scale: float, lo: int, qg, pool: SlotPool, pen, start, count, index: PackIndex):
+  """`_attend_packed` at window width c: start, count [B, KVH] the layer's ranges."""
+  b, g = pool.pos.shape
+  kvh = qg.shape[1]
   ns = index.new_slot[:, lo : lo + kvh]  # [B, KVH, N]
   n = ns.shape[-1]
-  flat = jnp.minimum(ns, g - 1).reshape(b, kvh * n)
-  take = lambda x: jnp.take_along_axis(x, flat if x.ndim == 2 else flat[..., None], axis=1).reshape((b, kvh, n) + x.shape[2:])
+  s0 = jnp.clip(start, 0, g - c)  # the window stays inside the pool; it then starts before the range
+  win = s0[..., None] + jnp.arange(c, dtype=jnp.int32)  # [B, KVH, C]
+  idx = jnp.concatenate([win, jnp.minimum(ns, g - 1)], axis=-1).reshape(b, kvh * (c + n))
+  take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 2 else idx[..., None], axis=1).reshape(
+    (b, kvh, c + n) + x.shape[2:]
+  )
+  # A range's own keys: its slots alive with pos < since (they have not moved since the repack; a
+  # key written since sits in a free slot anywhere, its own range's included, and is listed in ns).
+  inside = (win >= start[..., None]) & (win < (start + count)[..., None])  # not a neighbour's range
+  pos = take(pool.pos)
+  old = inside & take(pool.alive)[..., :c] & (pos[..., :c] < index.since[:, None, None])
   tags = (lo + jnp.arange(kvh, dtype=jnp.int32))[None, :, None]
-  live = (ns < g) & (take(pool.owner) == tags) & (take(pool.pos) == index.new_pos[:, None, :])  # [B, KVH, N]
-  new_bias = jnp.where(live, -fp.penalty(take(pool.level), take(pool.run_min)), -jnp.inf)
-  s_new = jnp.einsum("bhgk,bhnk->bhgn", qg, take(pool.k), preferred_element_type=F32) * scale
-  s_new = s_new + new_bias[:, :, None, :]  # [B, KVH, H/KVH, N]
-  v_new = take(pool.v)  # [B, KVH, N, K]
-  caps = _buckets(limit)
-  branches = [functools.partial(_attend_range, c, scale) for c in caps]
-  outs = []
-  for j in range(kvh):
-    start, count = index.start[:, lo + j], index.count[:, lo + j]  # [B]
-    pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(count))  # the least width >= its range in every row
-    outs.append(jax.lax.switch(pick, branches, qg[:, j], pool.k, pool.v, bias, start, count, s_new[:, j], v_new[:, j]))
-  return jnp.stack(outs, axis=1)
+  live = (ns < g) & (take(pool.owner)[..., c:] == tags) & (pos[..., c:] == index.new_pos[:, None, :])
+  held = jnp.concatenate([old, live], axis=-1)  # [B, KVH, C + N]
+  s = jnp.einsum("bhgk,bhck->bhgc", qg, take(pool.k), preferred_element_type=F32) * scale
+  logits = jnp.where(held[:, :, None, :], s - take(pen)[:, :, None, :], -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  vv = take(pool.v)
+  return jnp.einsum("bhgc,bhck->bhgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
 
 
-def _attend_range(c: int, scale: float, q, k, v, bias, start, count, s_new, v_new):
-  """q [B, H/KVH, K] over the window [start, start + count) (read as c slots: c >= count) of
-  k, v [B, G, K] with logit bias [B, G] (-penalty, -inf where not a range's own key), and over the
-  gathered new keys (logits s_new [B, H/KVH, N], values v_new [B, N, K]), one softmax -> [B, H/KVH, K] fp32."""
-  g = k.shape[1]
-  s0 = jnp.clip(start, 0, g - c)  # where dynamic_slice starts (it clamps the same way)
-  cut = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, c, axis=0))
-  kk, vv, bb = cut(k, s0), cut(v, s0), cut(bias, s0)
-  idx = s0[:, None] + jnp.arange(c, dtype=jnp.int32)[None]  # [B, C] pool slot of each window entry
-  inside = (idx >= start[:, None]) & (idx < (start + count)[:, None])  # not a neighbour's range
-  s = jnp.einsum("bgk,bck->bgc", q, kk, preferred_element_type=F32) * scale
-  s = s + jnp.where(inside, bb, -jnp.inf)[:, None, :]
-  p = jax.nn.softmax(jnp.concatenate([s, s_new], axis=-1), axis=-1)
-  out = jnp.einsum("bgc,bck->bgk", p[..., :c].astype(vv.dtype), vv, preferred_element_type=F32)
-  return out + jnp.einsum("bgn,bnk->bgk", p[..., c:].astype(v_new.dtype), v_new, preferred_element_type=F32)
-
-
-def repack(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
+def repack(cache: GlobalCache, policy: Policy) -> GlobalCache:
   """The pool sorted by owner (free slots last) and a fresh `PackIndex`: each owner's keys side by
-  side in [start, start + count), nothing written since. `now` [B]: the position of the last key
-  written (-1: none yet). One sort of the G slots per row: `pool_evict` runs it every
-  `policy.repack_every` steps, so a step pays 1 / repack_every of it. Only slots move: every
-  (layer, kv head) holds the same keys."""
+  side in [start, start + count), nothing written since (since: one past the newest key held,
+  positions only grow). One sort of the G slots per row, every `policy.repack_every` steps
+  (`scan_steps`, or `pool_evict` when due). Only slots move: every (layer, kv head) holds the same
+  keys."""
   pool = cache.pool
   b, g = pool.pos.shape
   n_own = cache.n_layers * cache.kv_heads
@@ -337,7 +331,7 @@ def repack(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
   index = PackIndex(
     start=start,
     count=end - start,
-    since=(now + 1).astype(jnp.int32),
+    since=jnp.max(jnp.where(pool.alive, pool.pos, -1), axis=1).astype(jnp.int32) + 1,
     new_slot=jnp.full((b, n_own, n), g, jnp.int32),
     new_pos=jnp.full((b, n), -1, jnp.int32),
     step=jnp.zeros((b,), jnp.int32),
@@ -345,13 +339,42 @@ def repack(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
   return cache._replace(pool=pool, index=index)
 
 
-def prepare(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
+def prepare(cache: GlobalCache, policy: Policy) -> GlobalCache:
   """A `GlobalCache` ready for `policy`'s implementation: "packed" repacks it and adds its
-  `PackIndex` (`now` [B]: the position of the last key written, -1 for an empty pool); the other
-  implementations need no index (None)."""
+  `PackIndex`; the other implementations need no index (None)."""
   if policy.pool_impl == "packed":
-    return repack(cache, policy, now)
+    return repack(cache, policy)
   return cache._replace(index=None)
+
+
+def scan_steps(body, init, xs, policy: Policy):
+  """`lax.scan(body, init, xs)` for a decode loop whose carry's first element is the step's cache
+  (per-layer caches or a `GlobalCache`); `body(carry, x, repack=...)` passes `repack` on to
+  `pool_evict`. pool_impl "packed": the steps run in blocks of `policy.repack_every`, the pool
+  repacked before each block, outside the loop's step (a repack under a condition inside the step
+  would copy the whole pool at every step: the carry cannot stay in place through a conditional).
+  -> (carry, stacked outputs) as `lax.scan`."""
+  n = jax.tree.leaves(xs)[0].shape[0]
+  every = policy.repack_every
+  if not (policy.is_global and policy.pool_impl == "packed") or n == 0:
+    return jax.lax.scan(functools.partial(body, repack=True), init, xs)
+  step = functools.partial(body, repack=False)  # at most repack_every steps after each repack
+
+  def block(carry, xb):
+    carry = (repack(carry[0], policy),) + tuple(carry[1:])
+    return jax.lax.scan(step, carry, xb)
+
+  full, rest = divmod(n, every)
+  ys = []
+  carry = init
+  if full:
+    xb = jax.tree.map(lambda x: x[: full * every].reshape((full, every) + x.shape[1:]), xs)
+    carry, y = jax.lax.scan(block, carry, xb)
+    ys.append(jax.tree.map(lambda a: a.reshape((full * every,) + a.shape[2:]), y))
+  if rest:
+    carry, y = block(carry, jax.tree.map(lambda x: x[full * every :], xs))
+    ys.append(y)
+  return carry, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
 
 
 def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Policy, scale: float, positions):
@@ -388,7 +411,7 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
     if index is None:
       raise ValueError(
         "pool_impl='packed' needs the pool's PackIndex: build the cache with decode.init_caches / "
-        "prefill_parallel, or pass it through pool.prepare(cache, policy, now)"
+        "prefill_parallel, or pass it through pool.prepare(cache, policy)"
       )
     col = jnp.arange(policy.repack_every)[None] == index.step[:, None]  # [B, N] this step's column
     lo = layer * kvh
@@ -419,13 +442,15 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   return out.reshape(b, h, dk).astype(q.dtype)[:, None], new
 
 
-def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
+def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array, *, repack_due: bool = True) -> GlobalCache:
   """Between steps: evict across all layers and heads of a row down to G - L * KVH keys.
 
   The rule of `decode.global_evict` on the pool: the keys that may go are those outside every
   head's protected window (positions <= now + 1 - W), largest penalty first, ties oldest, then
   lower owner (layer, head); `now` [B] is the position of the last key written. Evicted slots are
-  freed (alive False, owner -1) for the next step's new keys.
+  freed (alive False, owner -1) for the next step's new keys. pool_impl "packed": the step is
+  counted and, with `repack_due`, the pool repacked once `policy.repack_every` steps have been
+  written since the last repack (a loop that repacks itself, `scan_steps`, passes False).
   """
   pool = cache.pool
   limit = (policy.keys - 1) * cache.n_layers * cache.kv_heads
@@ -440,8 +465,10 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCach
   if policy.pool_impl != "packed":
     return cache
   cache = cache._replace(index=cache.index._replace(step=cache.index.step + 1))
+  if not repack_due:
+    return cache
   due = jnp.max(cache.index.step) >= policy.repack_every  # the new-key lists are full: repack every row
-  return jax.lax.cond(due, lambda c: repack(c, policy, now), lambda c: c, cache)
+  return jax.lax.cond(due, lambda c: repack(c, policy), lambda c: c, cache)
 
 
 def evict_few(pen, pos, owner, cand, count, most: int) -> jax.Array:
