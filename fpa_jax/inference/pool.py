@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple, Sequence
 
 import jax
@@ -214,6 +215,13 @@ def _buckets(limit: int) -> tuple[int, ...]:
   return tuple(sorted(set(out)))
 
 
+def _widths(limit: int) -> tuple[int, ...]:
+  """"packed"'s static window widths, ascending: `limit` over 2 ** (i / 4), i = 0..20 (down to
+  limit / 32), so a layer reads at most 1.19x the slots of its widest range: ranges hover around
+  the mean budget, where halvings (`_buckets`) would often read twice that. 21 branches at most."""
+  return tuple(sorted({max(1, math.ceil(limit / 2 ** (i / 4))) for i in range(21)}))
+
+
 def _attend_masked(qg, pool: SlotPool, mine, scale: float, limit: int):
   """Every query head over the whole pool [B, G], masked to its own slots: O(G) per head (the
   reference layout, `Policy.pool_impl` "masked", "reference"). qg [B, KVH, H/KVH, K]; mine [B, KVH, G]."""
@@ -266,7 +274,7 @@ def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: floa
   """Each kv head's query heads over its range of the repacked pool plus the keys it wrote since:
   O(KVH * (C + N)) per layer, C the widest of its heads' ranges (rounded up), no per-step listing.
 
-  The least width C of `_buckets(limit)` that holds every range of the layer's heads in every row
+  The least width C of `_widths(limit)` that holds every range of the layer's heads in every row
   is picked at run time (`lax.switch`: static shapes, only the chosen branch runs); per head, the
   C slots from its range's start (a window that may reach into its neighbours' ranges, masked)
   and the N slots its keys of the steps since the repack went to are gathered in one index
@@ -277,7 +285,7 @@ def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: floa
   lo = layer * kvh
   own = slice(lo, lo + kvh)
   pen = fp.penalty(pool.level, pool.run_min)  # [B, G]
-  caps = _buckets(limit)
+  caps = _widths(limit)
   pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(index.count[:, own]))  # the least width >= every range
   branches = [functools.partial(_attend_window, c, scale, lo) for c in caps]
   return jax.lax.switch(pick, branches, qg, pool, pen, index.start[:, own], index.count[:, own], index)
