@@ -306,15 +306,20 @@ def _pool_sets(cache, b=0):
   return [[set(pos[alive & (owner == l * kvh + j)].tolist()) for j in range(kvh)] for l in range(cache.n_layers)]
 
 
+@pytest.mark.parametrize("impl", ["packed", "masked"])
 @pytest.mark.parametrize("keys,cap,recent", [(3, 6, 1), (4, 8, 2), (3, 3, 0), (3, None, 1), (4, None, 2)])
-def test_global_budget_matches_numpy(keys, cap, recent):
-  """2 layers x 2 heads, decoded token by token: the shared pool (exactly G slots per row) and the
-  per-head measuring layout (`global_evict`, what cached_logits uses) both hold numpy's sets."""
+def test_global_budget_matches_numpy(keys, cap, recent, impl):
+  """2 layers x 2 heads, decoded token by token: the shared pool (exactly G slots per row; "packed"
+  repacked every 4 steps by `pool_evict`) and the per-head measuring layout (`global_evict`, what
+  cached_logits uses) both hold numpy's sets."""
+  import dataclasses
+
   fields = _global_fields(len(BRACKETS))
   t, n_l, h = fields.shape
   pol = make_policy("fpa_global", t, budget=keys, head_cap=cap, recent=recent)
+  pol = dataclasses.replace(pol, pool_impl=impl, repack_every=4)
   g = pol.pool_slots(n_l, h)
-  pool = P.init_global_cache(1, g, n_l, h, 1)
+  pool = P.prepare(P.init_global_cache(1, g, n_l, h, 1), pol)
   caches = tuple(K.init_layer_cache(1, t, h, 1) for _ in range(n_l))  # measuring: one slot per token
   ones = jnp.ones((1, 1, h, 1))
 

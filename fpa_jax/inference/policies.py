@@ -20,9 +20,10 @@ Policies (`Policy.name`):
                 attention; `fpa_jax.inference.pool`): exactly G slots for all layers and kv heads
                 together, each tagged with its owner (layer, kv head), so it allocates what
                 `fpa_budget` allocates at the same budget plus an int32 tag per slot
-                (`decode.cache_bytes`). Static shapes: each query head attends over the whole pool
-                masked to its own slots, O(G) per head and step (`Policy.pool_impl` "gather": each
-                head over its own slots, gathered; `fpa_jax.inference.pool`). `head_cap` (optional): at most that many keys per
+                (`decode.cache_bytes`). Every `repack_every` steps the pool is sorted by owner, so
+                each head's keys lie side by side and each query head attends over its own range plus
+                the keys its head wrote since: O(keys it holds) per head and step (`Policy.pool_impl`;
+                "masked": the whole pool masked, O(G); `fpa_jax.inference.pool`). `head_cap` (optional): at most that many keys per
                 (layer, kv head), its largest penalty going first as in `fpa_budget` (default: no
                 limit, a head may fill the pool). The last W keys of every head are protected. Between
                 steps at most G - n_layers * kv_heads keys are held, so each step's new keys always find
@@ -77,10 +78,11 @@ BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
 THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
 WINDOWED = ("fpa_budget", "fpa_global", "snapkv", SCORE)  # have a protected recent window
 BOUNDS = ("keys", "params")
-# fpa_global's implementations, one behaviour: "masked" (each head over the whole pool, masked; eviction by
-# top-k), "packed" (the pool repacked by owner every `repack_every` steps, each head over its own range),
-# "gather" (each head over its own slots, gathered), "reference" (masked; eviction by one sort of the pool)
-POOL_IMPLS = ("masked", "packed", "gather", "reference")
+# fpa_global's implementations, one behaviour: "packed" (the default: the pool repacked by owner every
+# `repack_every` steps, each head over its own range), "masked" (each head over the whole pool, masked;
+# eviction by top-k), "gather" (each head over its own slots, gathered), "reference" (masked; eviction by
+# one sort of the pool)
+POOL_IMPLS = ("packed", "masked", "gather", "reference")
 REPACK_EVERY = 32  # "packed": decode steps between repacks (a sort of the pool each)
 N_SINK = 4
 OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
@@ -112,7 +114,7 @@ class Policy:
   obs_window: int = OBS_WINDOW  # snapkv
   kernel: int = KERNEL  # snapkv
   score: Callable | None = None  # score
-  pool_impl: str = "masked"  # fpa_global: `POOL_IMPLS`
+  pool_impl: str = "packed"  # fpa_global: `POOL_IMPLS`
   repack_every: int = REPACK_EVERY  # fpa_global, pool_impl "packed"
 
   def __post_init__(self):
