@@ -1,4 +1,4 @@
-"""Eviction policies of issue 19: the protected recent window, SnapKV, the global budget (fpa_global),
+"""Eviction policies: the protected recent window, SnapKV, the global budget (fpa_global),
 the per-key tolerance bound, and their argument checks. Each policy against a numpy simulation."""
 
 from __future__ import annotations
@@ -545,7 +545,9 @@ def test_pool_impls_agree(tiny, head_cap):
     assert_close(np.asarray(lg), np.asarray(l_ref), n=t * tiny.cfg.d_model * tiny.cfg.n_layers)
 
 
-@pytest.mark.parametrize("head_cap,held,seed", [(None, (30, 0, 14, 0), 0), (None, (0, 20, 0, 24), 1), (20, (18, 0, 14, 0), 2)])
+@pytest.mark.parametrize(
+  "head_cap,held,seed", [(None, (30, 0, 14, 0), 0), (None, (0, 20, 0, 24), 1), (20, (18, 0, 14, 0), 2)]
+)
 def test_packed_pool_attends_like_float64(head_cap, held, seed):
   """pool_impl "packed" on random pools (2 layers x 2 kv heads, 4 query heads, random keys, levels
   and fields), started from a pool built by hand (`held`: keys per owner, in shuffled slots; two
@@ -619,3 +621,15 @@ def test_packed_pool_attends_like_float64(head_cap, held, seed):
           want[r, hh] = (w / w.sum()) @ v[r, mine]
       for out in (out_m, out_p):
         assert_close(np.asarray(out[:, 0]), want, n=g * dk, err_msg=f"step {i} layer {layer}")
+
+
+def test_pool_impl_checked():
+  """Policy names fpa_global's implementations and their repack interval before anything is traced."""
+  import dataclasses
+
+  pol = make_policy("fpa_global", 64, budget=8)
+  assert pol.pool_impl == "packed" and pol.pack_steps == 8  # at most the mean budget
+  with pytest.raises(ValueError, match="pool_impl must be one of"):
+    dataclasses.replace(pol, pool_impl="paged")
+  with pytest.raises(ValueError, match="repack_every must be an int >= 1"):
+    dataclasses.replace(pol, repack_every=0)

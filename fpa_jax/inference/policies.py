@@ -134,6 +134,12 @@ class Policy:
   def is_global(self) -> bool:
     return self.name == "fpa_global"
 
+  @property
+  def pack_steps(self) -> int:
+    """ "packed": steps between repacks, `repack_every` but at most the mean budget `keys`, so the
+    lists of keys written since (one int32 per owner and step) hold at most one entry per pool slot."""
+    return max(1, min(self.repack_every, self.keys or self.repack_every))
+
   def pool_slots(self, n_layers: int, kv_heads: int) -> int:
     """fpa_global: G = keys * n_layers * kv_heads, the slots of a row's pool."""
     return self.keys * n_layers * kv_heads

@@ -8,14 +8,20 @@ budget, plus an int32 owner tag per slot (`decode.cache_bytes`). A slot holds on
 (layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key).
 
 Cost per token (`Policy.pool_impl`; every implementation keeps the same keys and decodes the same
-tokens): "masked" (default) attends each query head over the whole pool masked to its own slots,
-so a layer reads all G slots, O(G) per head: on CPU this read is most of the step, and a cost that
-follows the keys each head holds needs each head's keys contiguous (a repack), since gathers and
-scatters of slot lists cost more there than the masked read. "gather" lists each head's slots and
-gathers them into the least of a few static capacities that holds them (`_attend_gathered`):
-attention O(keys the head holds), plus O(G) to list them. Eviction takes the step's at most
-L * KVH keys by three top-k passes over the pool (`evict_few`); "reference" is the masked attention
-with eviction by one sort of the pool (the original implementation, kept to test against).
+tokens): "packed" (default) sorts the pool by owner every N = `policy.pack_steps` steps (`repack`,
+between blocks of N steps: `scan_steps`), so each head's keys lie side by side in a range
+[start, start + count) (`PackIndex`); a layer reads, per kv head, a window of the least static
+width C >= its widest range (`_widths`, steps of 2 ** (1/4), picked by `lax.switch`) plus the N
+slots its keys of the steps since went to, in one gather: attention O(KVH * (C + N)) per layer,
+about the keys each head holds, and the sort costs O(G log G) / N per step. Keys evicted inside a
+range stay masked until the next repack; new keys go to any free slot and are found through the
+lists. "masked" attends each query head over the whole pool masked to its own slots, so a layer
+reads all G slots, O(G) per head (no index, no repack). "gather" lists each head's slots every
+step and gathers them into the least of a few static capacities that holds them
+(`_attend_gathered`): attention O(keys the head holds), plus O(G) to list them, slower than both
+on CPU. Eviction takes the step's at most L * KVH keys by three top-k passes over the pool
+(`evict_few`); "reference" is the masked attention with eviction by one sort of the pool (the
+original implementation, kept to test against).
 
 A decode step, per layer l (`pool_decode_attend`, what the layer's `PoolView.attend` runs):
 advance the running min of the slots layer l owns with their head's field (gathered by owner),
@@ -76,7 +82,7 @@ class SlotPool(NamedTuple):
 
 class PackIndex(NamedTuple):
   """Where each owner's keys lie in a repacked pool (`Policy.pool_impl` "packed"); O = L * KVH owners,
-  N = `policy.repack_every` steps between repacks.
+  N = `policy.pack_steps` steps between repacks.
 
   start, count: [B, O] int32 owner o's range [start, start + count): its keys at the last repack,
                 side by side (`repack`); the range's slots evicted since are masked, not reused by o's range.
@@ -216,7 +222,7 @@ def _buckets(limit: int) -> tuple[int, ...]:
 
 
 def _widths(limit: int) -> tuple[int, ...]:
-  """"packed"'s static window widths, ascending: `limit` over 2 ** (i / 4), i = 0..20 (down to
+  """ "packed"'s static window widths, ascending: `limit` over 2 ** (i / 4), i = 0..20 (down to
   limit / 32), so a layer reads at most 1.19x the slots of its widest range: ranges hover around
   the mean budget, where halvings (`_buckets`) would often read twice that. 21 branches at most."""
   return tuple(sorted({max(1, math.ceil(limit / 2 ** (i / 4))) for i in range(21)}))
@@ -321,7 +327,7 @@ def _attend_window(c: int, scale: float, lo: int, qg, pool: SlotPool, pen, start
 def repack(cache: GlobalCache, policy: Policy) -> GlobalCache:
   """The pool sorted by owner (free slots last) and a fresh `PackIndex`: each owner's keys side by
   side in [start, start + count), nothing written since (since: one past the newest key held,
-  positions only grow). One sort of the G slots per row, every `policy.repack_every` steps
+  positions only grow). One sort of the G slots per row, every `policy.pack_steps` steps
   (`scan_steps`, or `pool_evict` when due). Only slots move: every (layer, kv head) holds the same
   keys."""
   pool = cache.pool
@@ -335,7 +341,7 @@ def repack(cache: GlobalCache, policy: Policy) -> GlobalCache:
   tags = jnp.arange(n_own, dtype=jnp.int32)
   start = jax.vmap(lambda r: jnp.searchsorted(r, tags, side="left"))(key).astype(jnp.int32)
   end = jax.vmap(lambda r: jnp.searchsorted(r, tags, side="right"))(key).astype(jnp.int32)
-  n = policy.repack_every
+  n = policy.pack_steps
   index = PackIndex(
     start=start,
     count=end - start,
@@ -358,15 +364,15 @@ def prepare(cache: GlobalCache, policy: Policy) -> GlobalCache:
 def scan_steps(body, init, xs, policy: Policy):
   """`lax.scan(body, init, xs)` for a decode loop whose carry's first element is the step's cache
   (per-layer caches or a `GlobalCache`); `body(carry, x, repack=...)` passes `repack` on to
-  `pool_evict`. pool_impl "packed": the steps run in blocks of `policy.repack_every`, the pool
+  `pool_evict`. pool_impl "packed": the steps run in blocks of `policy.pack_steps`, the pool
   repacked before each block, outside the loop's step (a repack under a condition inside the step
   would copy the whole pool at every step: the carry cannot stay in place through a conditional).
   -> (carry, stacked outputs) as `lax.scan`."""
   n = jax.tree.leaves(xs)[0].shape[0]
-  every = policy.repack_every
+  every = policy.pack_steps
   if not (policy.is_global and policy.pool_impl == "packed") or n == 0:
     return jax.lax.scan(functools.partial(body, repack=True), init, xs)
-  step = functools.partial(body, repack=False)  # at most repack_every steps after each repack
+  step = functools.partial(body, repack=False)  # at most pack_steps steps after each repack
 
   def block(carry, xb):
     carry = (repack(carry[0], policy),) + tuple(carry[1:])
@@ -421,9 +427,11 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
         "pool_impl='packed' needs the pool's PackIndex: build the cache with decode.init_caches / "
         "prefill_parallel, or pass it through pool.prepare(cache, policy)"
       )
-    col = jnp.arange(policy.repack_every)[None] == index.step[:, None]  # [B, N] this step's column
+    col = jnp.arange(policy.pack_steps)[None] == index.step[:, None]  # [B, N] this step's column
     lo = layer * kvh
-    ns = index.new_slot.at[:, lo : lo + kvh].set(jnp.where(col[:, None], slot[:, :, None], index.new_slot[:, lo : lo + kvh]))
+    ns = index.new_slot.at[:, lo : lo + kvh].set(
+      jnp.where(col[:, None], slot[:, :, None], index.new_slot[:, lo : lo + kvh])
+    )
     index = index._replace(new_slot=ns, new_pos=jnp.where(col, positions[:, None], index.new_pos))
   bi = jnp.arange(b)[:, None]
   put = lambda x, val: x.at[bi, slot].set(val.astype(x.dtype))
@@ -457,7 +465,7 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array, *, repack_due
   head's protected window (positions <= now + 1 - W), largest penalty first, ties oldest, then
   lower owner (layer, head); `now` [B] is the position of the last key written. Evicted slots are
   freed (alive False, owner -1) for the next step's new keys. pool_impl "packed": the step is
-  counted and, with `repack_due`, the pool repacked once `policy.repack_every` steps have been
+  counted and, with `repack_due`, the pool repacked once `policy.pack_steps` steps have been
   written since the last repack (a loop that repacks itself, `scan_steps`, passes False).
   """
   pool = cache.pool
@@ -475,7 +483,7 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array, *, repack_due
   cache = cache._replace(index=cache.index._replace(step=cache.index.step + 1))
   if not repack_due:
     return cache
-  due = jnp.max(cache.index.step) >= policy.repack_every  # the new-key lists are full: repack every row
+  due = jnp.max(cache.index.step) >= policy.pack_steps  # the new-key lists are full: repack every row
   return jax.lax.cond(due, lambda c: repack(c, policy), lambda c: c, cache)
 
 
