@@ -7,10 +7,12 @@
 
 Policies (`POLICIES`, label -> policy and arguments): full; fpa_budget, window, snapkv at 25%;
 fpa_global at 25% (one shared slot pool per row of 25% of every layer's and head's keys: the cache
-bytes of fpa_budget 25% plus an int32 owner tag per slot; each head attends over the whole pool,
-masked); fpa_global_cap at 25% with a per-head limit of 50% (the same bytes); fpa_global_gather and
-fpa_global_sort: fpa_global's other implementations (`Policy.pool_impl` "gather": each head over its
-own slots, gathered; "reference": eviction by one sort of the pool, as before top-k), the same keys.
+bytes of fpa_budget 25% plus an int32 owner tag per slot; the default `Policy.pool_impl` "packed":
+the pool repacked by owner every `repack_every` steps, each head over its own range); fpa_global_cap
+at 25% with a per-head limit of 50% (the same bytes); fpa_global_masked, fpa_global_gather and
+fpa_global_sort: fpa_global's other implementations ("masked": each head over the whole pool,
+masked; "gather": each head over its own slots, gathered; "reference": masked with eviction by one
+sort of the pool), the same keys.
 Each context's policies are timed interleaved (a repeat of each in turn), so a loaded machine slows
 them alike: compare the ratios to full, not the seconds. With --profile (default) fpa_global's step
 at the largest context is split into attention, eviction and the rest (each part: the step's time
@@ -51,6 +53,7 @@ from experiments._common import ROOT, md_table, run_meta, write_json
 from fpa_jax import configs as C
 from fpa_jax.inference import cache_bytes, cached_logits, load_model, make_policy
 from fpa_jax.inference.decode import _occupancy, _slots_per_row, _step, prefill_parallel
+from fpa_jax.inference.pool import scan_steps
 from fpa_jax.models import build_model
 
 POLICIES: dict[str, tuple[str, dict]] = {
@@ -61,10 +64,11 @@ POLICIES: dict[str, tuple[str, dict]] = {
   "fpa_global": ("fpa_global", {"budget": 0.25}),  # fpa_budget 25%'s bytes (a shared pool)
   "fpa_global_cap": ("fpa_global", {"budget": 0.25, "head_cap": 0.5}),  # the same, a per-head limit
   # the same policy, other implementations (`Policy.pool_impl`; the same keys and tokens)
+  "fpa_global_masked": ("fpa_global", {"budget": 0.25, "pool_impl": "masked"}),
   "fpa_global_gather": ("fpa_global", {"budget": 0.25, "pool_impl": "gather"}),
   "fpa_global_sort": ("fpa_global", {"budget": 0.25, "pool_impl": "reference"}),
 }
-QUICK = ("full", "fpa_budget", "window", "fpa_global", "fpa_global_sort")
+QUICK = ("full", "fpa_budget", "window", "fpa_global", "fpa_global_masked")
 IMPL_KW = ("pool_impl",)  # POLICIES keywords for the resolved `Policy`, not `make_policy`
 
 
@@ -105,12 +109,12 @@ def decode_timer(model, prompt, n_new: int, policy):
   def decode(state, caches, tok):
     m = nnx.merge(graphdef, state)
 
-    def body(carry, pos):
+    def body(carry, pos, repack=True):
       caches, tok = carry
-      logits, caches = _step(m, caches, tok, jnp.full((b,), pos, jnp.int32), policy)
+      logits, caches = _step(m, caches, tok, jnp.full((b,), pos, jnp.int32), policy, repack=repack)
       return (caches, jnp.argmax(logits, -1).astype(jnp.int32)), None
 
-    (caches, tok), _ = jax.lax.scan(body, (caches, tok), jnp.arange(p, p + n_new))
+    (caches, tok), _ = scan_steps(body, (caches, tok), jnp.arange(p, p + n_new), policy)  # generate's loop
     held = _occupancy(caches)[1]  # [L, B, KVH]
     return tok, jnp.mean(held, axis=1) / (p + n_new)  # kept fraction per layer and kv head
 
@@ -150,20 +154,25 @@ def time_interleaved(model, prompt, n_new: int, repeats: int, policies) -> tuple
 @contextlib.contextmanager
 def _without(part: str):
   """fpa_global with one part of its step replaced by a stand-in of no cost (for the profile only:
-  the tokens it then decodes mean nothing): "attention" (every head's attention over the pool) or
+  the tokens it then decodes mean nothing): "attention" (every head's attention, over its range or the whole pool) or
   "eviction" (`pool_evict` between steps)."""
   from fpa_jax.inference import pool as P
 
-  name, stub = {
-    "attention": ("_attend_masked", lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum()),
-    "eviction": ("pool_evict", lambda cache, policy, now: cache),
+  stubs = {
+    "attention": {
+      "_attend_masked": lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum(),
+      "_attend_packed": lambda qg, pool, index, layer, scale, limit: qg * pool.k[:, :1, :1].sum(),
+    },
+    "eviction": {"pool_evict": lambda cache, policy, now, repack_due=True: cache},
   }[part]
-  old = getattr(P, name)
-  setattr(P, name, stub)
+  old = {name: getattr(P, name) for name in stubs}
+  for name, stub in stubs.items():
+    setattr(P, name, stub)
   try:
     yield
   finally:
-    setattr(P, name, old)
+    for name, fn in old.items():
+      setattr(P, name, fn)
 
 
 def profile_global(model, prompt, n_new: int, repeats: int, policy) -> dict:
@@ -327,7 +336,7 @@ def main(argv=None) -> dict:
         ]
       )
   targets = {}
-  for label in ("fpa_budget", "fpa_global", "fpa_global_gather", "fpa_global_sort"):
+  for label in ("fpa_budget", "fpa_global", "fpa_global_masked", "fpa_global_gather", "fpa_global_sort"):
     if label in labels:
       targets[f"{label}_cache_bytes_over_full_{top}x"] = rows[f"{top}x/{label}"]["cache_bytes_over_full"]
       targets[f"{label}_decode_time_over_full_{top}x"] = rows[f"{top}x/{label}"]["decode_time_over_full"]
@@ -384,7 +393,7 @@ def main(argv=None) -> dict:
         f"{'met' if tb <= 0.3 else 'not met'}) and decodes a token in **{tt:.3f}x** full's time (target <= {goal:g}: "
         f"{'met' if tt <= goal else 'not met'}).\n"
       )
-  for label in ("fpa_global_gather", "fpa_global_sort"):
+  for label in ("fpa_global_masked", "fpa_global_gather", "fpa_global_sort"):
     if label in labels:
       md += (
         f"\nAt {top}x: {label} (`pool_impl={POLICIES[label][1]['pool_impl']!r}`: the same keys and tokens) decodes a "
@@ -394,7 +403,7 @@ def main(argv=None) -> dict:
     st = profile["step_ms"]
     md += (
       f"\nfpa_global's step at {top}x ({profile['context']} tokens; each part: the step's time minus the step's "
-      f"with that part replaced by a stand-in of no cost, interleaved): {st:.2f} ms/token = attention over the pool "
+      f"with that part replaced by a stand-in of no cost, interleaved): {st:.2f} ms/token = attention "
       f"{profile['attention_ms']:.2f} ({profile['attention_ms'] / st:.0%}) + eviction between steps "
       f"{profile['eviction_ms']:.2f} ({profile['eviction_ms'] / st:.0%}) + the rest (projections, MLP, pool "
       f"bookkeeping) {profile['rest_ms']:.2f} ({profile['rest_ms'] / st:.0%}).\n"

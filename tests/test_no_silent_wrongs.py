@@ -285,11 +285,12 @@ def test_pool_without_a_free_slot_writes_nothing():
   pol = make_policy("fpa_global", 8, budget=2)
   gc = P.init_global_cache(1, 2, 1, 1, 1)  # 2 slots, 1 layer, 1 kv head
   pool = gc.pool._replace(alive=jnp.ones((1, 2), bool), owner=jnp.zeros((1, 2), jnp.int32), pos=jnp.array([[0, 1]]))
-  view = P.PoolView(pool=pool, carry=gc.carry[0], layer=0)
+  gc = P.prepare(gc._replace(pool=pool), pol)  # the default pool_impl ("packed") reads its PackIndex
+  view = P.PoolView(pool=gc.pool, carry=gc.carry[0], layer=0, index=gc.index)
   x, z = _token(2, 3.0)
   out, new = P.pool_decode_attend(view, x, x, x, z, z, z, policy=pol, scale=1.0, positions=jnp.array([2]))
   assert np.isnan(np.asarray(out)).all()
-  np.testing.assert_array_equal(np.asarray(new.pool.k), np.asarray(pool.k))
+  np.testing.assert_array_equal(np.asarray(new.pool.k), np.asarray(gc.pool.k))
 
 
 # ----------------------------------------------------------------------------- the layer's inputs

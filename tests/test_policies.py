@@ -1,4 +1,4 @@
-"""Eviction policies of issue 19: the protected recent window, SnapKV, the global budget (fpa_global),
+"""Eviction policies: the protected recent window, SnapKV, the global budget (fpa_global),
 the per-key tolerance bound, and their argument checks. Each policy against a numpy simulation."""
 
 from __future__ import annotations
@@ -306,15 +306,20 @@ def _pool_sets(cache, b=0):
   return [[set(pos[alive & (owner == l * kvh + j)].tolist()) for j in range(kvh)] for l in range(cache.n_layers)]
 
 
+@pytest.mark.parametrize("impl", ["packed", "masked"])
 @pytest.mark.parametrize("keys,cap,recent", [(3, 6, 1), (4, 8, 2), (3, 3, 0), (3, None, 1), (4, None, 2)])
-def test_global_budget_matches_numpy(keys, cap, recent):
-  """2 layers x 2 heads, decoded token by token: the shared pool (exactly G slots per row) and the
-  per-head measuring layout (`global_evict`, what cached_logits uses) both hold numpy's sets."""
+def test_global_budget_matches_numpy(keys, cap, recent, impl):
+  """2 layers x 2 heads, decoded token by token: the shared pool (exactly G slots per row; "packed"
+  repacked every 4 steps by `pool_evict`) and the per-head measuring layout (`global_evict`, what
+  cached_logits uses) both hold numpy's sets."""
+  import dataclasses
+
   fields = _global_fields(len(BRACKETS))
   t, n_l, h = fields.shape
   pol = make_policy("fpa_global", t, budget=keys, head_cap=cap, recent=recent)
+  pol = dataclasses.replace(pol, pool_impl=impl, repack_every=4)
   g = pol.pool_slots(n_l, h)
-  pool = P.init_global_cache(1, g, n_l, h, 1)
+  pool = P.prepare(P.init_global_cache(1, g, n_l, h, 1), pol)
   caches = tuple(K.init_layer_cache(1, t, h, 1) for _ in range(n_l))  # measuring: one slot per token
   ones = jnp.ones((1, 1, h, 1))
 
@@ -504,18 +509,20 @@ def test_evict_few_is_evict_largest():
     np.testing.assert_array_equal(np.asarray(P.evict_few(pen, pos, owner, cand, count, most)), np.asarray(want))
 
 
-@pytest.mark.parametrize("head_cap", [None, 6])
+@pytest.mark.parametrize("head_cap", [None, 10])
 def test_pool_impls_agree(tiny, head_cap):
   """The tiny model decoded token by token through fpa_global's pool with each implementation in
-  one program: "masked" (the default: top-k eviction) and "gather" (each head over its own slots)
-  hold exactly the keys of "reference" (the whole pool masked, one sort per eviction) at every
-  step, and their logits agree."""
+  one program: "masked" (the default: top-k eviction), "gather" (each head over its own slots) and
+  "packed" (repacked by owner every 1, 3 and 7 steps: steps on both sides of a repack) hold exactly
+  the keys of "reference" (the whole pool masked, one sort per eviction) at every step, and their
+  logits agree (the first repack sees the empty pool: every head holds no key)."""
   import dataclasses
 
-  b, t = 2, 20
+  b, t = 2, 24
   tok = jax.random.randint(jax.random.key(3), (b, t), 0, tiny.cfg.vocab_size)
-  base = make_policy("fpa_global", t, budget=4, head_cap=head_cap)
+  base = make_policy("fpa_global", t, budget=6, head_cap=head_cap, recent=0)  # "packed": widths 12, 24
   pols = [dataclasses.replace(base, pool_impl=i) for i in ("reference", "masked", "gather")]
+  pols += [dataclasses.replace(base, pool_impl="packed", repack_every=n) for n in (1, 3, 7)]
   graphdef, state = nnx.split(tiny)
 
   @jax.jit
@@ -532,7 +539,97 @@ def test_pool_impls_agree(tiny, head_cap):
     return jax.lax.scan(body, init, (tok.T, jnp.arange(t)))[1]
 
   (l_ref, m_ref), *rest = run(state, tok)
-  assert np.asarray(m_ref).sum((2, 3, 4)).max() <= 3 * tiny.cfg.n_layers * tiny.cfg.kv_heads
+  assert np.asarray(m_ref).sum((2, 3, 4)).max() <= 5 * tiny.cfg.n_layers * tiny.cfg.kv_heads
   for lg, mem in rest:
     np.testing.assert_array_equal(np.asarray(mem), np.asarray(m_ref))
     assert_close(np.asarray(lg), np.asarray(l_ref), n=t * tiny.cfg.d_model * tiny.cfg.n_layers)
+
+
+@pytest.mark.parametrize(
+  "head_cap,held,seed", [(None, (30, 0, 14, 0), 0), (None, (0, 20, 0, 24), 1), (20, (18, 0, 14, 0), 2)]
+)
+def test_packed_pool_attends_like_float64(head_cap, held, seed):
+  """pool_impl "packed" on random pools (2 layers x 2 kv heads, 4 query heads, random keys, levels
+  and fields), started from a pool built by hand (`held`: keys per owner, in shuffled slots; two
+  heads hold none), repacked every 3 steps, read through windows of 11, 22 or 44 slots (20 with
+  the cap) that overlap the neighbouring ranges: at every step and layer it holds the keys of
+  "masked" and every query head's output is the float64 softmax over its head's keys (scale q.k -
+  penalty)."""
+  import dataclasses
+
+  rng = np.random.default_rng(seed)
+  b, n_l, kvh, h, dk, p0, t = 2, 2, 2, 4, 3, 32, 44
+  base = make_policy("fpa_global", t, budget=12, head_cap=head_cap, recent=0)
+  pols = [dataclasses.replace(base, pool_impl=i, repack_every=3) for i in ("masked", "packed")]
+  g = base.pool_slots(n_l, kvh)
+  owner = np.full((b, g), -1)
+  pos = np.full((b, g), -1)
+  for r in range(b):
+    slots, at = rng.permutation(g), 0
+    for o, n in enumerate(held):
+      owner[r, slots[at : at + n]], pos[r, slots[at : at + n]] = o, rng.permutation(p0)[:n]
+      at += n
+  empty = P.init_global_cache(b, g, n_l, kvh, dk)
+  pool = empty.pool._replace(
+    k=jnp.asarray(rng.normal(size=(b, g, dk)), jnp.float32),
+    v=jnp.asarray(rng.normal(size=(b, g, dk)), jnp.float32),
+    level=jnp.asarray(rng.normal(size=(b, g)) * 2, jnp.float32),
+    run_min=jnp.asarray(np.where(owner >= 0, rng.normal(size=(b, g)) * 2, np.inf), jnp.float32),
+    pos=jnp.asarray(pos, jnp.int32),
+    alive=jnp.asarray(owner >= 0),
+    owner=jnp.asarray(owner, jnp.int32),
+  )
+  caches = [P.prepare(empty._replace(pool=pool), pol) for pol in pols]
+  assert (np.asarray(caches[1].index.count) == np.asarray(held)).all()
+
+  @jax.jit
+  def step(caches, xs, i):
+    positions = jnp.full((b,), i, jnp.int32)
+    outs, done = [], []
+    for cache, pol in zip(caches, pols):
+      run, per = P.PoolStep(cache, pol, positions), []
+      for layer in range(n_l):
+        q, k, v, f = (x[layer] for x in xs)
+        out, view = P.pool_decode_attend(run.layer(layer), q, k, v, f, f, f, policy=pol, scale=0.7, positions=positions)
+        run = run.update(layer, view)
+        per.append((out, view.pool))
+      outs.append(per)
+      done.append(P.pool_evict(run.cache, pol, positions))
+    return done, outs
+
+  for i in range(p0, t):
+    xs = [
+      jnp.asarray(rng.normal(size=(n_l, b, 1, h, dk)), jnp.float32),
+      jnp.asarray(rng.normal(size=(n_l, b, 1, kvh, dk)), jnp.float32),
+      jnp.asarray(rng.normal(size=(n_l, b, 1, kvh, dk)), jnp.float32),
+      jnp.asarray(rng.normal(size=(n_l, b, 1, kvh)) * 2, jnp.float32),
+    ]
+    caches, outs = step(caches, xs, i)
+    assert _pool_sets(caches[1], 0) == _pool_sets(caches[0], 0) and _pool_sets(caches[1], 1) == _pool_sets(caches[0], 1)
+    for layer in range(n_l):
+      (out_m, pm), (out_p, _) = outs[0][layer], outs[1][layer]
+      q = np.asarray(xs[0][layer][:, 0], np.float64)  # [B, H, K]
+      k, v = np.asarray(pm.k, np.float64), np.asarray(pm.v, np.float64)
+      lv, rm = np.asarray(pm.level, np.float64), np.asarray(pm.run_min, np.float64)
+      pen = np.where(np.isinf(rm), 0.0, np.maximum(lv - rm, 0.0))
+      want = np.zeros((b, h, dk))
+      for r in range(b):
+        for hh in range(h):
+          mine = np.asarray(pm.alive[r]) & (np.asarray(pm.owner[r]) == layer * kvh + hh // (h // kvh))
+          s = 0.7 * k[r, mine] @ q[r, hh] - pen[r, mine]
+          w = np.exp(s - s.max())
+          want[r, hh] = (w / w.sum()) @ v[r, mine]
+      for out in (out_m, out_p):
+        assert_close(np.asarray(out[:, 0]), want, n=g * dk, err_msg=f"step {i} layer {layer}")
+
+
+def test_pool_impl_checked():
+  """Policy names fpa_global's implementations and their repack interval before anything is traced."""
+  import dataclasses
+
+  pol = make_policy("fpa_global", 64, budget=8)
+  assert pol.pool_impl == "packed" and pol.pack_steps == 8  # at most the mean budget
+  with pytest.raises(ValueError, match="pool_impl must be one of"):
+    dataclasses.replace(pol, pool_impl="paged")
+  with pytest.raises(ValueError, match="repack_every must be an int >= 1"):
+    dataclasses.replace(pol, repack_every=0)

@@ -134,7 +134,8 @@ def init_caches(
   if policy.is_global and slots is None:
     c = layers[0]  # the same in every layer (`_check_model_policy`)
     g = policy.pool_slots(n, c.kv_heads)
-    return pool.init_global_cache(batch, g, n, c.kv_heads, c.head_dim, dtype=jnp.dtype(c.dtype))
+    empty = pool.init_global_cache(batch, g, n, c.kv_heads, c.head_dim, dtype=jnp.dtype(c.dtype))
+    return pool.prepare(empty, policy)
   coefs = caps = [None] * n
   if policy.name == "fpa" and policy.bound == "keys":
     us = layer_logit_bounds(model)
@@ -224,12 +225,12 @@ def _split_on_one_device(model):
   return graphdef, state
 
 
-def _step(model, caches, tokens, positions, policy: Policy, *, step=None, measure=False):
+def _step(model, caches, tokens, positions, policy: Policy, *, step=None, measure=False, repack=True):
   """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
-  `pool.GlobalCache`)."""
+  `pool.GlobalCache`; `repack`: `pool.pool_evict`'s repack_due, False in `pool.scan_steps`' blocks)."""
   if isinstance(caches, pool.GlobalCache):
     logits, done = call_cached(model, tokens[:, None], positions[:, None], pool.PoolStep(caches, policy, positions))
-    return logits[:, 0], pool.pool_evict(done.cache, policy, positions)
+    return logits[:, 0], pool.pool_evict(done.cache, policy, positions, repack_due=repack)
   run = Decode(policy, positions, step=step, measure=measure)
   logits, done = call_cached(model, tokens[:, None], positions[:, None], LayerCaches(tuple(caches), run))
   caches = done.layers
@@ -296,6 +297,7 @@ def prefill_parallel(model, prompt, lengths, policy: Policy, n_keys: int):
   if policy.is_global:
     kvh = caches[0].pos.shape[2]
     caches = pool.pool_from_caches(global_evict(caches, policy, lengths - 1), policy.pool_slots(len(caches), kvh))
+    caches = pool.prepare(caches, policy)
   return logits, caches
 
 
@@ -438,11 +440,11 @@ def _generate_program(
     peak0, _ = _occupancy(caches)
   else:  # token by token under the policy; rows past their prompt keep their state
 
-    def feed(carry, xs):
+    def feed(carry, xs, repack=True):
       caches, last, peak = carry
       tok, t = xs
       active = t < lengths
-      logits, new = _step(model, caches, tok, jnp.full((b,), t, jnp.int32), policy)
+      logits, new = _step(model, caches, tok, jnp.full((b,), t, jnp.int32), policy, repack=repack)
       if isinstance(new, pool.GlobalCache):
         caches = _select_rows(active, new, caches)
       else:
@@ -452,19 +454,19 @@ def _generate_program(
 
     caches = init_caches(model, b, policy, n_keys)
     init = (caches, jnp.zeros((b, vocab), jnp.float32), jnp.float32(0))
-    (caches, last, peak0), _ = jax.lax.scan(feed, init, (prompt.T, jnp.arange(p, dtype=jnp.int32)))
+    (caches, last, peak0), _ = pool.scan_steps(feed, init, (prompt.T, jnp.arange(p, dtype=jnp.int32)), policy)
 
   keys = jax.random.split(key, max_new)
   first = _sample(last, keys[0], temperature, top_k)
 
-  def body(carry, xs):
+  def body(carry, xs, repack=True):
     caches, tok, pos, peak = carry
     k = xs
-    logits, caches = _step(model, caches, tok, pos, policy)
+    logits, caches = _step(model, caches, tok, pos, policy, repack=repack)
     nxt = _sample(logits, k, temperature, top_k)
     return (caches, nxt, pos + 1, jnp.maximum(peak, _occupancy(caches)[0])), nxt
 
-  (caches, _, pos, peak), rest = jax.lax.scan(body, (caches, first, lengths, peak0), keys[1:])
+  (caches, _, pos, peak), rest = pool.scan_steps(body, (caches, first, lengths, peak0), keys[1:], policy)
   tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, N]
   overflow = _overflow(caches)
   _, held = _occupancy(caches)  # [L, B, KVH] at the end, over the pos keys each row has seen

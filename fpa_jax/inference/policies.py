@@ -20,9 +20,10 @@ Policies (`Policy.name`):
                 attention; `fpa_jax.inference.pool`): exactly G slots for all layers and kv heads
                 together, each tagged with its owner (layer, kv head), so it allocates what
                 `fpa_budget` allocates at the same budget plus an int32 tag per slot
-                (`decode.cache_bytes`). Static shapes: each query head attends over the whole pool
-                masked to its own slots, O(G) per head and step (`Policy.pool_impl` "gather": each
-                head over its own slots, gathered; `fpa_jax.inference.pool`). `head_cap` (optional): at most that many keys per
+                (`decode.cache_bytes`). Every `repack_every` steps the pool is sorted by owner, so
+                each head's keys lie side by side and each query head attends over its own range plus
+                the keys its head wrote since: O(keys it holds) per head and step (`Policy.pool_impl`;
+                "masked": the whole pool masked, O(G); `fpa_jax.inference.pool`). `head_cap` (optional): at most that many keys per
                 (layer, kv head), its largest penalty going first as in `fpa_budget` (default: no
                 limit, a head may fill the pool). The last W keys of every head are protected. Between
                 steps at most G - n_layers * kv_heads keys are held, so each step's new keys always find
@@ -77,9 +78,12 @@ BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
 THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
 WINDOWED = ("fpa_budget", "fpa_global", "snapkv", SCORE)  # have a protected recent window
 BOUNDS = ("keys", "params")
-# fpa_global's implementations, one behaviour: "masked" (each head over the whole pool, masked; eviction by
-# top-k), "gather" (each head over its own slots, gathered), "reference" (masked; eviction by one sort of the pool)
-POOL_IMPLS = ("masked", "gather", "reference")
+# fpa_global's implementations, one behaviour: "packed" (the default: the pool repacked by owner every
+# `repack_every` steps, each head over its own range), "masked" (each head over the whole pool, masked;
+# eviction by top-k), "gather" (each head over its own slots, gathered), "reference" (masked; eviction by
+# one sort of the pool)
+POOL_IMPLS = ("packed", "masked", "gather", "reference")
+REPACK_EVERY = 32  # "packed": decode steps between repacks (a sort of the pool each)
 N_SINK = 4
 OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
 KERNEL = 7  # snapkv: max-pool width over keys
@@ -95,6 +99,7 @@ class Policy:
   head_cap: fpa_global's per-head limit (None: none; then capacity = the sequence length).
   score: the `score` policy's function (`CachePolicy`; `score_keys`).
   pool_impl: how fpa_global's pool runs (`POOL_IMPLS`; `fpa_jax.inference.pool`), the same keys kept.
+  repack_every: pool_impl "packed": decode steps between repacks of the pool by owner (N).
   """
 
   name: str
@@ -109,13 +114,17 @@ class Policy:
   obs_window: int = OBS_WINDOW  # snapkv
   kernel: int = KERNEL  # snapkv
   score: Callable | None = None  # score
-  pool_impl: str = "masked"  # fpa_global: `POOL_IMPLS`
+  pool_impl: str = "packed"  # fpa_global: `POOL_IMPLS`
+  repack_every: int = REPACK_EVERY  # fpa_global, pool_impl "packed"
 
   def __post_init__(self):
     if self.pool_impl not in POOL_IMPLS:
       raise ValueError(
         f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
       )
+    n = self.repack_every
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"repack_every must be an int >= 1 (decode steps between repacks of the pool), got {n!r}")
 
   @property
   def thresholded(self) -> bool:
@@ -124,6 +133,12 @@ class Policy:
   @property
   def is_global(self) -> bool:
     return self.name == "fpa_global"
+
+  @property
+  def pack_steps(self) -> int:
+    """ "packed": steps between repacks, `repack_every` but at most the mean budget `keys`, so the
+    lists of keys written since (one int32 per owner and step) hold at most one entry per pool slot."""
+    return max(1, min(self.repack_every, self.keys or self.repack_every))
 
   def pool_slots(self, n_layers: int, kv_heads: int) -> int:
     """fpa_global: G = keys * n_layers * kv_heads, the slots of a row's pool."""

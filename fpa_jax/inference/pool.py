@@ -8,14 +8,20 @@ budget, plus an int32 owner tag per slot (`decode.cache_bytes`). A slot holds on
 (layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key).
 
 Cost per token (`Policy.pool_impl`; every implementation keeps the same keys and decodes the same
-tokens): "masked" (default) attends each query head over the whole pool masked to its own slots,
-so a layer reads all G slots, O(G) per head: on CPU this read is most of the step, and a cost that
-follows the keys each head holds needs each head's keys contiguous (a repack), since gathers and
-scatters of slot lists cost more there than the masked read. "gather" lists each head's slots and
-gathers them into the least of a few static capacities that holds them (`_attend_gathered`):
-attention O(keys the head holds), plus O(G) to list them. Eviction takes the step's at most
-L * KVH keys by three top-k passes over the pool (`evict_few`); "reference" is the masked attention
-with eviction by one sort of the pool (the original implementation, kept to test against).
+tokens): "packed" (default) sorts the pool by owner every N = `policy.pack_steps` steps (`repack`,
+between blocks of N steps: `scan_steps`), so each head's keys lie side by side in a range
+[start, start + count) (`PackIndex`); a layer reads, per kv head, a window of the least static
+width C >= its widest range (`_widths`, steps of 2 ** (1/4), picked by `lax.switch`) plus the N
+slots its keys of the steps since went to, in one gather: attention O(KVH * (C + N)) per layer,
+about the keys each head holds, and the sort costs O(G log G) / N per step. Keys evicted inside a
+range stay masked until the next repack; new keys go to any free slot and are found through the
+lists. "masked" attends each query head over the whole pool masked to its own slots, so a layer
+reads all G slots, O(G) per head (no index, no repack). "gather" lists each head's slots every
+step and gathers them into the least of a few static capacities that holds them
+(`_attend_gathered`): attention O(keys the head holds), plus O(G) to list them, slower than both
+on CPU. Eviction takes the step's at most L * KVH keys by three top-k passes over the pool
+(`evict_few`); "reference" is the masked attention with eviction by one sort of the pool (the
+original implementation, kept to test against).
 
 A decode step, per layer l (`pool_decode_attend`, what the layer's `PoolView.attend` runs):
 advance the running min of the slots layer l owns with their head's field (gathered by owner),
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple, Sequence
 
 import jax
@@ -73,11 +80,34 @@ class SlotPool(NamedTuple):
     return jnp.where(self.alive, fp.penalty(self.level, self.run_min), 0.0)
 
 
+class PackIndex(NamedTuple):
+  """Where each owner's keys lie in a repacked pool (`Policy.pool_impl` "packed"); O = L * KVH owners,
+  N = `policy.pack_steps` steps between repacks.
+
+  start, count: [B, O] int32 owner o's range [start, start + count): its keys at the last repack,
+                side by side (`repack`); the range's slots evicted since are masked, not reused by o's range.
+  since:        [B] int32 the first position after the last repack: a slot holds one of the range's own
+                keys exactly while it is alive with pos < since (newer keys are in `new_slot`).
+  new_slot:     [B, O, N] int32 the slot owner o's key of the i-th step since the repack went to (G: none).
+  new_pos:      [B, N] int32 that step's position: an entry is live while its slot still holds that key.
+  step:         [B] int32 steps since the repack (< N between steps).
+  """
+
+  start: jax.Array
+  count: jax.Array
+  since: jax.Array
+  new_slot: jax.Array
+  new_pos: jax.Array
+  step: jax.Array
+
+
 class GlobalCache(NamedTuple):
-  """fpa_global's decode state between steps: the pool and each layer's gate carry [B, KVH]."""
+  """fpa_global's decode state between steps: the pool, each layer's gate carry [B, KVH] and, for
+  `pool_impl="packed"`, where each owner's keys lie (`PackIndex`; None otherwise)."""
 
   pool: SlotPool
   carry: tuple[jax.Array, ...]
+  index: PackIndex | None = None
 
   @property
   def n_layers(self) -> int:
@@ -99,6 +129,7 @@ class PoolView:
   layer: int = dataclasses.field(metadata=dict(static=True))
   policy: Policy | None = dataclasses.field(default=None, metadata=dict(static=True))
   positions: jax.Array | None = None  # [B] the step's token positions
+  index: PackIndex | None = None  # pool_impl "packed": where each owner's keys lie
 
   def attend(self, spec, q, k, v, gates):
     """`pool_decode_attend` at the layer's `spec.scale` -> (out [B, 1, H, K], the view after it)."""
@@ -117,11 +148,11 @@ class PoolStep:
   positions: jax.Array  # [B]
 
   def layer(self, i: int) -> PoolView:
-    return PoolView(self.cache.pool, self.cache.carry[i], i, self.policy, self.positions)
+    return PoolView(self.cache.pool, self.cache.carry[i], i, self.policy, self.positions, self.cache.index)
 
   def update(self, i: int, new: PoolView) -> PoolStep:
     carry = self.cache.carry[:i] + (new.carry,) + self.cache.carry[i + 1 :]
-    return dataclasses.replace(self, cache=GlobalCache(new.pool, carry))
+    return dataclasses.replace(self, cache=GlobalCache(new.pool, carry, new.index))
 
 
 def init_pool(batch: int, slots: int, head_dim: int, *, dtype=F32) -> SlotPool:
@@ -190,6 +221,13 @@ def _buckets(limit: int) -> tuple[int, ...]:
   return tuple(sorted(set(out)))
 
 
+def _widths(limit: int) -> tuple[int, ...]:
+  """ "packed"'s static window widths, ascending: `limit` over 2 ** (i / 4), i = 0..20 (down to
+  limit / 32), so a layer reads at most 1.19x the slots of its widest range: ranges hover around
+  the mean budget, where halvings (`_buckets`) would often read twice that. 21 branches at most."""
+  return tuple(sorted({max(1, math.ceil(limit / 2 ** (i / 4))) for i in range(21)}))
+
+
 def _attend_masked(qg, pool: SlotPool, mine, scale: float, limit: int):
   """Every query head over the whole pool [B, G], masked to its own slots: O(G) per head (the
   reference layout, `Policy.pool_impl` "masked", "reference"). qg [B, KVH, H/KVH, K]; mine [B, KVH, G]."""
@@ -238,6 +276,121 @@ def _attend_slots(c: int, scale: float, q, k, v, pen, mine):
   return jnp.einsum("bgc,bck->bgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
 
 
+def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: float, limit: int):
+  """Each kv head's query heads over its range of the repacked pool plus the keys it wrote since:
+  O(KVH * (C + N)) per layer, C the widest of its heads' ranges (rounded up), no per-step listing.
+
+  The least width C of `_widths(limit)` that holds every range of the layer's heads in every row
+  is picked at run time (`lax.switch`: static shapes, only the chosen branch runs); per head, the
+  C slots from its range's start (a window that may reach into its neighbours' ranges, masked)
+  and the N slots its keys of the steps since the repack went to are gathered in one index
+  [B, KVH, C + N]: one gather per pool array and one batched attention for the whole layer.
+  qg [B, KVH, H/KVH, K] -> [B, KVH, H/KVH, K] fp32.
+  """
+  kvh = qg.shape[1]
+  lo = layer * kvh
+  own = slice(lo, lo + kvh)
+  pen = fp.penalty(pool.level, pool.run_min)  # [B, G]
+  caps = _widths(limit)
+  pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(index.count[:, own]))  # the least width >= every range
+  branches = [functools.partial(_attend_window, c, scale, lo) for c in caps]
+  return jax.lax.switch(pick, branches, qg, pool, pen, index.start[:, own], index.count[:, own], index)
+
+
+def _attend_window(c: int, scale: float, lo: int, qg, pool: SlotPool, pen, start, count, index: PackIndex):
+  """`_attend_packed` at window width c: start, count [B, KVH] the layer's ranges."""
+  b, g = pool.pos.shape
+  kvh = qg.shape[1]
+  ns = index.new_slot[:, lo : lo + kvh]  # [B, KVH, N]
+  n = ns.shape[-1]
+  s0 = jnp.clip(start, 0, g - c)  # the window stays inside the pool; it then starts before the range
+  win = s0[..., None] + jnp.arange(c, dtype=jnp.int32)  # [B, KVH, C]
+  idx = jnp.concatenate([win, jnp.minimum(ns, g - 1)], axis=-1).reshape(b, kvh * (c + n))
+  take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 2 else idx[..., None], axis=1).reshape(
+    (b, kvh, c + n) + x.shape[2:]
+  )
+  # A range's own keys: its slots alive with pos < since (they have not moved since the repack; a
+  # key written since sits in a free slot anywhere, its own range's included, and is listed in ns).
+  inside = (win >= start[..., None]) & (win < (start + count)[..., None])  # not a neighbour's range
+  pos = take(pool.pos)
+  old = inside & take(pool.alive)[..., :c] & (pos[..., :c] < index.since[:, None, None])
+  tags = (lo + jnp.arange(kvh, dtype=jnp.int32))[None, :, None]
+  live = (ns < g) & (take(pool.owner)[..., c:] == tags) & (pos[..., c:] == index.new_pos[:, None, :])
+  held = jnp.concatenate([old, live], axis=-1)  # [B, KVH, C + N]
+  s = jnp.einsum("bhgk,bhck->bhgc", qg, take(pool.k), preferred_element_type=F32) * scale
+  logits = jnp.where(held[:, :, None, :], s - take(pen)[:, :, None, :], -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  vv = take(pool.v)
+  return jnp.einsum("bhgc,bhck->bhgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
+
+
+def repack(cache: GlobalCache, policy: Policy) -> GlobalCache:
+  """The pool sorted by owner (free slots last) and a fresh `PackIndex`: each owner's keys side by
+  side in [start, start + count), nothing written since (since: one past the newest key held,
+  positions only grow). One sort of the G slots per row, every `policy.pack_steps` steps
+  (`scan_steps`, or `pool_evict` when due). Only slots move: every (layer, kv head) holds the same
+  keys."""
+  pool = cache.pool
+  b, g = pool.pos.shape
+  n_own = cache.n_layers * cache.kv_heads
+  key = jnp.where(pool.alive, pool.owner, n_own)  # free slots sort last
+  iota = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None], (b, g))
+  key, perm = jax.lax.sort((key, iota), dimension=1, num_keys=1, is_stable=True)
+  take = lambda x: jnp.take_along_axis(x, perm if x.ndim == 2 else perm[..., None], axis=1)
+  pool = SlotPool(*(take(x) for x in pool))
+  tags = jnp.arange(n_own, dtype=jnp.int32)
+  start = jax.vmap(lambda r: jnp.searchsorted(r, tags, side="left"))(key).astype(jnp.int32)
+  end = jax.vmap(lambda r: jnp.searchsorted(r, tags, side="right"))(key).astype(jnp.int32)
+  n = policy.pack_steps
+  index = PackIndex(
+    start=start,
+    count=end - start,
+    since=jnp.max(jnp.where(pool.alive, pool.pos, -1), axis=1).astype(jnp.int32) + 1,
+    new_slot=jnp.full((b, n_own, n), g, jnp.int32),
+    new_pos=jnp.full((b, n), -1, jnp.int32),
+    step=jnp.zeros((b,), jnp.int32),
+  )
+  return cache._replace(pool=pool, index=index)
+
+
+def prepare(cache: GlobalCache, policy: Policy) -> GlobalCache:
+  """A `GlobalCache` ready for `policy`'s implementation: "packed" repacks it and adds its
+  `PackIndex`; the other implementations need no index (None)."""
+  if policy.pool_impl == "packed":
+    return repack(cache, policy)
+  return cache._replace(index=None)
+
+
+def scan_steps(body, init, xs, policy: Policy):
+  """`lax.scan(body, init, xs)` for a decode loop whose carry's first element is the step's cache
+  (per-layer caches or a `GlobalCache`); `body(carry, x, repack=...)` passes `repack` on to
+  `pool_evict`. pool_impl "packed": the steps run in blocks of `policy.pack_steps`, the pool
+  repacked before each block, outside the loop's step (a repack under a condition inside the step
+  would copy the whole pool at every step: the carry cannot stay in place through a conditional).
+  -> (carry, stacked outputs) as `lax.scan`."""
+  n = jax.tree.leaves(xs)[0].shape[0]
+  every = policy.pack_steps
+  if not (policy.is_global and policy.pool_impl == "packed") or n == 0:
+    return jax.lax.scan(functools.partial(body, repack=True), init, xs)
+  step = functools.partial(body, repack=False)  # at most pack_steps steps after each repack
+
+  def block(carry, xb):
+    carry = (repack(carry[0], policy),) + tuple(carry[1:])
+    return jax.lax.scan(step, carry, xb)
+
+  full, rest = divmod(n, every)
+  ys = []
+  carry = init
+  if full:
+    xb = jax.tree.map(lambda x: x[: full * every].reshape((full, every) + x.shape[1:]), xs)
+    carry, y = jax.lax.scan(block, carry, xb)
+    ys.append(jax.tree.map(lambda a: a.reshape((full * every,) + a.shape[2:]), y))
+  if rest:
+    carry, y = block(carry, jax.tree.map(lambda x: x[full * every :], xs))
+    ys.append(y)
+  return carry, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
+
+
 def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Policy, scale: float, positions):
   """One token per row for layer `view.layer` against the shared pool: advance, cap, insert, attend.
 
@@ -267,6 +420,19 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
     gone = jnp.any(full[:, :, None] & (jnp.arange(g)[None, None, :] == out_slot[:, :, None]), axis=1)  # [B, G]
     pool = pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner))
   slot, no_room = _free_slots(~pool.alive, kvh)  # [B, KVH]; no_room: fewer free slots than kv heads
+  index = view.index
+  if policy.pool_impl == "packed":
+    if index is None:
+      raise ValueError(
+        "pool_impl='packed' needs the pool's PackIndex: build the cache with decode.init_caches / "
+        "prefill_parallel, or pass it through pool.prepare(cache, policy)"
+      )
+    col = jnp.arange(policy.pack_steps)[None] == index.step[:, None]  # [B, N] this step's column
+    lo = layer * kvh
+    ns = index.new_slot.at[:, lo : lo + kvh].set(
+      jnp.where(col[:, None], slot[:, :, None], index.new_slot[:, lo : lo + kvh])
+    )
+    index = index._replace(new_slot=ns, new_pos=jnp.where(col, positions[:, None], index.new_pos))
   bi = jnp.arange(b)[:, None]
   put = lambda x, val: x.at[bi, slot].set(val.astype(x.dtype))
   tags = jnp.broadcast_to(layer * kvh + jnp.arange(kvh, dtype=jnp.int32)[None], (b, kvh))
@@ -282,21 +448,25 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   )
   _, _, h, dk = q.shape
   qg = q[:, 0].reshape(b, kvh, h // kvh, dk)  # query head h -> kv head h // (H / KVH)
-  mine = _head_mask(pool, layer, kvh)  # [B, KVH, G]
-  attend = _attend_gathered if policy.pool_impl == "gather" else _attend_masked
-  out = attend(qg, pool, mine, scale, _head_limit(policy, g))
+  if policy.pool_impl == "packed":
+    out = _attend_packed(qg, pool, index, layer, scale, _head_limit(policy, g))
+  else:
+    attend = _attend_gathered if policy.pool_impl == "gather" else _attend_masked
+    out = attend(qg, pool, _head_mask(pool, layer, kvh), scale, _head_limit(policy, g))  # mine [B, KVH, G]
   out = jnp.where((no_room | bad)[:, :, None, None], jnp.nan, out)
-  new = dataclasses.replace(view, pool=pool, carry=cum[:, 0].astype(F32))
+  new = dataclasses.replace(view, pool=pool, carry=cum[:, 0].astype(F32), index=index)
   return out.reshape(b, h, dk).astype(q.dtype)[:, None], new
 
 
-def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCache:
+def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array, *, repack_due: bool = True) -> GlobalCache:
   """Between steps: evict across all layers and heads of a row down to G - L * KVH keys.
 
   The rule of `decode.global_evict` on the pool: the keys that may go are those outside every
   head's protected window (positions <= now + 1 - W), largest penalty first, ties oldest, then
   lower owner (layer, head); `now` [B] is the position of the last key written. Evicted slots are
-  freed (alive False, owner -1) for the next step's new keys.
+  freed (alive False, owner -1) for the next step's new keys. pool_impl "packed": the step is
+  counted and, with `repack_due`, the pool repacked once `policy.pack_steps` steps have been
+  written since the last repack (a loop that repacks itself, `scan_steps`, passes False).
   """
   pool = cache.pool
   limit = (policy.keys - 1) * cache.n_layers * cache.kv_heads
@@ -307,7 +477,14 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array) -> GlobalCach
     gone = fp.evict_largest(pen, pool.pos, pool.owner, cand, excess)
   else:
     gone = evict_few(pen, pool.pos, pool.owner, cand, excess, cache.n_layers * cache.kv_heads)
-  return cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
+  cache = cache._replace(pool=pool._replace(alive=pool.alive & ~gone, owner=jnp.where(gone, -1, pool.owner)))
+  if policy.pool_impl != "packed":
+    return cache
+  cache = cache._replace(index=cache.index._replace(step=cache.index.step + 1))
+  if not repack_due:
+    return cache
+  due = jnp.max(cache.index.step) >= policy.pack_steps  # the new-key lists are full: repack every row
+  return jax.lax.cond(due, lambda c: repack(c, policy), lambda c: c, cache)
 
 
 def evict_few(pen, pos, owner, cand, count, most: int) -> jax.Array:
