@@ -106,7 +106,7 @@ SLOW = {
   "test_train.py::test_no_host_transfer_between_log_steps",
   "test_train.py::test_nonfinite_loss_stops_and_keeps_last_good_checkpoint",  # ..._step_is_skipped_...
   "test_configs.py::test_trainer_resumes_across_train_fields_and_refuses_another_model",
-  # issue 17, second pass: siblings of one mechanism (the default run keeps the named case)
+  # siblings of one mechanism (the default run keeps the named case)
   "test_ops_pallas.py::test_pallas_matches_quadratic_and_chunked[1-1-16-1-8-8-None-False-block1-False]",  # [0-2-21-...]
   "test_ops_pallas.py::test_pallas_bf16",  # bf16: test_ops_reference's chunked bf16; pallas: its fp32 case
   "test_ops_gqa.py::test_pallas_grouped_matches_quadratic[fpa-6-2-False-8]",  # [fpa-4-2-True-8]

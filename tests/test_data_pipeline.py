@@ -215,7 +215,7 @@ def _window_docs(data_dir, seq_len):
 
 
 def test_text_batches_mix_documents_and_resume_exactly(data_dir):
-  """Issue 18: packing files in order made each batch (and the next ~40) chunks of one file.
+  """Packing files in order made each batch (and the next ~40) chunks of one file.
   Windows shuffled globally: rows of a batch come from many documents, and consecutive batches
   share documents no more often than independent draws would."""
   L, B, n = 64, 8, 30

@@ -88,9 +88,9 @@ def test_no_tracker_numbers(page):
   assert not hits, f"{page.relative_to(ROOT)} cites {hits}: say what and why instead"
 
 
-@pytest.mark.parametrize("sub", ["fpa_jax", "notebooks"])
+@pytest.mark.parametrize("sub", ["fpa_jax", "notebooks", "experiments", "tests"])
 def test_no_tracker_numbers_in_the_package_or_notebooks(sub):
-  """The package's code, messages and the notebooks a user runs: the same rule as the docs."""
+  """The package's code and messages, the notebooks, studies and tests: the same rule as the docs."""
   files = [p for p in sorted((ROOT / sub).rglob("*")) if p.suffix in (".py", ".ipynb")]
   bad = [f"{p.relative_to(ROOT)}: {hits}" for p in files if (hits := ISSUE.findall(p.read_text()))]
   assert files and not bad, "say what and why instead: " + "; ".join(bad)

@@ -237,7 +237,7 @@ def test_base110m_recipes_only_print(capsys, tmp_path):
 
 
 def test_lm_ablations_script_tiny_run(tmp_path, data_dir):
-  """Issue 20's ablation rows: one change each against fpa_fox0; paired vs fox and fpa_fox0; the
+  """The lm_ablations study's rows: one change each against fpa_fox0; paired vs fox and fpa_fox0; the
   held-out curve from the trainer's periodic evals; a rerun resumes (no training, same numbers)."""
   from experiments import lm_ablations
 
@@ -255,7 +255,7 @@ def test_lm_ablations_script_tiny_run(tmp_path, data_dir):
 
 
 def test_bindings_lm_script_tiny_run_resumes_and_reuses_its_scores(tmp_path, monkeypatch):
-  """`experiments.bindings_lm` end to end (issue 21 §2): trains, decodes each length under every
+  """`experiments.bindings_lm` end to end: trains, decodes each length under every
   policy, writes the table and claims; a rerun resumes the run and reuses its scores (same step)."""
   from experiments import bindings_lm
 

@@ -356,8 +356,8 @@ def test_periodic_eval_scores_the_fixed_heldout_set(tmp_path):
 
 
 def test_gate_lr_scale_scales_only_the_gate_readouts():
-  """`gate_lr_scale` multiplies the AdamW update of the step / absolute / offset read-outs (issue 20's
-  effective-lr ablation) and leaves every other leaf's update (FoX's forget term included) as it was."""
+  """`gate_lr_scale` multiplies the AdamW update of the step / absolute / offset read-outs (the lm_ablations
+  study's effective-lr rows) and leaves every other leaf's update (FoX's forget term included) as it was."""
   from flax import nnx
 
   from fpa_jax.models import build_model
