@@ -171,7 +171,7 @@ def test_live_lists():
 
 def test_errors_before_tracing(monkeypatch):
   q, k, v, gate, level, _, _ = make_inputs(3, 1, 8, 1, 1, 2, False, False)
-  with pytest.raises(ValueError, match="skip='keys' \\(key-sparse prefill\\) is the chunked kernel's"):
+  with pytest.raises(ValueError, match="skip='keys' \\(key-sparse attention\\) is the chunked kernel's"):
     ops.fpa_attention(q, k, v, gate, level, impl="pallas", skip_tolerance=1e-3, skip="keys")
   with pytest.raises(ValueError, match="one tile size"):
     ops.fpa_attention(q, k, v, gate, level, impl="pallas", skip_tolerance=1e-3, block_size=BlockSizes(16, 8))
