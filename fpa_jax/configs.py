@@ -356,6 +356,11 @@ class TrainConfig(_Part):
   )
   budget_loop_min: float = _field(0.1, V.real(0, 1, lo_open=True, why="the smallest budget, a fraction of seq_len"))
   budget_loop_max: float = _field(0.5, V.real(0, 1, lo_open=True, why="the largest budget, a fraction of seq_len"))
+  # 0: the hard cut (evicted keys get no weight, no gradient); > 0: evicted keys are kept at a soft bias
+  # of this width (nats) beyond the cache's threshold, so the loss can teach the gate what to keep
+  budget_loop_soft: float = _field(0.0, V.real(0, why="0 = the hard cut; > 0 = its soft ramp's width in nats"))
+  # optimizer step from which budgeted steps are drawn (before it every step is the plain one)
+  budget_loop_start: int = _field(0, V.integer(0))
 
   @property
   def train(self) -> TrainConfig:

@@ -547,7 +547,7 @@ class FirstPassageAttention(nnx.Module):
     """Parallel: x [B, T, D] -> y [B, T, D]. Under `nnx.capture(..., nnx.Intermediate)` the layer
     sows `gates` = (field, level), the gate outputs the attention used, each [B, T, KVH] fp32
     (zeros without a gate), from the same forward pass (`sow_gates`; `with_gates`,
-    `fpa_jax.losses`). budget=(capacity, recent) int scalars: attend only over the keys
+    `fpa_jax.losses`). budget=(capacity, recent[, soft]): attend only over the keys
     an `fpa_budget` cache of that size would hold (`ops.budget.budgeted_attention`, quadratic
     whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
     `AttentionCache` or a whole model's `CacheByLayer`): -> (y, the cache after x); see the class
@@ -569,7 +569,8 @@ class FirstPassageAttention(nnx.Module):
       if self.gate is None:
         raise ValueError(f"a cache budget in the loop needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
       # FoX too: field = level = its cumulative log forget
-      o = budgeted_attention(q, k, v, g.field, g.level, capacity=budget[0], recent=budget[1], segment_ids=segment_ids)
+      cap, recent, *soft = budget
+      o = budgeted_attention(q, k, v, g.field, g.level, capacity=cap, recent=recent, segment_ids=segment_ids, soft=soft[0] if soft else 0.0)
     else:
       # softmax / nope run the same tiled kernel as FoX with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost); FoX's field == level ==

@@ -35,7 +35,10 @@ forget, as training goes.
 Budget in the loop (`TrainConfig.budget_loop_*`, off when budget_loop_prob = 0): on a share
 budget_loop_prob of the steps (drawn from `key`) the model runs through the cache an `fpa_budget`
 decode of round(rho * T) keys would hold, rho ~ U[budget_loop_min, budget_loop_max]
-(`fpa_jax.ops.budget`; the mask is not differentiated, the LM loss over what is kept is). Metric:
+(`fpa_jax.ops.budget`; the mask is not differentiated, the LM loss over what is kept is; with
+budget_loop_soft > 0 the evicted keys stay at a soft bias beyond the cache's threshold, so the loss
+reaches the penalties of keys it needed and lost; budget_loop_start: no budgeted step before that
+optimizer step). Metric:
 budget_kept (capacity / T of the step; 1 = no budget). Both terms can be on together.
 
 The model must have a gate (`ModelConfig.attention` in `configs.GATED`; `Config.validate` checks).
@@ -214,7 +217,10 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
   metrics, budget = {}, None
   if budget_on:
     t = batch["inputs"].shape[1]
-    budget = BL.draw_capacity(k_budget, t, cfg.budget_loop_prob, cfg.budget_loop_min, cfg.budget_loop_max)
+    prob = jnp.where(jnp.asarray(step) >= cfg.budget_loop_start, cfg.budget_loop_prob, 0.0)
+    budget = BL.draw_capacity(k_budget, t, prob, cfg.budget_loop_min, cfg.budget_loop_max)
+    if cfg.budget_loop_soft:
+      budget = (*budget, float(cfg.budget_loop_soft))
     metrics["budget_kept"] = budget[0].astype(jnp.float32) / t
   if not cfg.evict_weight:
     logits = model(batch["inputs"], batch["segment_ids"], budget=budget)

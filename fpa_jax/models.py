@@ -176,7 +176,8 @@ class DecoderLM(nnx.Module):
     budget=(capacity, recent) int32 scalars (parallel mode, gated attention): every layer attends
     only over the keys an `fpa_budget` cache of `capacity` keys per (row, kv head), with `recent`
     protected, would hold (`fpa_jax.ops.budget`): the logits equal `cached_logits(policy=
-    "fpa_budget", budget=capacity, recent=recent)`'s. Training with budget in the loop.
+    "fpa_budget", budget=capacity, recent=recent)`'s. Training with budget in the loop. An optional
+    third element `soft` (a Python float, nats) relaxes the cut (`ops.budget.budgeted_attention`).
 
     Cached mode (`fpa_jax.inference`): `cache` is a `ModelCache` (layer i attends against
     `cache.layer(i)`, and `cache.update(i, new)` takes what it left, so state shared across layers,
@@ -185,8 +186,8 @@ class DecoderLM(nnx.Module):
     """
     if (return_gates or budget is not None) and cache is not None:
       raise ValueError("return_gates and budget are for the parallel (training) forward, not cached mode")
-    if budget is not None and (not isinstance(budget, (tuple, list)) or len(budget) != 2):
-      raise ValueError(f"budget must be a (capacity, recent) pair of int scalars, got {budget!r}")
+    if budget is not None and (not isinstance(budget, (tuple, list)) or len(budget) not in (2, 3)):
+      raise ValueError(f"budget must be (capacity, recent) int scalars [, soft float], got {budget!r}")
     if return_gates:
       return with_gates(self, tokens, segment_ids, positions, budget=budget)
     tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete

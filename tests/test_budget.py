@@ -46,8 +46,20 @@ def keep_np(field, level, capacity, recent, segment_ids=None):
   return out
 
 
-def attention_np(q, k, v, field, level, keep, scale):
-  """float64 loops: softmax over the kept keys of scale q.k - penalty. q [B, T, H, K] (grouped)."""
+def theta_np(field, level, keep):
+  """The soft cut's threshold: the largest penalty the cache holds at each query, [B, H, T]."""
+  field, level = np.asarray(field, np.float64), np.asarray(level, np.float64)
+  b_, t, h_ = field.shape
+  th = np.zeros((b_, h_, t))
+  for b, g, i in np.ndindex(b_, h_, t):
+    th[b, g, i] = max(max(0.0, level[b, j, g] - field[b, j + 1 : i + 1, g].min()) for j in range(i) if keep[b, g, i, j]) if keep[b, g, i, :i].any() else 0.0
+  return th
+
+
+def attention_np(q, k, v, field, level, keep, scale, soft=0.0, theta=None):
+  """float64 loops: softmax over the kept keys of scale q.k - penalty. q [B, T, H, K] (grouped).
+  soft > 0: evicted keys too, at - log(1 + exp((penalty - theta) / soft + SOFT_TIE)) more (theta
+  held fixed, as the op stops it)."""
   q, k, v, field, level = (np.asarray(a, np.float64) for a in (q, k, v, field, level))
   b_, t, h_, _ = q.shape
   kvh = k.shape[2]
@@ -56,14 +68,10 @@ def attention_np(q, k, v, field, level, keep, scale):
     for h in range(h_):
       g = h // (h_ // kvh)
       for i in range(t):
-        js = [j for j in range(i + 1) if keep[b, g, i, j]]
-        logit = np.array(
-          [
-            scale * q[b, i, h] @ k[b, j, g]
-            - (max(0.0, level[b, j, g] - field[b, j + 1 : i + 1, g].min()) if j < i else 0.0)
-            for j in js
-          ]
-        )
+        js = [j for j in range(i + 1) if keep[b, g, i, j] or soft]
+        pen = lambda j: max(0.0, level[b, j, g] - field[b, j + 1 : i + 1, g].min()) if j < i else 0.0
+        cut = lambda j: 0.0 if keep[b, g, i, j] else -math.log1p(math.exp((pen(j) - theta[b, g, i]) / soft + BL.SOFT_TIE))
+        logit = np.array([scale * q[b, i, h] @ k[b, j, g] - pen(j) + cut(j) for j in js])
         p = np.exp(logit - logit.max())
         p /= p.sum()
         out[b, i, h] = sum(pj * v[b, j, g] for pj, j in zip(p, js))
@@ -164,6 +172,42 @@ def test_budgeted_attention_matches_loop_reference_and_finite_differences(heads,
     assert_close(np.asarray(g), fd, dtype=np.float32, n=t * d, scale=max(np.abs(fd).max(), 1.0))
 
 
+@pytest.mark.parametrize("heads,kv_heads,cap,w,soft", [(2, 2, 3, 1, 0.5), (4, 2, 2, 0, 2.0)])
+def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads, cap, w, soft):
+  """soft > 0: kept keys exact, evicted keys at the soft bias beyond the cache's threshold; the
+  gate's gradient now reaches the evicted keys' penalties (theta and the mask held, as the op stops them)."""
+  b, t, d = 1, 8, 3
+  rng = np.random.default_rng(heads * 7 + cap)
+  q, k, v = (rng.normal(size=(b, t, heads, d)), rng.normal(size=(b, t, kv_heads, d)), rng.normal(size=(b, t, kv_heads, d)))
+  field, level = kink_free(rng, b, t, kv_heads)
+  scale = d**-0.5
+  keep = keep_np(field, level, cap, w)
+  assert (~keep & np.tril(np.ones((t, t), bool))).any()  # something is evicted
+  theta = theta_np(field, level, keep)
+  ref = lambda *a: attention_np(*a, keep, scale, soft=soft, theta=theta)
+  args32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v, field, level)]
+  f = jax.jit(lambda *a: BL.budgeted_attention(*a, capacity=cap, recent=w, soft=soft))
+  out = np.asarray(f(*args32))
+  assert_close(out, ref(q, k, v, field, level), dtype=np.float32, n=t * d)
+  hard = attention_np(q, k, v, field, level, keep, scale)
+  assert np.abs(out - hard).max() > 1e-3  # the evicted keys do weigh in
+  ct = rng.normal(size=(b, t, heads, d))
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3, 4)))(*args32)
+  args = [q, k, v, field, level]
+  eps = 1e-6
+  for n, g in enumerate(grads):
+    fd = np.zeros_like(args[n])
+    for idx in np.ndindex(args[n].shape):
+      up, dn = [a.copy() for a in args], [a.copy() for a in args]
+      up[n][idx] += eps
+      dn[n][idx] -= eps
+      fd[idx] = (np.sum(ref(*up) * ct) - np.sum(ref(*dn) * ct)) / (2 * eps)
+    assert_close(np.asarray(g), fd, dtype=np.float32, n=t * d, scale=max(np.abs(fd).max(), 1.0))
+  # the levels' gradient now includes the evicted keys' (the hard cut's has none from them)
+  g_hard = jax.grad(lambda lv: jnp.sum(BL.budgeted_attention(*args32[:4], lv, capacity=cap, recent=w) * ct))(args32[4])
+  assert np.abs(np.asarray(grads[4]) - np.asarray(g_hard)).max() > 1e-4
+
+
 def test_budgeted_attention_bad_arguments():
   x = jnp.zeros((1, 4, 2, 3))
   g = jnp.zeros((1, 4, 2))
@@ -173,6 +217,9 @@ def test_budgeted_attention_bad_arguments():
     BL.budgeted_attention(x, x, x, g, g, capacity=3, recent=3)
   with pytest.raises(ValueError, match="field"):
     BL.budgeted_attention(x, x, x, g[:, :3], g, capacity=3, recent=0)
+  for soft in (-1.0, float("nan"), "1"):
+    with pytest.raises(ValueError, match="soft"):
+      BL.budgeted_attention(x, x, x, g, g, capacity=3, recent=0, soft=soft)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,6 +296,17 @@ def test_budget_objective(batch):
   # with the evictability hinge as well: both terms' metrics
   (_, aux2), _ = _objective(tiny(budget_loop_prob=1.0, evict_weight=1.0, evict_window=2), batch)
   assert {"budget_kept", "evict_loss", "evict_live"} <= set(aux2)
+  # the soft cut: evicted keys weigh in again (loss between the hard cut's and the full cache's), and
+  # the gate's gradient changes (it now reaches the penalties of the keys the cache lost)
+  soft = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25)
+  (v_soft, _), g_soft = _objective(tiny(**soft, budget_loop_soft=1.0), batch)
+  assert float(v_lm) < float(v_soft) < float(v)
+  gate_soft = [np.asarray(x) for p, x in nnx.to_flat_state(g_soft) if "gate" in map(str, p)]
+  assert max(np.abs(a - b).max() for a, b in zip(gate, gate_soft)) > 0
+  # budget_loop_start: before it, the plain step (the step count is the optimizer's)
+  (v_early, aux_early), _ = _objective(tiny(**soft, budget_loop_start=5), batch)
+  assert float(aux_early["budget_kept"]) == 1.0
+  assert_close(v_early, v_lm, n=64 * 64)
 
 
 def test_train_logs_budget_kept(tmp_path):
@@ -264,6 +322,7 @@ def test_train_logs_budget_kept(tmp_path):
     (dict(budget_loop_prob=-0.1), "budget_loop_prob"),
     (dict(budget_loop_min=0.0), "budget_loop_min"),
     (dict(budget_loop_max=1.2), "budget_loop_max"),
+    (dict(budget_loop_soft=-1.0), "budget_loop_soft"),
     (dict(budget_loop_min=0.5, budget_loop_max=0.2), "min <= max"),
     (dict(budget_loop_prob=0.5, attention="softmax"), "gated"),
   ],

@@ -17,7 +17,18 @@ exactly those keys, with the exact penalty on the logits. Its outputs equal the 
 
 The keep mask is not differentiated (as Expire-Span's hard cut): the LM loss flows through the kept
 keys' logits and penalties as usual, so the gate learns what survives the cut and the rest of the
-model learns to work with the cache it will have at inference. A capacity >= T never evicts (the
+model learns to work with the cache it will have at inference. Nothing then teaches the gate *which*
+keys to keep: an evicted key gets no weight, so no gradient. `soft > 0` relaxes the cut at the
+cache's own threshold (Expire-Span's soft ramp, on the penalty instead of the age): an evicted key
+j keeps the logit
+
+    scale * q_i.k_j - penalty[i, j] + log sigmoid((theta_i - penalty[i, j]) / soft - SOFT_TIE)
+
+where theta_i is the largest penalty among the keys the cache holds at query i (stopped): a key
+evicted at a tie with the cache keeps e^-SOFT_TIE ~ 5% of its weight, one evicted by a margin
+loses 1/soft nats per nat of penalty beyond theta. The LM loss then pushes the penalty of a key it
+needed (the passkey's needle, evicted because a drifting field made it the oldest) below the
+threshold, so forgetting by age costs what it loses. Kept keys are exact as before. A capacity >= T never evicts (the
 step is the plain loss, computed by this quadratic path). Memory O(B H T^2): a training-time op for
 the lengths at which the quadratic reference is affordable, not a kernel.
 
@@ -25,6 +36,8 @@ Shapes: B batch, T sequence, H kv heads, K head dim.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +47,9 @@ from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops.common import F32
 from fpa_jax.ops.penalty import first_passage_penalty
 from fpa_jax.ops.quadratic import masked_softmax_attention
+
+# With soft > 0, an evicted key at a tie with the cache's threshold keeps sigmoid(-SOFT_TIE) of its weight.
+SOFT_TIE = 3.0
 
 
 def budget_keep(
@@ -99,15 +115,19 @@ def budgeted_attention(
   recent: jax.Array | int,
   scale: float | None = None,
   segment_ids: jax.Array | None = None,
+  soft: float = 0.0,
 ) -> jax.Array:
   """First Passage Attention over the keys an `fpa_budget` cache of `capacity` keys holds.
 
       out_i = sum_{j kept at i} softmax_j(scale * q_i.k_j - penalty[i, j]) v_j
 
   Args: q [B, T, H, K], k [B, T, KVH, K], v [B, T, KVH, Kv]; field, level [B, T, KVH]; capacity,
-  recent, segment_ids as in `budget_keep`; scale default K ** -0.5.
-  Returns: [B, T, H, Kv] in q's dtype. Differentiable in every input but the keep mask.
+  recent, segment_ids as in `budget_keep`; scale default K ** -0.5; soft: 0 = the hard cut (the
+  decode's logits exactly), > 0 = evicted keys kept at the soft bias of the module docstring (nats).
+  Returns: [B, T, H, Kv] in q's dtype. Differentiable in every input but the keep mask (and theta).
   """
+  if not (isinstance(soft, (int, float)) and math.isfinite(soft) and soft >= 0):
+    raise ValueError(f"soft must be a finite float >= 0 (0 = the hard cut), got {soft!r}")
   b, t, _, kvh, d = _v.check_qkv(q, k, v)
   _v.check_gate("field", field, (b, t, kvh))
   _v.check_gate("level", level, (b, t, kvh))
@@ -122,10 +142,17 @@ def budgeted_attention(
   pen = first_passage_penalty(fb, lb)  # [B, KVH, T, T]; +inf above the diagonal
   # Evicted keys get -inf (no weight, no gradient); the causal / segment mask is the attention's.
   bias = jnp.where(keep, -jnp.where(keep, pen, 0.0), -jnp.inf)
+  if soft:
+    t = field.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    p = jnp.where(causal, pen, 0.0)  # finite where the bias is read: no inf in the gradient
+    theta = jax.lax.stop_gradient(jnp.max(jnp.where(keep, p, 0.0), axis=-1, keepdims=True))
+    evicted = -p + jax.nn.log_sigmoid((theta - p) / soft - SOFT_TIE)
+    bias = jnp.where(keep, bias, jnp.where(causal, evicted, -jnp.inf))
   return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
 
 
-def draw_capacity(key: jax.Array, seq: int, prob: float, low: float, high: float) -> tuple[jax.Array, jax.Array]:
+def draw_capacity(key: jax.Array, seq: int, prob: float | jax.Array, low: float, high: float) -> tuple[jax.Array, jax.Array]:
   """A random cache for one training step: with probability `prob` a capacity of round(rho * seq)
   keys, rho ~ U[low, high] (at least 2), else seq (no eviction). -> (capacity, recent) int32
   scalars, recent = capacity // 8 (the decode default, `inference.policies`)."""
