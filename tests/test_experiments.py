@@ -404,3 +404,44 @@ def test_report_renders_readme_and_docs(tmp_path):
   (tmp_path / "README.md").touch()
   (tmp_path / "docs" / "results" / "study.md").touch()
   assert report.pages(tmp_path) == [tmp_path / "README.md", tmp_path / "docs" / "results" / "study.md"]
+
+
+def test_forget_train_tiny_run_resumes_and_reports(tmp_path):
+  """Two paired trainings (exact, keys) from one init on the same batches: the same losses up to the
+  key-sparse bound, probes and step times logged, a rerun with more steps resumes both."""
+  from experiments import forget_train as FT
+
+  args = [
+    "--seq-len", "64", "--batch-size", "8", "--layers", "1", "--d-model", "32", "--heads", "2",
+    "--block-size", "16", "--warmup", "1", "--ramp-start", "1", "--ramp-steps", "2", "--probe-every", "2",
+    "--ckpt-every", "2", "--repeats", "1", "--skip-first", "0", "--window", "2", "--small-data",
+    "--data-dir", str(tmp_path / "data"), "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "ft"),
+  ]  # fmt: skip
+  res = FT.main(["--steps", "2", *args])
+  assert [s["step"] for s in res["steps"]] == [1, 2] and [p["step"] for p in res["probes"]] == [2]
+  assert res["steps"][0]["loss_exact"] == res["steps"][0]["loss_keys"]  # one init, one batch
+  res = FT.main(["--steps", "4", *args])  # resumes both from step 2
+  assert [s["step"] for s in res["steps"]] == [1, 2, 3, 4] and len(res["sessions"]) == 2
+  s = res["summary"]
+  assert s["loss_gap_max_abs"] < 1e-2 and len(s["windows"]) == 2
+  p = s["probes"][-1]
+  assert 0 <= p["keys_kept"] <= p["keys_read"] <= 1 and p["attention_speedup"] > 0
+  md = (tmp_path / "ft.md").read_text()
+  assert "python -m experiments.forget_train --steps 4" in md and (tmp_path / "ft.png").exists()
+
+
+def test_forget_train_summary_pairs_steps_and_probes():
+  """Step-time windows (exact / keys medians), the paired loss gap against the loss's own noise, probes."""
+  from experiments import forget_train as FT
+
+  steps = [
+    {"step": i, "step_s_exact": 1.0, "step_s_keys": 0.5 if i > 3 else 1.0, "loss_exact": 3.0 - 0.1 * i,
+     "loss_keys": 3.0 - 0.1 * i + (0.01 if i == 5 else 0.0)}
+    for i in range(1, 8)
+  ]  # fmt: skip
+  log = {"steps": steps, "probes": [{"step": 7, "keys_kept": 0.1, "keys_read": 0.2, "attention_fwd_bwd_s": {"exact": 1.0, "keys": 0.25}}]}
+  s = FT.summarise(log, skip_first=1, window=3)
+  assert [w["steps"] for w in s["windows"]] == ["2-4", "5-7"]
+  assert [w["step_speedup"] for w in s["windows"]] == [1.0, 2.0]  # medians: the compile step left out
+  assert abs(s["loss_gap_max_abs"] - 0.01) < 1e-9 and s["loss_step_noise"] < 0.01
+  assert s["probes"][0]["attention_speedup"] == 4.0
