@@ -282,3 +282,21 @@ def test_heldout_spans_every_document_and_is_fixed(data_dir):
   assert mine == theirs
   few = make_heldout(batch_size=1, n_windows=1, process_index=0, process_count=1, **kw).info["coverage"]
   assert few["docs_covered"] >= 1 and few["windows"] == 1
+
+
+def test_processes_sharing_a_data_dir_build_once(tmp_path):
+  """Two independent jobs starting on one fresh data dir at once (parallel study runs): one builds, the
+  other waits on the lock and reads it (two builds raced on the final rename: FileExistsError)."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys; from fpa_jax.data.builders import get_builder; "
+    "b = get_builder('scopes', sys.argv[1], small=True); print(len(b.info.splits['train'].file_instructions) > 0)"
+  )
+  procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-2000:]
+    assert out.strip().endswith("True")
+  assert sum("building fpa_scopes" in out + err for out, err in outs) == 1  # built once

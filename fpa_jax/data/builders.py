@@ -9,6 +9,7 @@ a build is deterministic given its config. Everything goes under the given `data
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -271,19 +272,27 @@ def get_builder(task: str, data_dir, *, small: bool = False, text_source: str = 
     raise ValueError(f"unknown task {task!r}: valid are {tuple(BUILDERS)}")
   d = check_data_dir(data_dir)
   config = text_config(text_source, small) if task == "text" else ("small" if small else "default")
-  builder = BUILDERS[task](config=config, data_dir=d, file_format="array_record")
-  if not builder.is_prepared():
-    name = f"{builder.name}/{builder.builder_config.name}"
-    if not build:
-      text_dir = f" --text-dir {text_source}" if task == "text" and text_source != "stdlib" else ""
-      raise ValueError(
-        f"dataset {name} is not built under {d}: build it with python -m fpa_jax.data.prepare --data-dir {d} "
-        f"--only {task}{text_dir}{' --small' if small else ''} (in a multi-process job process 0 builds it, so "
-        "the data dir must be shared by all processes)"
-      )
-    log.warning("dataset %s is not built under %s: building it now", name, d)
-    print(f"[fpa_jax.data] building {name} under {d} ...", flush=True)
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  make = lambda: BUILDERS[task](config=config, data_dir=d, file_format="array_record")  # noqa: E731
+  builder = make()
+  if builder.is_prepared():
+    return builder
+  name = f"{builder.name}/{builder.builder_config.name}"
+  if not build:
+    text_dir = f" --text-dir {text_source}" if task == "text" and text_source != "stdlib" else ""
+    raise ValueError(
+      f"dataset {name} is not built under {d}: build it with python -m fpa_jax.data.prepare --data-dir {d} "
+      f"--only {task}{text_dir}{' --small' if small else ''} (in a multi-process job process 0 builds it, so "
+      "the data dir must be shared by all processes)"
+    )
+  # Processes sharing a data dir (parallel study runs) build a dataset once: the first takes the lock
+  # and builds, the others wait, then read what it built (two builds race on the final rename).
+  with open(os.path.join(d, f".{builder.name}-{builder.builder_config.name}.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    builder = make()
+    if not builder.is_prepared():
+      log.warning("dataset %s is not built under %s: building it now", name, d)
+      print(f"[fpa_jax.data] building {name} under {d} ...", flush=True)
+      builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return builder
 
 
