@@ -179,6 +179,7 @@ def reads_cell(model, recorded, tokens, eps: float, repeats: int) -> dict:
 
   from fpa_jax import ops
   from fpa_jax.ops import sparse
+  from fpa_jax.ops.chunked import block_for
 
   st = [
     sparse.live_key_stats(
@@ -212,13 +213,45 @@ def reads_cell(model, recorded, tokens, eps: float, repeats: int) -> dict:
       if name in ("exact", "keys"):
         loss = lambda *a, f=fwd: jnp.sum(f(*a) * ct)  # noqa: B023 (ct of this layer)
         fns[f"{name}_grad"] = (jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(gates))))), (q, k, v, *gates))
+    # the profile of the key-sparse forward: per_head with half-block chunks (reads closer to what is
+    # kept, twice the steps), and the bound alone (every block's live-key set, no attention)
+    blk = block_for(q.shape[1], cfg.block_size or None)
+    sk = dict(scale=cfg.head_dim**-0.5, skip_tolerance=eps, block_size=cfg.block_size or None)
+    fns["keys_per_head_half"] = (
+      jax.jit(lambda q, k, v, *g: sparse.key_sparse_attention(q, k, v, _bias(g), reads="per_head", key_chunk=max(1, blk // 2), **sk)),
+      (q, k, v, *gates),
+    )
+    fns["bound"] = (jax.jit(lambda q, k, *g: sparse.live_keys(q, k, _bias(g), **sk)), (q, k, *gates))
     for n, t in interleaved_seconds(fns, repeats).items():
       att[n] = att.get(n, 0.0) + t
   cell.update({f"attention_s_{n}": t for n, t in att.items()})
   pre = {"exact": (U.forward_fn(with_skip(model, None)), (tokens,))}
   pre.update({sk: (U.forward_fn(with_skip(model, eps, sk)), (tokens,)) for sk in KEY_SKIPS})
+  pre["no_attention"] = (without_attention(with_skip(model, None)), (tokens,))
   cell.update({f"prefill_s_{n}": t for n, t in interleaved_seconds(pre, repeats).items()})
   return cell
+
+
+def without_attention(model):
+  """The jitted prefill with every layer's attention op replaced by a copy of its values (the
+  projections, gates, norms and logits stay): what the prefill costs besides attention."""
+  import jax.numpy as jnp
+
+  from fpa_jax import layers
+
+  fwd, orig = U.forward_fn(model), layers.FirstPassageAttention.parallel_attention
+
+  def copy_v(self, op, q, k, v, gates, segment_ids):
+    return jnp.repeat(v, q.shape[2] // v.shape[2], axis=2).astype(q.dtype)
+
+  def run(tokens):
+    layers.FirstPassageAttention.parallel_attention = copy_v  # read when the first call traces
+    try:
+      return fwd(tokens)
+    finally:
+      layers.FirstPassageAttention.parallel_attention = orig
+
+  return run
 
 
 READS_COLUMNS = [
@@ -270,7 +303,34 @@ def reads_markdown(res: dict) -> str:
         + [f"{g:.3f}", sp(g, v["attention_s_keys_grad"]), f"{p:.3f}"]
         + [sp(p, v[f"prefill_s_{n}"]) for n in KEY_SKIPS]
       )
-  return md + U.md_table(READS_COLUMNS, rows)
+  md += U.md_table(READS_COLUMNS, rows)
+  prof = [(m, e, v) for m, r in res["reads_rows"].items() for e, v in r.items() if "prefill_s_no_attention" in v]
+  if prof:
+    md += (
+      "\nWhere the key-sparse prefill's time goes (the same rows; seconds, medians): the prefill without "
+      "attention (every attention op replaced by a copy of its values: projections, gates, norms, logits), "
+      "the attention ops (forward, summed over layers) exact and key-sparse (auto), the bound alone "
+      "(every block's live-key set), per_head with half-block chunks; cap = the prefill's speed-up if "
+      "attention cost only its kept share of its exact time in the prefill: exact / (rest + kept x (exact - rest)).\n\n"
+    )
+    md += U.md_table(
+      ["model", "eps", "prefill exact", "rest (no attention)", "attention exact", "keys (auto)", "bound alone",
+       "per_head, chunk blk/2", "prefill keys", "cap"],
+      [
+        [m, e, f"{v['prefill_s_exact']:.3f}", f"{v['prefill_s_no_attention']:.3f}", f"{v['attention_s_exact']:.3f}",
+         f"{v['attention_s_keys']:.3f}", f"{v['attention_s_bound']:.3f}", f"{v['attention_s_keys_per_head_half']:.3f}",
+         f"{v['prefill_s_keys']:.3f} ({v['prefill_s_exact'] / v['prefill_s_keys']:.2f}x)",
+         f"{_cap(v):.2f}x"]
+        for m, e, v in prof
+      ],
+    )  # fmt: skip
+  return md
+
+
+def _cap(v: dict) -> float:
+  """The key-sparse prefill's speed-up if attention cost only its kept share (Amdahl, the rest as measured)."""
+  rest, exact = v["prefill_s_no_attention"], v["prefill_s_exact"]
+  return exact / (rest + v["keys_kept_per_head"] * max(exact - rest, 0.0))
 
 
 def main_workdirs(a, argv) -> dict:

@@ -48,6 +48,7 @@ SLOW = {
   "test_experiments.py::test_bench_prefix_tiny_run_writes_results",  # its library paths: test_prefix.py
   "test_experiments.py::test_bench_attention_tiny_run_writes_results",
   "test_experiments.py::test_forget_train_tiny_run_resumes_and_reports",  # its tables: the summary test
+  "test_experiments.py::test_forget_speed_workdirs_schedules_and_profile",
   "test_live_sets.py::test_run_smoke_writes_results_and_resumes",
   "test_evictability.py::test_train_logs_evict_metrics",
   "test_train.py::test_cli_profile_steps_writes_trace",

@@ -445,3 +445,26 @@ def test_forget_train_summary_pairs_steps_and_probes():
   assert [w["step_speedup"] for w in s["windows"]] == [1.0, 2.0]  # medians: the compile step left out
   assert abs(s["loss_gap_max_abs"] - 0.01) < 1e-9 and s["loss_step_noise"] < 0.01
   assert s["probes"][0]["attention_speedup"] == 4.0
+
+
+def test_forget_speed_workdirs_schedules_and_profile(tmp_path):
+  """Trainer workdirs: the key-sparse schedules side by side, and the prefill's profile (without
+  attention, the bound alone, half-block chunks) with its Amdahl cap."""
+  from experiments import forget_speed as F
+  from fpa_jax import configs as C
+  from fpa_jax.train import train
+
+  gate = dict(step_init_std=0.3, absolute_init_std=0.3, offset_init_std=0.3)
+  cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=1, warmup_steps=1, ckpt_every=1, vocab_size=259, block_size=16, **gate)
+  train(cfg, workdir=str(tmp_path / "run"), progress=False, log=lambda s: None)
+  out = str(tmp_path / "fs")
+  res = F.main(["--workdirs", f"tiny={tmp_path / 'run'}", "--train-length", "256", "--multiple", "1", "--batch", "2",
+                "--tolerances", "0.5", "--repeats", "1", "--out", out])  # fmt: skip
+  v = res["reads_rows"]["tiny"]["0.5"]
+  assert 0 <= v["keys_kept_per_head"] <= v["keys_read_per_head"] <= 1
+  assert v["keys_kept_per_head"] <= v["keys_read_per_head_half_chunk"] <= v["keys_read_per_head"]
+  for n in ("attention_s_bound", "attention_s_keys_per_head_half", "prefill_s_no_attention"):
+    assert v[n] > 0
+  assert F._cap(v) >= 1.0
+  md = open(out + ".md").read()
+  assert "Where the key-sparse prefill's time goes" in md and "| tiny | 0.5 |" in md
