@@ -570,7 +570,13 @@ class FirstPassageAttention(nnx.Module):
         raise ValueError(f"a cache budget in the loop needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
       # FoX too: field = level = its cumulative log forget
       cap, recent, *soft = budget
-      o = budgeted_attention(q, k, v, g.field, g.level, capacity=cap, recent=recent, segment_ids=segment_ids, soft=soft[0] if soft else 0.0)
+      budgeted = lambda: budgeted_attention(  # noqa: E731
+        q, k, v, g.field, g.level, capacity=cap, recent=recent, segment_ids=segment_ids, soft=soft[0] if soft else 0.0
+      )
+      # The step's capacity is traced (drawn per step): the quadratic budgeted path runs only where it
+      # evicts; a cache of the whole row is the layer's own kernel (the same attention, at its cost).
+      op, args = spec.op_args(g)
+      o = jax.lax.cond(jnp.asarray(cap) < t, budgeted, lambda: self.parallel_attention(op, q, k, v, args, segment_ids))
     else:
       # softmax / nope run the same tiled kernel as FoX with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost); FoX's field == level ==
