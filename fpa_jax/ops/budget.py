@@ -28,9 +28,11 @@ where theta_i is the largest penalty among the keys the cache holds at query i (
 evicted at a tie with the cache keeps e^-SOFT_TIE ~ 5% of its weight, one evicted by a margin
 loses 1/soft nats per nat of penalty beyond theta. The LM loss then pushes the penalty of a key it
 needed (the passkey's needle, evicted because a drifting field made it the oldest) below the
-threshold, so forgetting by age costs what it loses. Kept keys are exact as before. A capacity >= T never evicts (the
-step is the plain loss, computed by this quadratic path). Memory O(B H T^2): a training-time op for
-the lengths at which the quadratic reference is affordable, not a kernel.
+threshold, so forgetting by age costs what it loses. Kept keys are exact as before.
+
+A capacity >= T never evicts (the plain attention; the layer then runs its own kernel instead).
+Memory O(B H T^2): a training-time op for the lengths at which the quadratic reference is
+affordable, not a kernel.
 
 Shapes: B batch, T sequence, H kv heads, K head dim.
 """
