@@ -87,6 +87,8 @@ RECIPE_GATE: dict[str, Any] = {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_ini
 # The objective is off in it: each setting tried (`OBJECTIVE_METHODS`) cost 1.5-3.2% bits per byte
 # against it and lost passkey beyond 1x on every seed it ran (results/one_recipe/one_recipe.md).
 RECOMMENDED = "recipe_fh0_no_objective"
+# the recipe without any forgetting objective: what each objective setting's text cost is measured against
+NO_OBJECTIVE = "recipe_fh0_no_objective"
 # the recommended recipe with the evictability objective, the settings tried (the objective's claims)
 OBJECTIVE_METHODS = ("recipe_late_fh0", "recipe_t25_fh0", "recipe_t25w01_fh0", "recipe_soft_fh0")
 

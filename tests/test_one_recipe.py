@@ -59,6 +59,14 @@ def test_verdicts_hold_only_on_every_seed(tmp_path):
   assert c["verdict"] == "not met (0 of 1 settings, 2 runs)" and "`o1` seed 0: +0.50% (8x 0.20)" in c["evidence"]
   assert O.objective_verdict(with_obj, "r", ("o1", "o2"))["verdict"] == "holds (`o2`)"  # on every seed it ran
   assert "| `recipe` | 1 | 1200 |" in md and "removed 0.875" in md
+  # the claims judged on a recipe trained with the objective: its cost against the baseline without it
+  base = [_eval("recipe_no_objective", s, 1.98, 1.0, 0.2, 0.2, 0.3) for s in (0, 1)]
+  _write(tmp_path, [_train("recipe_no_objective", s, 600) for s in (0, 1)], base)
+  O.report(tmp_path, "recipe", ("recipe",), baseline_m="recipe_no_objective")
+  v = {c["claim"]: c for c in json.loads((tmp_path / "claims.json").read_text())}
+  obj = v["the objective's text cost"]
+  assert "against `recipe_no_objective`" in obj["target"] and "`recipe` seed 0: +0.51%" in obj["evidence"]
+  assert obj["verdict"] == "not met (0 of 1 settings, 2 runs)"
 
 
 def test_pace_table_pairs_finished_runs_only(tmp_path):
