@@ -248,6 +248,25 @@ def test_model_budget_forward_equals_fpa_budget_decode(attention, scan, kv):
   assert np.abs(np.asarray(model(jnp.asarray(toks), budget=(jnp.int32(5), jnp.int32(0)))) - full).max() > 1e-3
 
 
+@pytest.mark.parametrize("scan,remat", [(True, "none"), (False, "full")])
+def test_soft_budget_through_scanned_and_rematerialised_models(scan, remat):
+  """The soft width rides in the budget tuple, which nnx.scan / remat trace: a traced 0 is the hard
+  cut, a traced width the soft one (= the plain model's with a Python float)."""
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 20)))
+  model = build_model(tiny(scan_layers=scan, remat=remat, vocab_size=32), seed=1)
+  cap, w = jnp.int32(5), jnp.int32(0)
+  gdef, state = nnx.split(model)
+  fwd = jax.jit(lambda st, t, s: nnx.merge(gdef, st)(t, budget=(cap, w, s)))
+  run = lambda t, s: fwd(state, t, s)  # noqa: E731
+  hard = np.asarray(model(toks, budget=(cap, w)))
+  assert_close(np.asarray(run(toks, jnp.float32(0.0))), hard, dtype=np.float32, n=64 * 64)
+  soft = np.asarray(run(toks, jnp.float32(1.0)))
+  assert np.abs(soft - hard).max() > 1e-4
+  if not scan:  # the same layers unscanned: the soft width as a Python float
+    plain = build_model(tiny(vocab_size=32), seed=1)
+    assert_close(np.asarray(plain(toks, budget=(cap, w, 1.0))), soft, dtype=np.float32, n=64 * 64)
+
+
 def test_budget_needs_a_gate_and_a_pair():
   model = build_model(tiny(attention="softmax", vocab_size=32), seed=0)
   with pytest.raises(ValueError, match="gated"):

@@ -117,7 +117,7 @@ def budgeted_attention(
   recent: jax.Array | int,
   scale: float | None = None,
   segment_ids: jax.Array | None = None,
-  soft: float = 0.0,
+  soft: float | jax.Array = 0.0,
 ) -> jax.Array:
   """First Passage Attention over the keys an `fpa_budget` cache of `capacity` keys holds.
 
@@ -125,11 +125,13 @@ def budgeted_attention(
 
   Args: q [B, T, H, K], k [B, T, KVH, K], v [B, T, KVH, Kv]; field, level [B, T, KVH]; capacity,
   recent, segment_ids as in `budget_keep`; scale default K ** -0.5; soft: 0 = the hard cut (the
-  decode's logits exactly), > 0 = evicted keys kept at the soft bias of the module docstring (nats).
+  decode's logits exactly), > 0 = evicted keys kept at the soft bias of the module docstring (nats);
+  a Python float or a traced scalar (a scanned or rematerialised model passes it traced).
   Returns: [B, T, H, Kv] in q's dtype. Differentiable in every input but the keep mask (and theta).
   """
-  if not (isinstance(soft, (int, float)) and math.isfinite(soft) and soft >= 0):
-    raise ValueError(f"soft must be a finite float >= 0 (0 = the hard cut), got {soft!r}")
+  concrete = isinstance(soft, (int, float))
+  if not (math.isfinite(soft) and soft >= 0) if concrete else getattr(soft, "ndim", None) != 0:
+    raise ValueError(f"soft must be a finite float >= 0 (0 = the hard cut) or a scalar array, got {soft!r}")
   b, t, _, kvh, d = _v.check_qkv(q, k, v)
   _v.check_gate("field", field, (b, t, kvh))
   _v.check_gate("level", level, (b, t, kvh))
@@ -144,12 +146,13 @@ def budgeted_attention(
   pen = first_passage_penalty(fb, lb)  # [B, KVH, T, T]; +inf above the diagonal
   # Evicted keys get -inf (no weight, no gradient); the causal / segment mask is the attention's.
   bias = jnp.where(keep, -jnp.where(keep, pen, 0.0), -jnp.inf)
-  if soft:
+  if not concrete or soft:
     t = field.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    s = jnp.asarray(soft, F32)
+    causal = jnp.tril(jnp.ones((t, t), bool)) & (s > 0)  # a traced 0: the hard cut
     p = jnp.where(causal, pen, 0.0)  # finite where the bias is read: no inf in the gradient
     theta = jax.lax.stop_gradient(jnp.max(jnp.where(keep, p, 0.0), axis=-1, keepdims=True))
-    evicted = -p + jax.nn.log_sigmoid((theta - p) / soft - SOFT_TIE)
+    evicted = -p + jax.nn.log_sigmoid((theta - p) / jnp.where(s > 0, s, 1.0) - SOFT_TIE)
     bias = jnp.where(keep, bias, jnp.where(causal, evicted, -jnp.inf))
   return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
 
