@@ -304,6 +304,9 @@ def reads_markdown(res: dict) -> str:
         + [sp(p, v[f"prefill_s_{n}"]) for n in KEY_SKIPS]
       )
   md += U.md_table(READS_COLUMNS, rows)
+  runs = {m: v["run"] for m, r in res["reads_rows"].items() for v in r.values() if "run" in v}
+  if runs:  # rows are merged by name: each says which run measured it
+    md += "\n" + "".join(f"- `{m}`: `{r['command']}` (load {r['load_avg_1_5_15min']})\n" for m, r in runs.items())
   prof = [(m, e, v) for m, r in res["reads_rows"].items() for e, v in r.items() if "prefill_s_no_attention" in v]
   if prof:
     md += (
@@ -353,6 +356,7 @@ def main_workdirs(a, argv) -> dict:
     rows[name] = {}
     for eps in a.tolerances:
       c = rows[name][f"{eps:g}"] = reads_cell(model, recorded, tokens, eps, a.repeats)
+      c["run"] = {k: v for k, v in U.run_meta(MODULE, argv, wall_s=0.0).items() if k in ("command", "commit", "load_avg_1_5_15min")}
       print(
         f"[forget_speed] {name} eps={eps:g}: kept {c['keys_kept_per_head']:.3f}, read shared "
         f"{c['keys_read_shared']:.3f} per_head {c['keys_read_per_head']:.3f} auto {c['keys_read_auto']:.3f}; "

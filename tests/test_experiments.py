@@ -468,3 +468,4 @@ def test_forget_speed_workdirs_schedules_and_profile(tmp_path):
   assert F._cap(v) >= 1.0
   md = open(out + ".md").read()
   assert "Where the key-sparse prefill's time goes" in md and "| tiny | 0.5 |" in md
+  assert "- `tiny`: `python -m experiments.forget_speed --workdirs" in md  # each row names its run
