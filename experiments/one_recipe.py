@@ -424,8 +424,8 @@ def bindings_verdict(res: dict) -> dict:
 def objective_verdict(evals: dict, recipe_m: str, objective_ms: tuple[str, ...]) -> dict:
   """The evictability objective's text cost: each setting in `objective_ms` (the recipe plus the
   objective) against the recipe by seed. Holds when one setting costs <= +0.5% bits per byte on
-  every seed it ran; the evidence also gives each run's passkey at 8x (what the objective did to
-  retrieval beyond the training length)."""
+  every seed the recipe was scored on (a setting run on fewer seeds cannot hold); the evidence also
+  gives each run's passkey at 8x (what the objective did to retrieval beyond the training length)."""
   claim = {
     "claim": "the objective's text cost",
     "target": f"bpb <= +0.5% against `{recipe_m}` (the recipe without it), by seed",
@@ -444,7 +444,8 @@ def objective_verdict(evals: dict, recipe_m: str, objective_ms: tuple[str, ...])
       ev.append(f"`{om}` seed {s}: {100 * c:+.2f}%" + ("" if p8 is None else f" (8x {p8:.2f})"))
   if not ok:
     return {**claim, "verdict": "not run", "evidence": ""}
-  good = [om for om, v in ok.items() if all(v)]
+  need = len({s for m, s in evals if m == recipe_m})
+  good = [om for om, v in ok.items() if all(v) and len(v) >= need]
   n = sum(map(len, ok.values()))
   verdict = f"holds (`{good[0]}`)" if good else f"not met (0 of {len(ok)} settings, {n} runs)"
   return {**claim, "verdict": verdict, "evidence": ", ".join(ev)}
