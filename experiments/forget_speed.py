@@ -218,7 +218,11 @@ def reads_cell(model, recorded, tokens, eps: float, repeats: int) -> dict:
     blk = block_for(q.shape[1], cfg.block_size or None)
     sk = dict(scale=cfg.head_dim**-0.5, skip_tolerance=eps, block_size=cfg.block_size or None)
     fns["keys_per_head_half"] = (
-      jax.jit(lambda q, k, v, *g: sparse.key_sparse_attention(q, k, v, _bias(g), reads="per_head", key_chunk=max(1, blk // 2), **sk)),
+      jax.jit(
+        lambda q, k, v, *g: sparse.key_sparse_attention(
+          q, k, v, _bias(g), reads="per_head", key_chunk=max(1, blk // 2), **sk
+        )
+      ),
       (q, k, v, *gates),
     )
     fns["bound"] = (jax.jit(lambda q, k, *g: sparse.live_keys(q, k, _bias(g), **sk)), (q, k, *gates))
@@ -356,7 +360,11 @@ def main_workdirs(a, argv) -> dict:
     rows[name] = {}
     for eps in a.tolerances:
       c = rows[name][f"{eps:g}"] = reads_cell(model, recorded, tokens, eps, a.repeats)
-      c["run"] = {k: v for k, v in U.run_meta(MODULE, argv, wall_s=0.0).items() if k in ("command", "commit", "load_avg_1_5_15min")}
+      c["run"] = {
+        k: v
+        for k, v in U.run_meta(MODULE, argv, wall_s=0.0).items()
+        if k in ("command", "commit", "load_avg_1_5_15min")
+      }
       print(
         f"[forget_speed] {name} eps={eps:g}: kept {c['keys_kept_per_head']:.3f}, read shared "
         f"{c['keys_read_shared']:.3f} per_head {c['keys_read_per_head']:.3f} auto {c['keys_read_auto']:.3f}; "

@@ -163,7 +163,9 @@ def train_side_by_side(args, argv) -> dict:
         if k in metrics:
           rec[f"{k}_{v}"] = float(np.mean(metrics[k]))
     log["steps"].append(rec)
-    bar.set_postfix(loss=f"{rec['loss_exact']:.3f}/{rec['loss_keys']:.3f}", ratio=f"{rec['step_s_exact'] / rec['step_s_keys']:.2f}")
+    bar.set_postfix(
+      loss=f"{rec['loss_exact']:.3f}/{rec['loss_keys']:.3f}", ratio=f"{rec['step_s_exact'] / rec['step_s_keys']:.2f}"
+    )
     if done % args.probe_every == 0 or done == args.steps:
       log["probes"].append({"step": done, **_probe(runs["keys"], host, args.eps, args.repeats)})
       p = log["probes"][-1]
@@ -208,14 +210,16 @@ def summarise(log: dict, skip_first: int, window: int) -> dict:
     w = steps[lo : lo + window]
     ex = statistics.median(s["step_s_exact"] for s in w)
     ke = statistics.median(s["step_s_keys"] for s in w)
-    rows.append({
-      "steps": f"{w[0]['step']}-{w[-1]['step']}",
-      "step_s_exact": ex,
-      "step_s_keys": ke,
-      "step_speedup": ex / ke,
-      "loss_exact": float(np.mean([s["loss_exact"] for s in w])),
-      "loss_keys": float(np.mean([s["loss_keys"] for s in w])),
-    })
+    rows.append(
+      {
+        "steps": f"{w[0]['step']}-{w[-1]['step']}",
+        "step_s_exact": ex,
+        "step_s_keys": ke,
+        "step_speedup": ex / ke,
+        "loss_exact": float(np.mean([s["loss_exact"] for s in w])),
+        "loss_keys": float(np.mean([s["loss_keys"] for s in w])),
+      }
+    )
   d = np.array([s["loss_keys"] - s["loss_exact"] for s in steps])
   # noise: how much the loss moves from one step to the next (batches differ), against the paired gap
   noise = float(np.std(np.diff([s["loss_exact"] for s in steps]))) if len(steps) > 2 else float("nan")
@@ -257,7 +261,9 @@ def markdown(res: dict) -> str:
     f"\nLoss, keys minus exact, per step: mean {s['loss_gap_mean']:+.4f}, largest |gap| {s['loss_gap_max_abs']:.4f}; "
     f"the exact loss's own step-to-step std (batches differ) {s['loss_step_noise']:.4f}.\n\n"
   )
-  md += "Attention ops alone on the key-sparse training's parameters and batch, forward + backward, summed over layers:\n\n"
+  md += (
+    "Attention ops alone on the key-sparse training's parameters and batch, forward + backward, summed over layers:\n\n"
+  )
   md += U.md_table(
     ["step", "keys kept per head", "keys read", "exact s", "keys s", "speed-up"],
     [

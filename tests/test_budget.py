@@ -52,7 +52,11 @@ def theta_np(field, level, keep):
   b_, t, h_ = field.shape
   th = np.zeros((b_, h_, t))
   for b, g, i in np.ndindex(b_, h_, t):
-    th[b, g, i] = max(max(0.0, level[b, j, g] - field[b, j + 1 : i + 1, g].min()) for j in range(i) if keep[b, g, i, j]) if keep[b, g, i, :i].any() else 0.0
+    th[b, g, i] = (
+      max(max(0.0, level[b, j, g] - field[b, j + 1 : i + 1, g].min()) for j in range(i) if keep[b, g, i, j])
+      if keep[b, g, i, :i].any()
+      else 0.0
+    )
   return th
 
 
@@ -70,7 +74,9 @@ def attention_np(q, k, v, field, level, keep, scale, soft=0.0, theta=None):
       for i in range(t):
         js = [j for j in range(i + 1) if keep[b, g, i, j] or soft]
         pen = lambda j: max(0.0, level[b, j, g] - field[b, j + 1 : i + 1, g].min()) if j < i else 0.0
-        cut = lambda j: 0.0 if keep[b, g, i, j] else -math.log1p(math.exp((pen(j) - theta[b, g, i]) / soft + BL.SOFT_TIE))
+        cut = lambda j: (
+          0.0 if keep[b, g, i, j] else -math.log1p(math.exp((pen(j) - theta[b, g, i]) / soft + BL.SOFT_TIE))
+        )
         logit = np.array([scale * q[b, i, h] @ k[b, j, g] - pen(j) + cut(j) for j in js])
         p = np.exp(logit - logit.max())
         p /= p.sum()
@@ -133,6 +139,20 @@ def test_keep_with_flat_field_is_a_window_with_a_protected_tail():
 # ------------------------------------------------------------------------------------------------
 
 
+def finite_differences(f, args, ct, eps=1e-6):
+  """Central differences of sum(f(*args) * ct) in every element of every float64 argument."""
+  out = []
+  for n, a in enumerate(args):
+    fd = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+      up, dn = [x.copy() for x in args], [x.copy() for x in args]
+      up[n][idx] += eps
+      dn[n][idx] -= eps
+      fd[idx] = (np.sum(f(*up) * ct) - np.sum(f(*dn) * ct)) / (2 * eps)
+    out.append(fd)
+  return out
+
+
 def kink_free(rng, b, t, h):
   """Distinct fields 1/4 apart, levels at odd multiples of 1/8: no relu / min kink (and no change of
   the keep mask's ranking) within a finite-difference step."""
@@ -158,15 +178,8 @@ def test_budgeted_attention_matches_loop_reference_and_finite_differences(heads,
   assert_close(np.asarray(f(*args32)), attention_np(q, k, v, field, level, keep, scale), dtype=np.float32, n=t * d)
   ct = rng.normal(size=(b, t, heads, d))
   grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3, 4)))(*args32)
-  args = [q, k, v, field, level]
-  eps = 1e-6
-  for n, g in enumerate(grads):
-    fd = np.zeros_like(args[n])
-    for idx in np.ndindex(args[n].shape):
-      up, dn = [a.copy() for a in args], [a.copy() for a in args]
-      up[n][idx] += eps
-      dn[n][idx] -= eps
-      fd[idx] = (np.sum(attention_np(*up, keep, scale) * ct) - np.sum(attention_np(*dn, keep, scale) * ct)) / (2 * eps)
+  fds = finite_differences(lambda *a: attention_np(*a, keep, scale), [q, k, v, field, level], ct)
+  for n, (g, fd) in enumerate(zip(grads, fds)):
     if n >= 3:
       assert np.abs(fd).max() > 0  # the gate gets a gradient through the kept keys' penalties
     assert_close(np.asarray(g), fd, dtype=np.float32, n=t * d, scale=max(np.abs(fd).max(), 1.0))
@@ -178,7 +191,11 @@ def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads,
   gate's gradient now reaches the evicted keys' penalties (theta and the mask held, as the op stops them)."""
   b, t, d = 1, 8, 3
   rng = np.random.default_rng(heads * 7 + cap)
-  q, k, v = (rng.normal(size=(b, t, heads, d)), rng.normal(size=(b, t, kv_heads, d)), rng.normal(size=(b, t, kv_heads, d)))
+  q, k, v = (
+    rng.normal(size=(b, t, heads, d)),
+    rng.normal(size=(b, t, kv_heads, d)),
+    rng.normal(size=(b, t, kv_heads, d)),
+  )
   field, level = kink_free(rng, b, t, kv_heads)
   scale = d**-0.5
   keep = keep_np(field, level, cap, w)
@@ -193,15 +210,7 @@ def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads,
   assert np.abs(out - hard).max() > 1e-3  # the evicted keys do weigh in
   ct = rng.normal(size=(b, t, heads, d))
   grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3, 4)))(*args32)
-  args = [q, k, v, field, level]
-  eps = 1e-6
-  for n, g in enumerate(grads):
-    fd = np.zeros_like(args[n])
-    for idx in np.ndindex(args[n].shape):
-      up, dn = [a.copy() for a in args], [a.copy() for a in args]
-      up[n][idx] += eps
-      dn[n][idx] -= eps
-      fd[idx] = (np.sum(ref(*up) * ct) - np.sum(ref(*dn) * ct)) / (2 * eps)
+  for g, fd in zip(grads, finite_differences(ref, [q, k, v, field, level], ct)):
     assert_close(np.asarray(g), fd, dtype=np.float32, n=t * d, scale=max(np.abs(fd).max(), 1.0))
   # the levels' gradient now includes the evicted keys' (the hard cut's has none from them)
   g_hard = jax.grad(lambda lv: jnp.sum(BL.budgeted_attention(*args32[:4], lv, capacity=cap, recent=w) * ct))(args32[4])

@@ -294,7 +294,12 @@ def test_processes_sharing_a_data_dir_build_once(tmp_path):
     "import sys; from fpa_jax.data.builders import get_builder; "
     "b = get_builder('scopes', sys.argv[1], small=True); print(len(b.info.splits['train'].file_instructions) > 0)"
   )
-  procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for _ in range(2)
+  ]
   outs = [p.communicate(timeout=300) for p in procs]
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0, err[-2000:]

@@ -439,7 +439,10 @@ def test_forget_train_summary_pairs_steps_and_probes():
      "loss_keys": 3.0 - 0.1 * i + (0.01 if i == 5 else 0.0)}
     for i in range(1, 8)
   ]  # fmt: skip
-  log = {"steps": steps, "probes": [{"step": 7, "keys_kept": 0.1, "keys_read": 0.2, "attention_fwd_bwd_s": {"exact": 1.0, "keys": 0.25}}]}
+  log = {
+    "steps": steps,
+    "probes": [{"step": 7, "keys_kept": 0.1, "keys_read": 0.2, "attention_fwd_bwd_s": {"exact": 1.0, "keys": 0.25}}],
+  }
   s = FT.summarise(log, skip_first=1, window=3)
   assert [w["steps"] for w in s["windows"]] == ["2-4", "5-7"]
   assert [w["step_speedup"] for w in s["windows"]] == [1.0, 2.0]  # medians: the compile step left out
@@ -455,7 +458,17 @@ def test_forget_speed_workdirs_schedules_and_profile(tmp_path):
   from fpa_jax.train import train
 
   gate = dict(step_init_std=0.3, absolute_init_std=0.3, offset_init_std=0.3)
-  cfg = C.get_config("tiny", attention="fpa", task="synthetic", steps=1, warmup_steps=1, ckpt_every=1, vocab_size=259, block_size=16, **gate)
+  cfg = C.get_config(
+    "tiny",
+    attention="fpa",
+    task="synthetic",
+    steps=1,
+    warmup_steps=1,
+    ckpt_every=1,
+    vocab_size=259,
+    block_size=16,
+    **gate,
+  )
   train(cfg, workdir=str(tmp_path / "run"), progress=False, log=lambda s: None)
   out = str(tmp_path / "fs")
   res = F.main(["--workdirs", f"tiny={tmp_path / 'run'}", "--train-length", "256", "--multiple", "1", "--batch", "2",

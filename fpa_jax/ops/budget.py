@@ -157,7 +157,9 @@ def budgeted_attention(
   return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
 
 
-def draw_capacity(key: jax.Array, seq: int, prob: float | jax.Array, low: float, high: float) -> tuple[jax.Array, jax.Array]:
+def draw_capacity(
+  key: jax.Array, seq: int, prob: float | jax.Array, low: float, high: float
+) -> tuple[jax.Array, jax.Array]:
   """A random cache for one training step: with probability `prob` a capacity of round(rho * seq)
   keys, rho ~ U[low, high] (at least 2), else seq (no eviction). -> (capacity, recent) int32
   scalars, recent = capacity // 8 (the decode default, `inference.policies`)."""
