@@ -161,16 +161,21 @@ def kink_free(rng, b, t, h):
   return field, level
 
 
-@pytest.mark.parametrize("heads,kv_heads,cap,w", [(2, 2, 4, 1), (4, 2, 3, 0), (2, 1, 8, 2)])
-def test_budgeted_attention_matches_loop_reference_and_finite_differences(heads, kv_heads, cap, w):
-  b, t, d = 2, 8, 3
-  rng = np.random.default_rng(heads * 10 + cap)
+def random_case(rng, b, t, heads, kv_heads, d):
+  """float64 q [B, T, H, K], k, v [B, T, KVH, K] and kink-free field, level [B, T, KVH]."""
   q, k, v = (
     rng.normal(size=(b, t, heads, d)),
     rng.normal(size=(b, t, kv_heads, d)),
     rng.normal(size=(b, t, kv_heads, d)),
   )
-  field, level = kink_free(rng, b, t, kv_heads)
+  return (q, k, v, *kink_free(rng, b, t, kv_heads))
+
+
+@pytest.mark.parametrize("heads,kv_heads,cap,w", [(2, 2, 4, 1), (4, 2, 3, 0), (2, 1, 8, 2)])
+def test_budgeted_attention_matches_loop_reference_and_finite_differences(heads, kv_heads, cap, w):
+  b, t, d = 2, 8, 3
+  rng = np.random.default_rng(heads * 10 + cap)
+  q, k, v, field, level = random_case(rng, b, t, heads, kv_heads, d)
   scale = d**-0.5
   keep = keep_np(field, level, cap, w)
   args32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v, field, level)]
@@ -191,12 +196,7 @@ def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads,
   gate's gradient now reaches the evicted keys' penalties (theta and the mask held, as the op stops them)."""
   b, t, d = 1, 8, 3
   rng = np.random.default_rng(heads * 7 + cap)
-  q, k, v = (
-    rng.normal(size=(b, t, heads, d)),
-    rng.normal(size=(b, t, kv_heads, d)),
-    rng.normal(size=(b, t, kv_heads, d)),
-  )
-  field, level = kink_free(rng, b, t, kv_heads)
+  q, k, v, field, level = random_case(rng, b, t, heads, kv_heads, d)
   scale = d**-0.5
   keep = keep_np(field, level, cap, w)
   assert (~keep & np.tril(np.ones((t, t), bool))).any()  # something is evicted
