@@ -188,7 +188,8 @@ def _chunks(cache, policy, arrays, splits):
 def _state(cache, r, g):
   """{pos: (level, run_min, k)} of row r, kv head g's alive slots."""
   pos, alive = np.asarray(cache.pos)[r, :, g], np.asarray(cache.alive)[r, :, g]
-  lvl, rmin, k = np.asarray(cache.level)[r, :, g], np.asarray(cache.run_min)[r, :, g], np.asarray(cache.k)[r, :, g]
+  lvl, rmin = np.asarray(cache.level)[r, :, g], np.asarray(cache.run_min)[r, :, g]
+  k = np.asarray(cache.k)[r, g]  # [S, K]: the cache's k is head-major
   return {int(p): (lvl[s], rmin[s], tuple(k[s])) for s, p in enumerate(pos) if alive[s]}
 
 

@@ -1,9 +1,9 @@
 """The first-passage KV cache of one attention layer, and attention against it.
 
 Shape legend: B batch, S cache slots, H heads, K head dim, T tokens of a call. The cache is per kv
-head: under grouped-query attention (KVH < H) every [.., H] of the cache below is [.., KVH], and
-query head h reads kv head h // (H / KVH). The gates are per kv head, so a slot's penalty, its
-eviction and its threshold are one decision for the whole group.
+head: under grouped-query attention (KVH < H) every H of the cache below is KVH, and query head h
+reads kv head h // (H / KVH). The gates are per kv head, so a slot's penalty, its eviction and its
+threshold are one decision for the whole group.
 
 A slot holds one key of one (row, kv head): its k, v, level, and the running min of the field since it
 was written (its first-passage state). Slots are reused once their key is evicted, so the cache has
@@ -32,7 +32,8 @@ from fpa_jax.ops.common import F32
 class LayerCache(NamedTuple):
   """Per-layer decode state.
 
-  k, v:      [B, S, H, K] cached keys / values (compute dtype).
+  k, v:      [B, H, S, K] cached keys / values (compute dtype), head-major unlike the fields below:
+             each decode step's einsums then read the cache without transposing it.
   level:     [B, S, H] fp32 key levels.
   run_min:   [B, S, H] fp32 min of the field over (key, now]; +inf right after a key is written.
   pos:       [B, S, H] int32 position of the key in its row (-1: the slot never held a key of the
@@ -71,9 +72,9 @@ class LayerCache(NamedTuple):
     return jnp.where(self.pos >= 0, fp.penalty(self.level, self.run_min), 0.0)
 
   def key_threshold(self, k: jax.Array | None = None) -> jax.Array:
-    """[B, S, H] the eviction threshold of each slot's key (of `k` [B, S, H, K] if given)."""
-    k = self.k if k is None else k
-    norm = jnp.sqrt(jnp.sum(jnp.square(k.astype(F32)), axis=-1))
+    """[B, S, H] the eviction threshold of each slot's key (of candidates `k` [B, S, H, K] if given)."""
+    norm_of = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(F32)), axis=-1))
+    norm = norm_of(self.k).swapaxes(1, 2) if k is None else norm_of(k)  # the cache's k is head-major
     return self.threshold + jnp.minimum(self.key_cap, self.key_coef * norm)
 
 
@@ -83,11 +84,12 @@ def init_layer_cache(
   """An empty `LayerCache` of `slots` slots per (row, kv head) (`heads`: KVH) with the policy's
   per-head threshold terms [KVH] (None: no threshold, no per-key term)."""
   bsh = (batch, slots, heads)
+  bhs = (batch, heads, slots)  # k, v: head-major
   thr = jnp.full((heads,), jnp.inf, F32) if threshold is None else jnp.asarray(threshold, F32).reshape(heads)
   per_head = lambda x: jnp.zeros((heads,), F32) if x is None else jnp.asarray(x, F32).reshape(heads)
   return LayerCache(
-    k=jnp.zeros(bsh + (head_dim,), dtype),
-    v=jnp.zeros(bsh + (head_dim,), dtype),
+    k=jnp.zeros(bhs + (head_dim,), dtype),
+    v=jnp.zeros(bhs + (head_dim,), dtype),
     level=jnp.zeros(bsh, F32),
     run_min=jnp.full(bsh, jnp.inf, F32),
     pos=jnp.full(bsh, -1, jnp.int32),
@@ -142,12 +144,13 @@ def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, 
   return fp.oldest_max(pen, pos, alive)  # fpa_budget, fpa_global's per-head cap (and thresholded on overflow)
 
 
-def _scatter(x, slot, val):
-  """x [B, S, H, ...] with x[b, slot[b, h], h] = val[b, h]."""
-  b, _, h = x.shape[:3]
+def _scatter(x, slot, val, *, head_major=False):
+  """x [B, S, H, ...] ([B, H, S, ...] if `head_major`) with x[b, slot[b, h], h] = val[b, h]."""
+  b, h = slot.shape
   bi = jnp.arange(b)[:, None]
   hi = jnp.arange(h)[None, :]
-  return x.at[bi, slot, hi].set(val.astype(x.dtype))
+  idx = (bi, hi, slot) if head_major else (bi, slot, hi)
+  return x.at[idx].set(val.astype(x.dtype))
 
 
 def _sanitize(field, level):
@@ -182,8 +185,8 @@ def decode_attend(
 
   Args:
     q: [B, 1, H, K]; k, v: [B, 1, KVH, K]; field, level, cum: [B, 1, KVH] (cum: the gate's running
-      sum through it). The cache is [B, S, KVH, ...]; `score` (h2o) adds the attention mass of
-      the group's query heads, `lost` is the group's largest.
+      sum through it). The cache is [B, S, KVH] (k, v [B, KVH, S, K]); `score` (h2o) adds the
+      attention mass of the group's query heads, `lost` is the group's largest.
     positions: [B] the token's position in its row. step: [] slot to write when `measure`.
     measure: never reuse a slot (slot = `step`; capacity >= sequence), keep evicted keys' data
       and report in `cache.lost` the full-cache attention mass the evicted keys would get.
@@ -213,8 +216,9 @@ def decode_attend(
   run_min = jnp.where(occupied, fp.advance(cache.run_min, f[:, None, :]), jnp.inf)
   cache = cache._replace(run_min=run_min)
   pen = cache.penalty  # [B, S, H]
-  if policy.name == SCORE:  # a policy of your own scores the keys for this step's query
-    cache = cache._replace(score=score_keys(policy, q[:, 0], cache.k, f, cache.level, pen, cache.pos))
+  if policy.name == SCORE:  # a policy of your own scores the keys for this step's query (k: [B, S, KVH, K])
+    k_bs = cache.k.swapaxes(1, 2)
+    cache = cache._replace(score=score_keys(policy, q[:, 0], k_bs, f, cache.level, pen, cache.pos))
   alive = cache.alive
   if policy.thresholded:
     alive = alive & fp.survives(pen, cache.key_threshold())
@@ -231,8 +235,8 @@ def decode_attend(
   else:
     slot = jnp.argmin(alive, axis=1).astype(jnp.int32)  # first free slot
   cache = cache._replace(
-    k=_scatter(cache.k, slot, k[:, 0]),
-    v=_scatter(cache.v, slot, v[:, 0]),
+    k=_scatter(cache.k, slot, k[:, 0], head_major=True),
+    v=_scatter(cache.v, slot, v[:, 0], head_major=True),
     level=_scatter(cache.level, slot, l),
     run_min=_scatter(cache.run_min, slot, jnp.full_like(l, jnp.inf)),
     pos=_scatter(cache.pos, slot, jnp.broadcast_to(positions[:, None], l.shape)),
@@ -242,13 +246,14 @@ def decode_attend(
     overflow=overflow,
   )
   b, _, h, dk = q.shape
-  kvh = cache.k.shape[2]
+  kvh = cache.k.shape[1]
   qg = q[:, 0].reshape(b, kvh, h // kvh, dk)  # query head h -> kv head h // G
-  s = jnp.einsum("bhgk,bshk->bhgs", qg, cache.k, preferred_element_type=F32) * scale
+  # (b, h) lead in both operands (head-major k, v): no per-step transpose of the cache.
+  s = jnp.einsum("bhgk,bhsk->bhgs", qg, cache.k, preferred_element_type=F32) * scale
   logits = s - cache.penalty.transpose(0, 2, 1)[:, :, None]  # [B, KVH, G, S]
   live = cache.alive.transpose(0, 2, 1)[:, :, None]
   p = jax.nn.softmax(jnp.where(live, logits, -jnp.inf), axis=-1)
-  out = jnp.einsum("bhgs,bshk->bhgk", p.astype(cache.v.dtype), cache.v, preferred_element_type=F32)
+  out = jnp.einsum("bhgs,bhsk->bhgk", p.astype(cache.v.dtype), cache.v, preferred_element_type=F32)
   lost = cache.lost
   if measure:
     seen = (cache.pos >= 0).transpose(0, 2, 1)[:, :, None]
@@ -386,7 +391,7 @@ def _keep_best(cache: LayerCache, policy: Policy, k, v, level, run_min, pen, pos
   thr = cache.key_threshold(k) if policy.thresholded else None
   order, keep = _keep_order(policy, pen, pos, valid, thr, lengths, score)
   score = jnp.zeros_like(pen) if score is None else score
-  s = cache.k.shape[1]
+  s = cache.pos.shape[1]
   if t < s:  # fewer candidates than slots: pad them with never-kept entries
     pad = lambda x, c: jnp.concatenate([x, jnp.full((b, s - t) + x.shape[2:], c, x.dtype)], axis=1)
     order = jnp.concatenate([order, jnp.broadcast_to(jnp.arange(t, s)[None, :, None], (b, s - t, h))], 1)
@@ -402,9 +407,10 @@ def _keep_best(cache: LayerCache, policy: Policy, k, v, level, run_min, pen, pos
   idx = order[:, :s]  # [B, S, H]
   take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 3 else idx[..., None], axis=1)
   kept = take(keep)
+  head_major = lambda x, like: take(x).swapaxes(1, 2).astype(like.dtype)  # the kept S, not the N candidates
   return cache._replace(
-    k=take(k).astype(cache.k.dtype),
-    v=take(v).astype(cache.v.dtype),
+    k=head_major(k, cache.k),
+    v=head_major(v, cache.v),
     level=take(level.astype(F32)),
     run_min=take(run_min),
     pos=jnp.where(kept, take(pos), -1),
@@ -473,7 +479,8 @@ def prefill_chunk(
   """
   check_chunk_policy(policy)
   b, t, h = k.shape[:3]
-  cached = ops.prefix.CachedKeys(cache.k, cache.v, cache.level, cache.run_min, cache.alive)
+  ck, cv = cache.k.swapaxes(1, 2), cache.v.swapaxes(1, 2)  # slot-major, as CachedKeys and the candidates
+  cached = ops.prefix.CachedKeys(ck, cv, cache.level, cache.run_min, cache.alive)
   out = ops.prefix.prefix_attention(q, k, v, field, level, cached, scale=scale, block_size=block_size)
   (f, l), _ = _sanitize(field, level)
   t_idx = jnp.arange(t, dtype=jnp.int32)[None, :, None]
@@ -481,7 +488,7 @@ def prefill_chunk(
   f = jnp.where(real, f, jnp.inf)  # padding lowers no minimum
   run_old = jnp.where(cache.pos >= 0, fp.advance(cache.run_min, f.min(axis=1)[:, None, :]), jnp.inf)
   cat = lambda a, c: jnp.concatenate([a, c], axis=1)
-  k, v = cat(cache.k, k.astype(cache.k.dtype)), cat(cache.v, v.astype(cache.v.dtype))
+  k, v = cat(ck, k.astype(ck.dtype)), cat(cv, v.astype(cv.dtype))
   level = cat(cache.level, l)
   run_min = cat(run_old, fp.suffix_min(f, axis=1))
   pos = cat(cache.pos, jnp.broadcast_to(offsets[:, None, None] + t_idx, (b, t, h)).astype(jnp.int32))

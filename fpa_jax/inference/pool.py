@@ -525,7 +525,8 @@ def pool_from_caches(caches: Sequence[LayerCache], slots: int) -> GlobalCache:
   n_l = len(caches)
   b, s, kvh = caches[0].pos.shape
   n = n_l * s * kvh
-  stack = lambda f: jnp.stack([getattr(c, f) for c in caches], 1)  # [B, L, S, KVH, ...]
+  slot_major = lambda f, x: x.swapaxes(1, 2) if f in ("k", "v") else x  # LayerCache k, v: [B, KVH, S, K]
+  stack = lambda f: jnp.stack([slot_major(f, getattr(c, f)) for c in caches], 1)  # [B, L, S, KVH, ...]
   flat = lambda x: x.reshape((b, n) + x.shape[4:])
   alive = flat(stack("alive"))
   tag = jnp.broadcast_to(
