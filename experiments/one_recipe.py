@@ -188,9 +188,10 @@ def eval_one(method: str, seed: int, args, argv, log) -> dict | None:
     log(f"[one_recipe] {method} seed {seed}: not trained to its budget yet, not evaluated")
     return None
   path = eval_path(args, method, seed)
+  fresh = lambda: {"method": method, "seed": seed, "step": tr["steps"]}
   res = U.read_json(path, {})
   if res.get("step") != tr["steps"]:
-    res = {"method": method, "seed": seed, "step": tr["steps"]}  # a new checkpoint: score it afresh
+    res = fresh()  # a new checkpoint: score it afresh
   model, _ = load_model(tr["workdir"])
   L = args.train_len
   ns = argparse.Namespace(**{**vars(args), "eval_batch": 16})
@@ -200,6 +201,25 @@ def eval_one(method: str, seed: int, args, argv, log) -> dict | None:
     res.update(command=U.command(MODULE, argv), commit=U.git_commit(), machine=U.machine())
     U.write_json(path, res)
 
+  # Cells are kept only for the parameters that scored them (a rerun after runs/ was lost retrains
+  # the checkpoint: kept if bit-identical). Files from before the digest adopt the checkpoint only
+  # if it reproduces their held-out bits per byte.
+  digest = U.params_digest(model)
+  if res.get("params", digest) != digest:
+    log(f"[one_recipe] {method} seed {seed}: another checkpoint at step {tr['steps']}, scored afresh")
+    res = fresh()
+  if "params" not in res and "text" in res:
+    held, coverage = perplexity.heldout_batches(ns)
+    bpb = perplexity.bits_per_byte(perplexity.nll_fn(model), held)
+    same = abs(bpb - res["text"]["bpb"]) <= 1e-5 * abs(res["text"]["bpb"])
+    log(
+      f"[one_recipe] {method} seed {seed}: held-out bpb {bpb:.6f} vs the file's {res['text']['bpb']:.6f}: "
+      + ("its cells kept" if same else "another checkpoint, scored afresh")
+    )
+    if not same:
+      res = fresh()
+      res["text"] = {"bpb": bpb, "heldout": coverage}
+  save("params", digest)
   if "text" not in res:  # held-out bits per byte: the trainer's windows over every validation document
     held, coverage = perplexity.heldout_batches(ns)
     save("text", {"bpb": perplexity.bits_per_byte(perplexity.nll_fn(model), held), "heldout": coverage})

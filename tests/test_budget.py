@@ -321,9 +321,6 @@ def test_budget_objective(batch):
   assert float(aux_full["budget_kept"]) == 1.0
   assert_close(v_full, v_lm, n=64 * 64)
   assert float(v) > float(v_lm)  # a quarter of the cache loses information
-  # with the evictability hinge as well: both terms' metrics
-  (_, aux2), _ = _objective(tiny(budget_loop_prob=1.0, evict_weight=1.0, evict_window=2), batch)
-  assert {"budget_kept", "evict_loss", "evict_live"} <= set(aux2)
   # the soft cut: evicted keys weigh in again (loss between the hard cut's and the full cache's), and
   # the gate's gradient changes (it now reaches the penalties of the keys the cache lost)
   soft = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25)
@@ -331,7 +328,15 @@ def test_budget_objective(batch):
   assert float(v_lm) < float(v_soft) < float(v)
   gate_soft = [np.asarray(x) for p, x in nnx.to_flat_state(g_soft) if "gate" in map(str, p)]
   assert max(np.abs(a - b).max() for a, b in zip(gate, gate_soft)) > 0
+
+
+def test_budget_objective_with_the_hinge_and_a_late_start(batch):
+  (v_lm, _), _ = _objective(tiny(), batch)
+  # with the evictability hinge as well: both terms' metrics
+  (_, aux2), _ = _objective(tiny(budget_loop_prob=1.0, evict_weight=1.0, evict_window=2), batch)
+  assert {"budget_kept", "evict_loss", "evict_live"} <= set(aux2)
   # budget_loop_start: before it, the plain step (the step count is the optimizer's)
+  soft = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25, budget_loop_soft=1.0)
   (v_early, aux_early), _ = _objective(tiny(**soft, budget_loop_start=5), batch)
   assert float(aux_early["budget_kept"]) == 1.0
   assert_close(v_early, v_lm, n=64 * 64)

@@ -107,6 +107,24 @@ def test_tiny_run_trains_evaluates_and_resumes(tmp_path):
   before = (out / "eval" / "recipe_s0.json").read_text()
   O.main(argv)  # everything done: nothing retrained or rescored
   assert (out / "eval" / "recipe_s0.json").read_text() == before
+  # cells belong to the parameters that scored them (a marked cell shows whether it was rescored)
+  path, cell = out / "eval" / "recipe_s0.json", "parallel/window/0.25"
+
+  def rerun(**edit):
+    ev = json.loads(before) | {k: v for k, v in edit.items() if v is not None}
+    ev["cache"][cell]["accuracy"] = -1.0
+    for k in [k for k, v in edit.items() if v is None]:
+      ev.pop(k)
+    path.write_text(json.dumps(ev))
+    O.main(argv + ["--phase", "eval"])
+    return json.loads(path.read_text())
+
+  assert json.loads(before)["params"] and rerun()["cache"][cell]["accuracy"] == -1.0  # same digest: kept
+  assert rerun(params="0" * 16)["cache"][cell]["accuracy"] >= 0  # another checkpoint: rescored
+  assert rerun(params=None)["cache"][cell]["accuracy"] == -1.0  # no digest, same bpb: adopted
+  text = dict(json.loads(before)["text"], bpb=9.9)
+  after = rerun(params=None, text=text)  # no digest, another bpb: rescored
+  assert after["cache"][cell]["accuracy"] >= 0 and after["params"] == json.loads(before)["params"]
 
 
 def test_needle_table_pairs_1x_with_the_long_prompts():
