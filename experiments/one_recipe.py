@@ -574,15 +574,18 @@ def verdicts(
     "passkey kept with the KV cache cut to 25% / 12.5%",
     ">= 0.99 at 25%, >= 0.95 at 12.5% under fpa_budget; every heuristic >= 0.1 below at 12.5%",
     {s: cache_ok(r) for s, (r, _) in ev.items()},
-    ", ".join(
-      f"seed {s}: {_acc(_cell(r, 'parallel/fpa_budget/0.25'))} / {_acc(_cell(r, 'parallel/fpa_budget/0.125'))}"
-      + _tolerance_kept(r)
-      for s, (r, _) in ev.items()
-    ),
+    ", ".join(f"seed {s}: {_rule_cells(r)}" + _tolerance_kept(r) for s, (r, _) in ev.items()),
   )
   out.append(objective_verdict(evals, baseline_m or recipe_m, objective_ms))
   out.append(bindings_verdict(bindings or {}))
   return out
+
+
+def _rule_cells(e: dict) -> str:
+  """fpa_budget at 25% / 12.5% (parallel prefill; the decode prefill's beside it once scored)."""
+  pair = lambda pre: f"{_acc(_cell(e, f'{pre}/fpa_budget/0.25'))} / {_acc(_cell(e, f'{pre}/fpa_budget/0.125'))}"
+  dec = _cell(e, "decode/fpa_budget/0.25") or _cell(e, "decode/fpa_budget/0.125")
+  return pair("parallel") + (f" (decode prefill {pair('decode')})" if dec else "")
 
 
 def _tolerance_kept(e: dict) -> str:
