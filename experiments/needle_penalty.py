@@ -27,8 +27,19 @@ MODULE = "experiments.needle_penalty"
 NEEDLE_SPAN = 60  # tokens from the needle sentence's start: its digits and the sentence around them
 
 
+def kept_rank(pen: np.ndarray, tokens: np.ndarray) -> float:
+  """The share of the keys (penalties pen [T] at one query) that `fpa_budget` keeps before the best
+  of `tokens`: a smaller penalty, or the same and newer (it evicts the largest, ties the oldest)."""
+  pos = np.arange(len(pen))
+  return float(min(np.sum((pen < pen[j]) | ((pen == pen[j]) & (pos > j))) for j in tokens) / len(pen))
+
+
 def needle_stats(model, examples) -> list[dict]:
-  """[{layer, head, needle_penalty, median_penalty, needle_mass}] averaged over `examples`."""
+  """[{layer, head, needle_penalty, median_penalty, needle_mass, needle_rank}] averaged over `examples`.
+
+  needle_rank: the share of the prompt's keys that `fpa_budget` ranks before the needle's best
+  token at the question (smaller penalty, or the same penalty and newer: ties evict the oldest), so
+  a per-head budget below it evicts the needle in this head (the parallel prefill's cut)."""
   import jax.numpy as jnp
 
   from experiments.forget_speed import record_attention_inputs
@@ -47,11 +58,10 @@ def needle_stats(model, examples) -> list[dict]:
         s = np.asarray(q[0, qpos, h * grp] @ k[0, : qpos + 1, h].T) * cfg.head_dim**-0.5 - pen
         p = np.exp(s - s.max())
         p /= p.sum()
-        acc.setdefault((li, h), []).append((float(pen[needle].min()), float(np.median(pen)), float(p[needle].sum())))
-  return [
-    {"layer": li, "head": h, **dict(zip(("needle_penalty", "median_penalty", "needle_mass"), np.mean(v, 0).tolist()))}
-    for (li, h), v in sorted(acc.items())
-  ]
+        stats = (float(pen[needle].min()), float(np.median(pen)), float(p[needle].sum()), kept_rank(pen, needle))
+        acc.setdefault((li, h), []).append(stats)
+  names = ("needle_penalty", "median_penalty", "needle_mass", "needle_rank")
+  return [{"layer": li, "head": h, **dict(zip(names, np.mean(v, 0).tolist()))} for (li, h), v in sorted(acc.items())]
 
 
 def main(argv=None) -> dict:

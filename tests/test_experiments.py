@@ -282,6 +282,19 @@ def test_needle_penalty_reads_every_layer_and_head(att):
     (li, h) for li in range(m.cfg.n_layers) for h in range(m.cfg.kv_heads)
   ]
   assert all(0.0 <= s["needle_penalty"] and 0.0 <= s["needle_mass"] <= 1.0 for s in stats)
+  assert all(0.0 <= s["needle_rank"] < 1.0 for s in stats)
+
+
+def test_kept_rank_orders_by_penalty_then_newest():
+  import numpy as np
+
+  from experiments.needle_penalty import kept_rank
+
+  pen = np.asarray([0.0, 0.0, 1.0, 0.0, 2.0])
+  assert kept_rank(pen, np.asarray([1])) == 0.2  # only the newer tie (key 3) comes first
+  assert kept_rank(pen, np.asarray([2])) == 0.6  # the three live keys come first
+  assert kept_rank(pen, np.asarray([1, 2])) == 0.2  # the needle's best token
+  assert kept_rank(pen, np.asarray([3])) == 0.0 and kept_rank(pen, np.asarray([4])) == 0.8
 
 
 def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
