@@ -148,6 +148,8 @@ SLOW = {
   "test_inference.py::test_full_cache_equals_parallel_with_fox_heads[2]",  # [4]
   "test_ops_pallas_sparse.py::test_block_sparse_walks_exactly_the_given_tiles[False]",  # [True]: the same walk
   "test_studies_lm.py::test_bindings_lm_script_tiny_run_resumes_and_reuses_its_scores",  # a script's tiny run
+  "test_inference.py::test_inactive_rows_keep_their_cache_bit_for_bit[h2o-kw1]",  # [fpa_budget-kw0]
+  "test_inference.py::test_inactive_rows_keep_their_cache_bit_for_bit[fpa_threshold-kw2]",
   "test_inference.py::test_budget_policies_evict_exactly[3-fpa_budget]",  # capacity 5 of each policy
   "test_inference.py::test_budget_policies_evict_exactly[3-window]",
   "test_inference.py::test_budget_policies_evict_exactly[8-fpa_budget]",

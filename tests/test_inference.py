@@ -253,6 +253,40 @@ def test_reused_slots_equal_measured_cache(policy, kw):
   np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, 9:-1]), -1), out)
 
 
+@pytest.mark.parametrize(
+  "policy,kw",
+  [("fpa_budget", dict(budget=5)), ("h2o", dict(budget=6)), ("fpa_threshold", dict(threshold=0.5, budget=7))],
+)
+def test_inactive_rows_keep_their_cache_bit_for_bit(policy, kw):
+  """decode_attend(active=...) (a decode prefill's rows past their prompt): an inactive row's cache,
+  k and v included, is the one it came in with, through steps that evict in the other rows; an
+  active row's cache and output are those of the call without `active`."""
+  from fpa_jax.inference import cache as K
+  from fpa_jax.inference.policies import make_policy
+
+  b, kvh, h, dk, n = 3, 2, 4, 8, 14
+  pol = make_policy(policy, n, **kw)
+  rng = np.random.default_rng(0)
+  x = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  step = jax.jit(lambda c, q, k, v, f, l, t, a: K.decode_attend(
+    c, q, k, v, f, l, f, policy=pol, scale=dk**-0.5, positions=jnp.full((b,), t), active=a
+  ))  # fmt: skip
+  thr = None if pol.threshold is None else np.full(kvh, pol.threshold)
+  cache, everyone = K.init_layer_cache(b, pol.capacity, kvh, dk, threshold=thr), None
+  for t in range(n):
+    args = (x(b, 1, h, dk), x(b, 1, kvh, dk), x(b, 1, kvh, dk), x(b, 1, kvh), x(b, 1, kvh), t)
+    active = jnp.asarray([True, t < 6, t % 3 != 0])  # row 1 ends its prompt at 6; row 2 skips steps
+    out, new = step(cache, *args, active)
+    out_all, new_all = step(cache, *args, everyone)
+    for f in set(K.LayerCache._fields) - {"threshold", "key_coef", "key_cap"}:  # those are per head
+      got, before, want = (np.asarray(getattr(c, f)) for c in (new, cache, new_all))
+      for r in range(b):
+        np.testing.assert_array_equal(got[r], want[r] if active[r] else before[r], err_msg=f"{f}, row {r}, step {t}")
+    np.testing.assert_array_equal(np.asarray(out)[np.asarray(active)], np.asarray(out_all)[np.asarray(active)])
+    cache = new
+  assert int(np.asarray(cache.alive)[0].sum(0).max()) == pol.capacity  # row 0 filled up and evicted
+
+
 def test_parallel_prefill_keeps_the_same_keys_as_decode():
   m = _model("fpa", step_init_std=0.3)
   prompt = _tokens(2, 16, m.cfg.vocab_size, seed=5)

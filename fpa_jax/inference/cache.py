@@ -180,6 +180,7 @@ def decode_attend(
   positions: jax.Array,
   step: jax.Array | None = None,
   measure: bool = False,
+  active: jax.Array | None = None,
 ):
   """One token per row against the cache: update first-passage state, evict, insert, attend.
 
@@ -190,6 +191,8 @@ def decode_attend(
     positions: [B] the token's position in its row. step: [] slot to write when `measure`.
     measure: never reuse a slot (slot = `step`; capacity >= sequence), keep evicted keys' data
       and report in `cache.lost` the full-cache attention mass the evicted keys would get.
+    active: [B] bool, the rows that take this token (None: all); the others keep their cache as it
+      was (a decode prefill's rows past their prompt) and get an output to ignore.
   Returns:
     (out [B, 1, H, K], new cache).
 
@@ -211,6 +214,7 @@ def decode_attend(
     raise ValueError(f"measure=True writes slot step={int(step)}, but the cache has {slots} slots: use slots >= steps")
   ops.validate.check_gate_values("field", field)
   ops.validate.check_gate_values("level", level)
+  entry = cache
   (f, l), bad = _sanitize(field[:, 0], level[:, 0])  # [B, H]
   occupied = cache.pos >= 0
   run_min = jnp.where(occupied, fp.advance(cache.run_min, f[:, None, :]), jnp.inf)
@@ -234,6 +238,10 @@ def decode_attend(
     overflow = overflow | no_room
   else:
     slot = jnp.argmin(alive, axis=1).astype(jnp.int32)  # first free slot
+  if active is not None:  # an inactive row rewrites its slot's own k, v: no pass over the whole cache
+    bi, hi = jnp.arange(slot.shape[0])[:, None], jnp.arange(slot.shape[1])[None, :]
+    own = lambda x, new: jnp.where(active[:, None, None], new, x[bi, hi, jnp.minimum(slot, x.shape[2] - 1)])
+    k, v = own(cache.k, k[:, 0])[:, None], own(cache.v, v[:, 0])[:, None]
   cache = cache._replace(
     k=_scatter(cache.k, slot, k[:, 0], head_major=True),
     v=_scatter(cache.v, slot, v[:, 0], head_major=True),
@@ -262,6 +270,11 @@ def decode_attend(
   if policy.name == "h2o":  # the attention mass each key received (snapkv keeps its prefill score)
     cache = cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1))
   cache = cache._replace(lost=lost)
+  if active is not None:  # the [B, S, KVH] fields (K times smaller than k, v) of inactive rows as they were
+    rows = lambda x: active.reshape((-1,) + (1,) * (x.ndim - 1))
+    same = ("k", "v", "threshold", "key_coef", "key_cap")
+    olds = {f: getattr(entry, f) for f in LayerCache._fields if f not in same}
+    cache = cache._replace(**{f: jnp.where(rows(o), getattr(cache, f), o) for f, o in olds.items()})
   nan_rows = bad | no_room if measure else bad  # [B, KVH]
   out = jnp.where(nan_rows[:, :, None, None], jnp.nan, out)
   return out.reshape(b, h, -1).astype(q.dtype)[:, None], cache
@@ -510,17 +523,19 @@ def prefill_chunk(
 
 @dataclasses.dataclass(frozen=True)
 class Decode:
-  """One token per row (`decode_attend`): the policy, positions [B] of the tokens, and for the
-  measuring layout the slot `step` [] and `measure` (see `decode_attend`)."""
+  """One token per row (`decode_attend`): the policy, positions [B] of the tokens, for the
+  measuring layout the slot `step` [] and `measure`, and the rows that take the token, `active` [B]
+  (None: all; see `decode_attend`)."""
 
   policy: Policy
   positions: jax.Array
   step: jax.Array | None = None
   measure: bool = False
+  active: jax.Array | None = None
 
   def attend(self, state: LayerCache, spec, q, k, v, gates):
     kw = dict(policy=self.policy, scale=spec.scale, positions=self.positions, step=self.step, measure=self.measure)
-    return decode_attend(state, q, k, v, gates.field, gates.level, gates.cum, **kw)
+    return decode_attend(state, q, k, v, gates.field, gates.level, gates.cum, active=self.active, **kw)
 
 
 @dataclasses.dataclass(frozen=True)

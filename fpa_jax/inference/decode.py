@@ -225,17 +225,21 @@ def _split_on_one_device(model):
   return graphdef, state
 
 
-def _step(model, caches, tokens, positions, policy: Policy, *, step=None, measure=False, repack=True):
+def _step(model, caches, tokens, positions, policy: Policy, *, step=None, measure=False, repack=True, active=None):
   """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
-  `pool.GlobalCache`; `repack`: `pool.pool_evict`'s repack_due, False in `pool.scan_steps`' blocks)."""
+  `pool.GlobalCache`; `repack`: `pool.pool_evict`'s repack_due, False in `pool.scan_steps`' blocks;
+  `active` [B]: the rows that take the token, the others' per-layer caches kept as they were; the
+  pool's rows are all updated)."""
   if isinstance(caches, pool.GlobalCache):
     logits, done = call_cached(model, tokens[:, None], positions[:, None], pool.PoolStep(caches, policy, positions))
     return logits[:, 0], pool.pool_evict(done.cache, policy, positions, repack_due=repack)
-  run = Decode(policy, positions, step=step, measure=measure)
+  run = Decode(policy, positions, step=step, measure=measure, active=active)
   logits, done = call_cached(model, tokens[:, None], positions[:, None], LayerCaches(tuple(caches), run))
   caches = done.layers
   if policy.is_global:
-    caches = global_evict(caches, policy, positions)
+    evicted = global_evict(caches, policy, positions)
+    keep = lambda n, o: n if active is None else _select_rows(active, n, o)  # eviction spans rows' layers
+    caches = tuple(keep(n, o) for n, o in zip(evicted, caches))
   return logits[:, 0], caches
 
 
@@ -444,11 +448,12 @@ def _generate_program(
       caches, last, peak = carry
       tok, t = xs
       active = t < lengths
-      logits, new = _step(model, caches, tok, jnp.full((b,), t, jnp.int32), policy, repack=repack)
-      if isinstance(new, pool.GlobalCache):
+      pos = jnp.full((b,), t, jnp.int32)
+      if isinstance(caches, pool.GlobalCache):
+        logits, new = _step(model, caches, tok, pos, policy, repack=repack)
         caches = _select_rows(active, new, caches)
-      else:
-        caches = tuple(_select_rows(active, n, o) for n, o in zip(new, caches))
+      else:  # each layer keeps the rows past their prompt itself: no pass over the whole cache here
+        logits, caches = _step(model, caches, tok, pos, policy, repack=repack, active=active)
       last = jnp.where(active[:, None], logits, last)
       return (caches, last, jnp.maximum(peak, _occupancy(caches)[0])), None
 
