@@ -27,19 +27,33 @@ MODULE = "experiments.needle_penalty"
 NEEDLE_SPAN = 60  # tokens from the needle sentence's start: its digits and the sentence around them
 
 
-def kept_rank(pen: np.ndarray, tokens: np.ndarray) -> float:
-  """The share of the keys (penalties pen [T] at one query) that `fpa_budget` keeps before the best
-  of `tokens`: a smaller penalty, or the same and newer (it evicts the largest, ties the oldest)."""
+def kept_rank(pen: np.ndarray, copies: list[np.ndarray]) -> float:
+  """The smallest share of the keys (penalties pen [T] at one query) that `fpa_budget` keeps with
+  every token of at least one of `copies` (index arrays): it keeps the smallest penalties first, the
+  newer of equal ones (it evicts the largest, ties the oldest)."""
   pos = np.arange(len(pen))
-  return float(min(np.sum((pen < pen[j]) | ((pen == pen[j]) & (pos > j))) for j in tokens) / len(pen))
+  before = lambda j: np.sum((pen < pen[j]) | ((pen == pen[j]) & (pos > j))) + 1
+  return float(min(max(before(j) for j in c) for c in copies) / len(pen))
+
+
+def passkey_copies(e: dict, qpos: int) -> list[np.ndarray]:
+  """Token positions of each copy of the answer (the passkey, as the prompt's answer spells it)
+  inside the needle sentence; the sentence's first token if none (a tokenizer that splits it)."""
+  toks = np.asarray(e["tokens"])
+  a0 = int(e["answer_start"])
+  ans = toks[a0 : len(toks) - 1]  # the answer tokens (the row ends with EOS)
+  lo, hi = int(e["needle_start"]), min(int(e["needle_start"]) + NEEDLE_SPAN, qpos)
+  n = len(ans)
+  hits = [lo + i + np.arange(n) for i in range(hi - lo - n + 1) if np.array_equal(toks[lo + i : lo + i + n], ans)]
+  return hits or [np.asarray([lo])]
 
 
 def needle_stats(model, examples) -> list[dict]:
-  """[{layer, head, needle_penalty, median_penalty, needle_mass, needle_rank}] averaged over `examples`.
+  """[{layer, head, needle_penalty, median_penalty, needle_mass, passkey_rank}] averaged over `examples`.
 
-  needle_rank: the share of the prompt's keys that `fpa_budget` ranks before the needle's best
-  token at the question (smaller penalty, or the same penalty and newer: ties evict the oldest), so
-  a per-head budget below it evicts the needle in this head (the parallel prefill's cut)."""
+  passkey_rank: the smallest share of the prompt's keys that `fpa_budget`, cutting this head's
+  cache at the question, keeps with a whole copy of the passkey (`kept_rank`): a per-head budget
+  below it loses every copy of some digit in this head (the parallel prefill's cut)."""
   import jax.numpy as jnp
 
   from experiments.forget_speed import record_attention_inputs
@@ -58,9 +72,11 @@ def needle_stats(model, examples) -> list[dict]:
         s = np.asarray(q[0, qpos, h * grp] @ k[0, : qpos + 1, h].T) * cfg.head_dim**-0.5 - pen
         p = np.exp(s - s.max())
         p /= p.sum()
-        stats = (float(pen[needle].min()), float(np.median(pen)), float(p[needle].sum()), kept_rank(pen, needle))
-        acc.setdefault((li, h), []).append(stats)
-  names = ("needle_penalty", "median_penalty", "needle_mass", "needle_rank")
+        rank = kept_rank(pen, passkey_copies(e, qpos))
+        acc.setdefault((li, h), []).append(
+          (float(pen[needle].min()), float(np.median(pen)), float(p[needle].sum()), rank)
+        )
+  names = ("needle_penalty", "median_penalty", "needle_mass", "passkey_rank")
   return [{"layer": li, "head": h, **dict(zip(names, np.mean(v, 0).tolist()))} for (li, h), v in sorted(acc.items())]
 
 

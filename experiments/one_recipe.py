@@ -239,7 +239,7 @@ def eval_one(method: str, seed: int, args, argv, log) -> dict | None:
   M = args.cache_multiple
   needle = res.get("needle", {})
   for m in sorted({1, M}):  # why retrieval holds or fails at length: the gate's penalty on the needle, per head
-    if args.needle_prompts and not all("needle_rank" in r for r in needle.get(str(m), [{}])):
+    if args.needle_prompts and not all("passkey_rank" in r for r in needle.get(str(m), [{}])):
       from experiments.needle_penalty import needle_stats
 
       per = max(1, args.needle_prompts // len(DEPTHS))
@@ -660,20 +660,20 @@ def needle_table(evals: dict) -> str:
       continue
     lo, hi = mults[0], mults[-1]
     for a, b in zip(nd[lo], nd[hi]):
-      rank = "—" if "needle_rank" not in b else f"{b['needle_rank']:.3f}"
+      rank = "—" if "passkey_rank" not in b else f"{b['passkey_rank']:.3f}"
       rows.append([f"`{m}`", s, a["layer"], a["head"]] + [f"{x:.2f}" for x in (a["needle_penalty"], b["needle_penalty"], a["median_penalty"], b["median_penalty"], a["needle_mass"], b["needle_mass"])] + [rank])  # fmt: skip
   if not rows:
     return ""
   x = f"{hi}x"
   head = ["method", "seed", "layer", "kv head", "needle penalty 1x", f"... {x}", "median penalty 1x", f"... {x}"]
   return (
-    U.md_table(head + ["needle mass 1x", f"... {x}", f"needle rank {x}"], rows)
+    U.md_table(head + ["needle mass 1x", f"... {x}", f"passkey kept at {x} from"], rows)
     + "\nneedle penalty: the least penalty over the needle sentence's tokens at the question (0 = live); "
     "needle mass: the attention the question's first query head of the group gives the needle (its penalty "
     "included). A head that retrieves at 1x and not at 8x shows where: a penalty grown with length, or the "
-    "mass spread over more keys at the same penalty. needle rank: the share of the prompt's keys fpa_budget "
-    "ranks before the needle's best token in that head (smaller penalty, or equal and newer), so a per-head "
-    "cut to a smaller share evicts it there.\n"
+    "mass spread over more keys at the same penalty. passkey kept from: the smallest share of the prompt's "
+    "keys that fpa_budget, cutting this head at the question, keeps with a whole copy of the passkey in it "
+    "(smallest penalties first, ties the newer); a per-head cut below it loses a digit there.\n"
   )
 
 

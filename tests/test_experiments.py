@@ -282,19 +282,23 @@ def test_needle_penalty_reads_every_layer_and_head(att):
     (li, h) for li in range(m.cfg.n_layers) for h in range(m.cfg.kv_heads)
   ]
   assert all(0.0 <= s["needle_penalty"] and 0.0 <= s["needle_mass"] <= 1.0 for s in stats)
-  assert all(0.0 <= s["needle_rank"] < 1.0 for s in stats)
+  assert all(0.0 < s["passkey_rank"] <= 1.0 for s in stats)
 
 
-def test_kept_rank_orders_by_penalty_then_newest():
+def test_kept_rank_keeps_a_whole_copy_smallest_penalty_first():
   import numpy as np
 
-  from experiments.needle_penalty import kept_rank
+  from experiments.needle_penalty import kept_rank, passkey_copies
 
   pen = np.asarray([0.0, 0.0, 1.0, 0.0, 2.0])
-  assert kept_rank(pen, np.asarray([1])) == 0.2  # only the newer tie (key 3) comes first
-  assert kept_rank(pen, np.asarray([2])) == 0.6  # the three live keys come first
-  assert kept_rank(pen, np.asarray([1, 2])) == 0.2  # the needle's best token
-  assert kept_rank(pen, np.asarray([3])) == 0.0 and kept_rank(pen, np.asarray([4])) == 0.8
+  c = lambda *js: np.asarray(js)
+  assert kept_rank(pen, [c(3)]) == 0.2 and kept_rank(pen, [c(1)]) == 0.4  # key 3, the newer tie, comes first
+  assert kept_rank(pen, [c(2)]) == 0.8  # after the three live keys
+  assert kept_rank(pen, [c(1, 2)]) == 0.8 and kept_rank(pen, [c(1, 2), c(0, 3)]) == 0.6  # a whole copy
+  assert kept_rank(pen, [c(4)]) == 1.0
+  toks = [5, 7, 1, 2, 9, 1, 2, 8, 1, 2, 0]  # the answer [1, 2] twice in the needle (from 1), once more after
+  e = {"tokens": toks, "needle_start": 1, "answer_start": 8}
+  assert [list(x) for x in passkey_copies(e, qpos=7)] == [[2, 3], [5, 6]]
 
 
 def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):

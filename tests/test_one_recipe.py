@@ -135,7 +135,7 @@ def test_needle_table_pairs_1x_with_the_long_prompts():
   evals = {("r", 0): {"needle": {"1": head(0.0, 0.9), "8": head(7.5, 0.01)}}, ("fox", 0): {"needle": {"1": head(0, 1)}}}
   md = O.needle_table(evals)
   assert "| `r` | 0 | 0 | 0 | 0.00 | 7.50 | 1.00 | 1.00 | 0.90 | 0.01 | — |" in md and "`fox`" not in md
-  evals[("r", 0)]["needle"]["8"][0]["needle_rank"] = 0.4
+  evals[("r", 0)]["needle"]["8"][0]["passkey_rank"] = 0.4
   assert "| 0.90 | 0.01 | 0.400 |" in O.needle_table(evals)
   assert O.needle_table({("fox", 0): {"needle": {"1": head(0, 1)}}}) == ""
 
