@@ -451,10 +451,15 @@ def test_global_budget_generates_like_its_measured_cache(tiny, head_cap):
   assert isinstance(shapes, P.GlobalCache) and shapes.pool.k.shape == (2, 5 * n_l * kvh, tiny.cfg.head_dim)
   ref = D.cache_bytes(tiny, 2, make_policy("fpa_budget", 20, budget=5))
   assert ref <= stats["cache_bytes"] == cstats["cache_bytes"] <= 1.15 * ref
-  if head_cap is None:
-    _, pstats = generate(tiny, prompt, 8, prefill="parallel", **kw)
-    assert pstats["cache_bytes"] == stats["cache_bytes"] and not pstats["overflow"]
-    assert pstats["cache_fraction"] <= 5 * n_l * kvh / 20
+
+
+def test_global_budget_parallel_prefill_holds_its_pool(tiny):
+  """The parallel prefill keeps at most G - L * KVH keys and allocates the decode's pool."""
+  prompt = np.asarray(jax.random.randint(jax.random.key(4), (2, 12), 0, tiny.cfg.vocab_size))
+  n_l, kvh = tiny.cfg.n_layers, tiny.cfg.kv_heads
+  _, pstats = generate(tiny, prompt, 8, prefill="parallel", policy="fpa_global", budget=5)
+  assert pstats["cache_bytes"] == D.cache_bytes(tiny, 2, make_policy("fpa_global", 20, budget=5))
+  assert not pstats["overflow"] and pstats["cache_fraction"] <= 5 * n_l * kvh / 20
 
 
 # ------------------------------------------------------------------------------------------------ tolerance bound
