@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _fd import finite_differences
 from _helpers_train import FixedBatch, train_fixed
 from _tol import assert_close
 from flax import nnx
@@ -137,20 +138,6 @@ def test_keep_with_flat_field_is_a_window_with_a_protected_tail():
 # ------------------------------------------------------------------------------------------------
 # The attention
 # ------------------------------------------------------------------------------------------------
-
-
-def finite_differences(f, args, ct, eps=1e-6):
-  """Central differences of sum(f(*args) * ct) in every element of every float64 argument."""
-  out = []
-  for n, a in enumerate(args):
-    fd = np.zeros_like(a)
-    for idx in np.ndindex(a.shape):
-      up, dn = [x.copy() for x in args], [x.copy() for x in args]
-      up[n][idx] += eps
-      dn[n][idx] -= eps
-      fd[idx] = (np.sum(f(*up) * ct) - np.sum(f(*dn) * ct)) / (2 * eps)
-    out.append(fd)
-  return out
 
 
 def kink_free(rng, b, t, h):

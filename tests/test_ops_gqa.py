@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _fd import finite_differences
 from _tol import assert_close, rtol
 from fpa_jax import ops
 from fpa_jax.ops import bias, chunked
@@ -107,19 +108,8 @@ def test_grads_match_finite_differences_tiny():
   q, k, v, field, level, _, ct, s = make(1, b, t, h, kvh, d=2, dv=2, seg=False, kink_free=True)
   args = [q, k, v, field, level]
 
-  def loss(a):
-    q, k, v, f, l = a
-    return float(np.sum(ref.fpa_attention_np(q, rep(k, g), rep(v, g), rep(f, g), rep(l, g)) * ct))
-
-  eps, want = 1e-5, []
-  for n, x in enumerate(args):
-    gr = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-      plus, minus = [y.copy() for y in args], [y.copy() for y in args]
-      plus[n][idx] += eps
-      minus[n][idx] -= eps
-      gr[idx] = (loss(plus) - loss(minus)) / (2 * eps)
-    want.append(gr)
+  grouped = lambda q, k, v, f, l: ref.fpa_attention_np(q, rep(k, g), rep(v, g), rep(f, g), rep(l, g))
+  want = finite_differences(grouped, args, ct, eps=1e-5)
   for impl, blk, tol in IMPLS[:3]:
     _, got = run("fpa", impl, blk, tol, *args, ct, s)
     for name, a, w in zip("q k v field level".split(), got, want):
