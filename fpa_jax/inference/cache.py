@@ -153,6 +153,14 @@ def _scatter(x, slot, val, *, head_major=False):
   return x.at[idx].set(val.astype(x.dtype))
 
 
+def select_rows(rows: jax.Array, new: LayerCache, old: LayerCache, *, skip: tuple[str, ...] = ()) -> LayerCache:
+  """Per row b: new if rows[b] else old, field by field but `skip` (taken from new) and the
+  per-head threshold terms [H], which every row shares."""
+  pick = lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o)
+  keep = ("threshold", "key_coef", "key_cap") + skip
+  return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in keep})
+
+
 def _sanitize(field, level):
   """(field, level) [B, ..., H] fp32 with the entries `ops.validate.ALLOWED` does not allow replaced
   by +inf (a field that lowers no minimum, a dead key), and the bad mask [B, ..., H] bool."""
@@ -271,10 +279,7 @@ def decode_attend(
     cache = cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1))
   cache = cache._replace(lost=lost)
   if active is not None:  # the [B, S, KVH] fields (K times smaller than k, v) of inactive rows as they were
-    rows = lambda x: active.reshape((-1,) + (1,) * (x.ndim - 1))
-    same = ("k", "v", "threshold", "key_coef", "key_cap")
-    olds = {f: getattr(entry, f) for f in LayerCache._fields if f not in same}
-    cache = cache._replace(**{f: jnp.where(rows(o), getattr(cache, f), o) for f, o in olds.items()})
+    cache = select_rows(active, cache, entry, skip=("k", "v"))
   nan_rows = bad | no_room if measure else bad  # [B, KVH]
   out = jnp.where(nan_rows[:, :, None, None], jnp.nan, out)
   return out.reshape(b, h, -1).astype(q.dtype)[:, None], cache

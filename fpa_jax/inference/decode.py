@@ -30,7 +30,15 @@ import numpy as np
 from flax import nnx
 
 from fpa_jax.inference import pool
-from fpa_jax.inference.cache import Decode, LayerCache, LayerCaches, Prefill, init_layer_cache, reset_rows
+from fpa_jax.inference.cache import (
+  Decode,
+  LayerCache,
+  LayerCaches,
+  Prefill,
+  init_layer_cache,
+  reset_rows,
+  select_rows,
+)
 from fpa_jax.inference.graph import attention_layers, call_cached, check_decodable, layer_configs, vocab_size
 from fpa_jax.inference.policies import (
   CachePolicy,
@@ -206,11 +214,9 @@ def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -
 def _select_rows(rows: jax.Array, new, old):
   """Per row b: new if rows[b] else old (the per-head threshold terms [H] are shared); a LayerCache
   or a whole `pool.GlobalCache` (every leaf has the batch first)."""
-  pick = lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o)
   if isinstance(new, pool.GlobalCache):
-    return jax.tree.map(pick, new, old)
-  shared = ("threshold", "key_coef", "key_cap")
-  return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in shared})
+    return jax.tree.map(lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o), new, old)
+  return select_rows(rows, new, old)
 
 
 def _split_on_one_device(model):
