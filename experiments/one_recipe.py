@@ -201,6 +201,10 @@ def eval_one(method: str, seed: int, args, argv, log) -> dict | None:
     res.update(command=U.command(MODULE, argv), commit=U.git_commit(), machine=U.machine())
     U.write_json(path, res)
 
+  def held_out() -> dict:  # bits per byte over the trainer's windows of every validation document
+    held, coverage = perplexity.heldout_batches(ns)
+    return {"bpb": perplexity.bits_per_byte(perplexity.nll_fn(model), held), "heldout": coverage}
+
   # Cells are kept only for the parameters that scored them (a rerun after runs/ was lost retrains
   # the checkpoint: kept if bit-identical). Files from before the digest adopt the checkpoint only
   # if it reproduces their held-out bits per byte.
@@ -209,20 +213,19 @@ def eval_one(method: str, seed: int, args, argv, log) -> dict | None:
     log(f"[one_recipe] {method} seed {seed}: another checkpoint at step {tr['steps']}, scored afresh")
     res = fresh()
   if "params" not in res and "text" in res:
-    held, coverage = perplexity.heldout_batches(ns)
-    bpb = perplexity.bits_per_byte(perplexity.nll_fn(model), held)
+    text = held_out()
+    bpb = text["bpb"]
     same = abs(bpb - res["text"]["bpb"]) <= 1e-5 * abs(res["text"]["bpb"])
     log(
       f"[one_recipe] {method} seed {seed}: held-out bpb {bpb:.6f} vs the file's {res['text']['bpb']:.6f}: "
       + ("its cells kept" if same else "another checkpoint, scored afresh")
     )
     if not same:
-      res = fresh()
-      res["text"] = {"bpb": bpb, "heldout": coverage}
-  save("params", digest)
-  if "text" not in res:  # held-out bits per byte: the trainer's windows over every validation document
-    held, coverage = perplexity.heldout_batches(ns)
-    save("text", {"bpb": perplexity.bits_per_byte(perplexity.nll_fn(model), held), "heldout": coverage})
+      res = fresh() | {"text": text}
+  if res.get("params") != digest:
+    save("params", digest)
+  if "text" not in res:
+    save("text", held_out())
     log(f"[one_recipe] {method} seed {seed}: held-out bpb {res['text']['bpb']:.4f}")
   if "positions" not in res:  # loss by position out to 8L on the long validation documents
     docs = perplexity.long_documents(ns)
