@@ -84,8 +84,8 @@ RECIPE_GATE: dict[str, Any] = {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_ini
 
 # The one-recipe study's candidate the claims are judged on (`experiments.one_recipe --claims-method`),
 # and the row the bindings study trains as "fpa_recipe".
-# The objective is off in it: each setting tried (`OBJECTIVE_METHODS`) cost 1.5-3.2% bits per byte
-# against it and lost passkey beyond 1x on every seed it ran (results/one_recipe/one_recipe.md).
+# The objective is off in it: each setting tried (`OBJECTIVE_METHODS`) cost 1.5-2.9% bits per byte
+# against it on some seed and lost passkey beyond 1x on every seed it ran (results/one_recipe/one_recipe.md).
 RECOMMENDED = "recipe_fh0_no_objective"
 # the recipe without any forgetting objective: what each objective setting's text cost is measured against
 NO_OBJECTIVE = "recipe_fh0_no_objective"
@@ -101,7 +101,7 @@ ONE_RECIPE: dict[str, dict[str, Any]] = {
   # recipe_late_fh0 without the objective: its text cost, paired by seed
   "recipe_fh0_no_objective": {**RECIPE_GATE, "fox_heads": 0},
   # recipe_late_fh0 with the library's default target, 25% of old keys live, not 10%: at 10% the
-  # objective cost +3.2% bits per byte and lost passkey beyond 1x against recipe_fh0_no_objective (seed 2)
+  # objective cost about 3% bits per byte and lost passkey beyond 1x against recipe_fh0_no_objective (seed 2)
   "recipe_t25_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25},
   # ... and a tenth of the weight
   "recipe_t25w01_fh0": {**RECIPE_GATE, "fox_heads": 0, **EVICT_LATE, "evict_target": 0.25, "evict_weight": 0.1},
