@@ -1,6 +1,5 @@
 """Test-wide setup (must precede `import jax`): 8 simulated CPU devices for the sharding tests, and
-one persistent compilation cache shared by the run's processes, and XLA's backend (LLVM) at
-optimisation level 0.
+one persistent compilation cache shared by the run's processes.
 
 Compiles are three quarters of the suite's time, and tests in different files (so on different
 xdist workers, or in the CLI tests' subprocesses) compile some identical programs: a cache that
@@ -8,22 +7,13 @@ starts empty with each run and is deleted after it turns those into reads, and c
 stale program from another commit. The controller creates it and its workers and subprocesses
 inherit the environment; a size limit makes JAX lock the directory (`filelock`), so two processes
 never read a half-written entry. A `JAX_COMPILATION_CACHE_DIR` set by the user is used as it is.
-
-The suite's shapes are tiny, so LLVM's optimisation passes are most of a compile and a compile most
-of a test: level 0 cuts the default suite's CPU time by about a third (docs/testing.md). The level
-changes how LLVM optimises the compiled code, not which ops XLA runs; the default suite passes at
-both levels within the tolerances `_tol` derives. `FPA_TEST_XLA_OPT=default` runs it at XLA's own
-level (what users run); `test_ops_edges`'s subprocess test runs its float-edge script at the other
-level, so every run exercises both. `XLA_FLAGS` set by the user is used as it is.
 """
 
 import os
 import shutil
 import tempfile
 
-XLA_OPT = os.environ.get("FPA_TEST_XLA_OPT", "0")  # "default": XLA's own level (what users run)
-_opt = "" if XLA_OPT == "default" else f" --xla_backend_optimization_level={XLA_OPT}"
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8" + _opt)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # true in the controller only
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fpa_jax_test_cache_")

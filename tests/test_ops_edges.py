@@ -276,9 +276,7 @@ def test_empty_inputs_give_empty_outputs_and_grads(b, t, impl):
     ops.fpa_attention(q, k, v, g, g, impl="chunked", block_size=0)
 
 
-# ----------------------------------------------------------------------------- XLA opt levels
-# Found at XLA's backend optimisation level 0 (NaN gradients there only). The suite runs at one level
-# (conftest: 0 by default, `FPA_TEST_XLA_OPT`); this script runs in a fresh interpreter at the other.
+# ----------------------------------------------------------------------------- XLA opt level 0
 
 _O0_SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp
@@ -322,13 +320,10 @@ print("OK")
 """
 
 
-def test_chunked_grads_finite_at_the_other_xla_opt_level():
+def test_chunked_grads_finite_at_xla_opt_level_0():
   # A fresh interpreter: XLA_FLAGS is read when jax initialises its backend.
   tests = pathlib.Path(__file__).resolve().parent
-  flags = (
-    "--xla_backend_optimization_level=0" if os.environ.get("FPA_TEST_XLA_OPT") == "default" else ""
-  )  # "": XLA's own level
-  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
   res = subprocess.run([sys.executable, "-c", _O0_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
   assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
