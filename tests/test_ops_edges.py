@@ -329,6 +329,38 @@ def test_chunked_grads_finite_at_xla_opt_level_0():
   assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
+_O0_TILES_SCRIPT = r"""
+import numpy as np, jax, jax.numpy as jnp
+from flax import nnx
+from fpa_jax.configs import get_config
+from fpa_jax.models import build_model
+cfg = get_config("tiny", seq_len=40, block_size=8, attn_impl="chunked")  # 5 tiles, 2 layers
+model = build_model(cfg, seed=0)
+tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 41)), jnp.int32)
+def loss(m):
+  lg = jax.nn.log_softmax(m(tok[:, :-1]))
+  return -jnp.mean(jnp.take_along_axis(lg, tok[:, 1:, None], -1))
+g = nnx.state(nnx.jit(nnx.grad(loss))(model))
+bad = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(g) if not np.all(np.isfinite(x))]
+assert not bad, bad
+print("OK")
+"""
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="known (2026-12-05): at --xla_backend_optimization_level=0 the chunked model's gate gradients "
+  "are NaN once there are several tiles (finite at XLA's own level and at level 1; the op alone is "
+  "finite at level 0): found when the suite was tried at level 0, which was therefore not adopted",
+)
+def test_chunked_model_grads_finite_at_xla_opt_level_0_with_several_tiles():
+  tests = pathlib.Path(__file__).resolve().parent
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
+  res = subprocess.run([sys.executable, "-c", _O0_TILES_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
 def test_first_passage_state_is_one_definition_equal_to_the_reference():
   """The decode state (`ops.first_passage`: advance per token, suffix_min for a prompt, penalty)
   equals the float64 loop penalty at every step, +inf levels included; `decode_step`, the
