@@ -351,7 +351,8 @@ print("OK")
   strict=True,
   reason="known (2026-12-05): at --xla_backend_optimization_level=0 the chunked model's gate gradients "
   "are NaN once there are several tiles (finite at XLA's own level and at level 1; the op alone is "
-  "finite at level 0): found when the suite was tried at level 0, which was therefore not adopted",
+  "finite at level 0, also on the model's own inputs: only the whole model's gradient program): found "
+  "when the suite was tried at level 0, which was therefore not adopted (docs/testing.md)",
 )
 def test_chunked_model_grads_finite_at_xla_opt_level_0_with_several_tiles():
   tests = pathlib.Path(__file__).resolve().parent
