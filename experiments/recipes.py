@@ -114,7 +114,7 @@ ONE_RECIPE: dict[str, dict[str, Any]] = {
   # makes the gate forget, and half the steps train through an fpa_budget cache whose cut is soft
   # (`budget_loop_soft`: an evicted key keeps a gradient), so a key the loss needed and the cache lost
   # (the needle, when a drifting field makes it the oldest) is pushed back under the cache's
-  # threshold: forgetting by age costs, forgetting by content does not. It did not keep 8x (seeds 0, 1):
+  # threshold: forgetting by age costs, forgetting by content does not. It did not keep 8x (seeds 0, 1, 2):
   # the cut sees only distances up to the training length, where a slow drift still keeps the needle
   # (docs/objective.md).
   "recipe_soft_fh0": {
