@@ -320,13 +320,18 @@ print("OK")
 """
 
 
-def test_chunked_grads_finite_at_xla_opt_level_0():
-  # A fresh interpreter: XLA_FLAGS is read when jax initialises its backend.
+def _run_at_level_0(script: str) -> None:
+  """Run `script` in a fresh interpreter (XLA_FLAGS is read when jax initialises its backend) at
+  XLA's backend optimisation level 0; it must print OK."""
   tests = pathlib.Path(__file__).resolve().parent
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
-  res = subprocess.run([sys.executable, "-c", _O0_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+  res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
   assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_chunked_grads_finite_at_xla_opt_level_0():
+  _run_at_level_0(_O0_SCRIPT)
 
 
 _O0_TILES_SCRIPT = r"""
@@ -355,11 +360,7 @@ print("OK")
   "when the suite was tried at level 0, which was therefore not adopted (docs/testing.md)",
 )
 def test_chunked_model_grads_finite_at_xla_opt_level_0_with_several_tiles():
-  tests = pathlib.Path(__file__).resolve().parent
-  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
-  res = subprocess.run([sys.executable, "-c", _O0_TILES_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-  assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+  _run_at_level_0(_O0_TILES_SCRIPT)
 
 
 def test_first_passage_state_is_one_definition_equal_to_the_reference():
