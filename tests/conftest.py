@@ -142,6 +142,10 @@ SLOW = {
   "test_policies.py::test_packed_pool_attends_like_float64[None-held0-0]",  # [None-held1-1], [20-held2-2]
   "test_budget.py::test_model_budget_forward_equals_fpa_budget_decode[fpa-True-1]",  # [fpa-False-None]; scan:
   "test_budget.py::test_model_budget_forward_equals_fpa_budget_decode[stack-True-None]",  # test_soft_budget_through_scanned_...
+  "test_budget.py::test_model_budget_forward_equals_fpa_budget_decode[fox-False-None]",  # FoX: fpa with field = level
+  # the soft cut's forward: test_soft_budget_through_scanned_...[True-none]; its gradient: test_soft_cut_matches_loop_...
+  "test_budget.py::test_budget_objective_soft_cut",
+  "test_ops_edges.py::test_chunked_grads_finite_at_xla_opt_level_0",  # a level users do not run; with its xfail sibling
   "test_budget.py::test_budget_objective_with_the_hinge_and_a_late_start",  # test_budget_objective
   "test_dropin.py::test_readme_model_decodes_under_every_policy[window-kw1]",  # each policy: test_inference
   "test_dropin.py::test_readme_model_decodes_under_every_policy[sink_window-kw2]",

@@ -308,12 +308,17 @@ def test_budget_objective(batch):
   assert float(aux_full["budget_kept"]) == 1.0
   assert_close(v_full, v_lm, n=64 * 64)
   assert float(v) > float(v_lm)  # a quarter of the cache loses information
-  # the soft cut: evicted keys weigh in again (loss between the hard cut's and the full cache's), and
-  # the gate's gradient changes (it now reaches the penalties of the keys the cache lost)
-  soft = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25)
-  (v_soft, _), g_soft = _objective(tiny(**soft, budget_loop_soft=1.0), batch)
+
+
+def test_budget_objective_soft_cut(batch):
+  """The soft cut: evicted keys weigh in again (loss between the hard cut's and the full cache's),
+  and the gate's gradient changes (it now reaches the penalties of the keys the cache lost)."""
+  hard = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25)
+  (v, _), g = _objective(tiny(**hard), batch)
+  (v_lm, _), _ = _objective(tiny(), batch)
+  (v_soft, _), g_soft = _objective(tiny(**hard, budget_loop_soft=1.0), batch)
   assert float(v_lm) < float(v_soft) < float(v)
-  gate_soft = [np.asarray(x) for p, x in nnx.to_flat_state(g_soft) if "gate" in map(str, p)]
+  gate, gate_soft = ([np.asarray(x) for p, x in nnx.to_flat_state(gr) if "gate" in map(str, p)] for gr in (g, g_soft))
   assert max(np.abs(a - b).max() for a, b in zip(gate, gate_soft)) > 0
 
 
