@@ -354,13 +354,19 @@ print("OK")
 
 @pytest.mark.xfail(
   strict=True,
+  raises=AssertionError,  # the NaN-gradient failure only: another failure of the script is an error
   reason="known (2026-12-05): at --xla_backend_optimization_level=0 the chunked model's gate gradients "
   "are NaN once there are several tiles (finite at XLA's own level and at level 1; the op alone is "
   "finite at level 0, also on the model's own inputs: only the whole model's gradient program): found "
   "when the suite was tried at level 0, which was therefore not adopted (docs/testing.md)",
 )
 def test_chunked_model_grads_finite_at_xla_opt_level_0_with_several_tiles():
-  _run_at_level_0(_O0_TILES_SCRIPT)
+  try:
+    _run_at_level_0(_O0_TILES_SCRIPT)
+  except AssertionError as e:  # the script's assert lists the non-finite leaves: the gate's among them
+    if "['gate']" not in str(e):
+      raise RuntimeError(f"the level-0 script failed for another reason: {e}") from None
+    raise
 
 
 def test_first_passage_state_is_one_definition_equal_to_the_reference():
