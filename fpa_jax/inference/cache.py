@@ -153,12 +153,18 @@ def _scatter(x, slot, val, *, head_major=False):
   return x.at[idx].set(val.astype(x.dtype))
 
 
+def pick_rows(rows: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+  """rows [B] bool; new, old [B, ...] -> new[b] where rows[b], else old[b]."""
+  return jnp.where(rows.reshape(rows.shape + (1,) * (new.ndim - 1)), new, old)
+
+
 def select_rows(rows: jax.Array, new: LayerCache, old: LayerCache, *, skip: tuple[str, ...] = ()) -> LayerCache:
-  """Per row b: new if rows[b] else old, field by field but `skip` (taken from new) and the
-  per-head threshold terms [H], which every row shares."""
-  pick = lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o)
+  """Per row b: new if rows[b] else old (`pick_rows`), field by field but `skip` (taken from new)
+  and the per-head threshold terms [H], which every row shares."""
   keep = ("threshold", "key_coef", "key_cap") + skip
-  return new._replace(**{f: pick(getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in keep})
+  return new._replace(
+    **{f: pick_rows(rows, getattr(new, f), getattr(old, f)) for f in LayerCache._fields if f not in keep}
+  )
 
 
 def _sanitize(field, level):

@@ -36,6 +36,7 @@ from fpa_jax.inference.cache import (
   LayerCaches,
   Prefill,
   init_layer_cache,
+  pick_rows,
   reset_rows,
   select_rows,
 )
@@ -215,7 +216,7 @@ def _select_rows(rows: jax.Array, new, old):
   """Per row b: new if rows[b] else old (the per-head threshold terms [H] are shared); a LayerCache
   or a whole `pool.GlobalCache` (every leaf has the batch first)."""
   if isinstance(new, pool.GlobalCache):
-    return jax.tree.map(lambda n, o: jnp.where(rows.reshape(rows.shape + (1,) * (n.ndim - 1)), n, o), new, old)
+    return jax.tree.map(functools.partial(pick_rows, rows), new, old)
   return select_rows(rows, new, old)
 
 
