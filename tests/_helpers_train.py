@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+
+_SHAPE = re.compile(r"\b(f32|bf16|f16)\[([\d,]*)\]")
+
+
+def float_shapes(hlo: str) -> set[tuple[int, ...]]:
+  """The shapes of the float tensors in compiled HLO text (the sharding tests' per-device check)."""
+  return {tuple(int(d) for d in m.group(2).split(",") if d) for m in _SHAPE.finditer(hlo)}
 
 
 class FixedBatch:

@@ -22,7 +22,7 @@ from fpa_jax.layers import FirstPassageAttention
 from fpa_jax.models import build_model
 from fpa_jax.ops import bias, chunked
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 MARKER = "<!-- tests/test_dropin.py executes the next python block -->"
 MARKER_RECIPE = "<!-- tests/test_dropin.py executes the next python block after the one above -->"
 

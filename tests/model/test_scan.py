@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from _fwd import forward
+from _helpers_train import float_shapes
 from _tol import assert_close, assert_trees_close
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
@@ -209,8 +210,6 @@ def test_make_optimizer_decays_the_same_parameters_in_both_layouts():
 def test_scanned_step_keeps_activations_sharded():
   """The activation constraints inside the scanned block still apply (no whole-batch activations on
   a device) and the compiled step carries the stacked params' per-device shards."""
-  from test_sharding import _float_shapes
-
   from experiments.bench_train import compile_train_step
 
   b, t, d, v = 24, 32, 64, 4096  # as test_sharding's: 24 and 24 * 32 appear in no other dim
@@ -226,7 +225,7 @@ def test_scanned_step_keeps_activations_sharded():
     scan_layers=True,
     remat="full",
   )
-  shapes = _float_shapes(compile_train_step(cfg, S.make_mesh("data=8")).as_text())
+  shapes = float_shapes(compile_train_step(cfg, S.make_mesh("data=8")).as_text())
   whole_batch = [s for s in shapes if (b in s or b * t in s) and np.prod(s) > b * t * d // 8]
   assert not whole_batch, f"activations not sharded over data=8 (per-device shapes): {sorted(whole_batch)}"
   assert (b // 8, t, v) in shapes and (3, d // 8, 2, d // 2) in shapes  # logits; wq [L, D/8, H, K]

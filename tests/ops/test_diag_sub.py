@@ -17,7 +17,7 @@ import pytest
 from _tol import assert_bitwise, assert_close
 from fpa_jax.ops import bias
 from fpa_jax.ops import reference_np as ref
-from test_ops_grad import assert_grads_close, assert_loss_close, jax_grads, make_inputs
+from test_grad import assert_grads_close, assert_loss_close, jax_grads, make_inputs
 
 
 def _tile_inputs(seed, n, gates, lead=(2, 3)):

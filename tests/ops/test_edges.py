@@ -323,7 +323,7 @@ print("OK")
 def _run_at_level_0(script: str) -> None:
   """Run `script` in a fresh interpreter (XLA_FLAGS is read when jax initialises its backend) at
   XLA's backend optimisation level 0; it must print OK."""
-  tests = pathlib.Path(__file__).resolve().parent
+  tests = pathlib.Path(__file__).resolve().parents[1]  # tests/ (its helpers), then the repository
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
   res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

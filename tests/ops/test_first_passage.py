@@ -20,7 +20,7 @@ from _tol import assert_bitwise, assert_close
 from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops import reference_np as ref
 from fpa_jax.ops.penalty import first_passage_penalty
-from test_ops_grad import kink_free_gates
+from test_grad import kink_free_gates
 
 T, BLK = 12, 4  # three blocks: one pair (2, 0) with a block between, for R
 

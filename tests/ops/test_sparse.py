@@ -29,7 +29,7 @@ from fpa_jax import configs as C
 from fpa_jax import ops
 from fpa_jax.ops import bias, sparse
 from fpa_jax.ops import reference_np as ref
-from test_ops_skip import dip_gates, f32, grad_bounds, unit_rows, weights_np
+from test_skip import dip_gates, f32, grad_bounds, unit_rows, weights_np
 
 B, T, H, D, BLK = 2, 64, 2, 4, 8
 SCALE = 0.5

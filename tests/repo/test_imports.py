@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-DATA = pathlib.Path(__file__).resolve().parents[1] / "fpa_jax" / "data"
+DATA = pathlib.Path(__file__).resolve().parents[2] / "fpa_jax" / "data"
 PACKAGE = "fpa_jax.data"
 # Outside the package, data may read the config names (configs -> data, ../shared/DESIGN.md): one
 # definition of the task list. Nothing else of fpa_jax (models, train) is allowed.

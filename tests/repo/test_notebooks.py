@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NB_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NB_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 KERNEL = "fpa-jax-test"
 CELL_TIMEOUT_S = 600

@@ -16,9 +16,9 @@ import pytest
 
 from _tol import assert_close
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "_multihost_worker.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the worker and its helpers
+REPO = os.path.dirname(TESTS)
+WORKER = os.path.join(TESTS, "_multihost_worker.py")
 N = 3  # steps per leg
 TIMEOUT = 240
 TOKENS = 8 * 32  # tiny's global batch x seq_len: the reduction behind every gradient and loss

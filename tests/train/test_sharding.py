@@ -3,25 +3,18 @@ and `sharding.constrain` is a no-op without a mesh (CPU, 8 simulated devices fro
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from _helpers_train import float_shapes
 from _tol import assert_close
 from fpa_jax import configs as C
 from fpa_jax import sharding as S
 from fpa_jax.models import build_model
 
 from experiments.bench_train import compile_train_step
-
-_SHAPE = re.compile(r"\b(f32|bf16|f16)\[([\d,]*)\]")
-
-
-def _float_shapes(hlo: str) -> set[tuple[int, ...]]:
-  return {tuple(int(d) for d in m.group(2).split(",") if d) for m in _SHAPE.finditer(hlo)}
 
 
 def test_train_step_activations_are_batch_sharded_on_data8():
@@ -45,7 +38,7 @@ def test_train_step_activations_are_batch_sharded_on_data8():
     dtype="bfloat16",
   )
   mesh = S.make_mesh("data=8")
-  shapes = _float_shapes(compile_train_step(cfg, mesh).as_text())
+  shapes = float_shapes(compile_train_step(cfg, mesh).as_text())
   whole_batch = [s for s in shapes if (b in s or b * t in s) and np.prod(s) > b * t * d // 8]
   assert not whole_batch, f"activations not sharded over data=8 (per-device shapes): {sorted(whole_batch)}"
   assert (b // 8, t, v) in shapes  # the logits really are there, with the per-device batch

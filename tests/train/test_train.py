@@ -23,7 +23,7 @@ from fpa_jax.train import NonFiniteLossError, TrainStep, create_state, main, tra
 from _helpers_train import FixedBatch
 from _tol import assert_close, assert_trees_close
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _params(state):
