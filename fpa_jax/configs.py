@@ -43,6 +43,8 @@ from fpa_jax.ops import validate as _ops_validate
 ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
 GATED = ("fpa", "stack", "fox")
 GATE_TERMS = ("forget", "step", "absolute", "offset")
+# `ModelConfig.head_gates` letters -> the read-outs a head of that kind keeps (of the gate's own terms)
+HEAD_GATES: dict[str, tuple[str, ...]] = {"p": GATE_TERMS, "f": ("forget",), "n": ("absolute", "offset")}
 TASKS = ("text", "passkey", "scopes", "dips")
 TEST_TASKS = ("synthetic",)  # in-memory, for tests and benchmarks (fpa_jax.data.synthetic); nothing to build
 ATTN_IMPLS = _ops_validate.IMPLS  # fpa_jax.ops impl names (one definition: ops.validate.Implementation)
@@ -159,6 +161,13 @@ class ModelConfig(_Part):
   # cannot turn into a forgetting one, which passkey retrieval keeps using (docs/design.md). 0 = every
   # head has them; no effect on fox / softmax / nope.
   fox_heads: int = _field(0, V.integer(0, "0 = every head has the read-outs"), gate=True, preset=True)
+  # per-layer, per-kv-head gate kinds (`head_gate_kinds`), "" = fox_heads' split on every layer. One
+  # group of kv_heads letters per layer, comma-separated (or one group for every layer), each letter a
+  # HEAD_GATES kind: "p" every read-out of gate_terms (FPA), "f" FoX's term only, "n" no walk (absolute
+  # and offset only: a bounded field that cannot drift, so a penalty can only come from content, a
+  # level above a later dip). E.g. "pppp,nnnn": the upper layer's heads cannot forget by age. It sets
+  # which read-outs feed each head, no shape: a retrofit may change it on a trained checkpoint.
+  head_gates: str = _field("", V.text(), gate=True, free_on_resume=True)
   # compute dtype (bfloat16 for speed); params stay param_dtype
   dtype: str = _field("float32", V.choice(DTYPES), free_on_resume=True)
   param_dtype: str = _field("float32", V.choice(DTYPES))
@@ -192,6 +201,43 @@ class ModelConfig(_Part):
   @property
   def use_rope(self) -> bool:
     return (self.attention == "softmax") if self.rope is None else bool(self.rope)
+
+  def head_gate_kinds(self, layer: int) -> str:
+    """The gate kind of each kv head of `layer` (`head_gates`' letters, HEAD_GATES), kv_heads long:
+    `head_gates`' group for the layer, else fox_heads' "f" heads before "p" heads."""
+    if not self.head_gates:
+      return "f" * self.fox_heads + "p" * (self.kv_heads - self.fox_heads)
+    groups = self.head_gates.split(",")
+    return groups[0] if len(groups) == 1 else groups[layer]
+
+  def _check_head_gates(self, n) -> None:
+    groups = self.head_gates.split(",")
+    eg = f"e.g. {n('head_gates')}={'p' * self.kv_heads!r} (every layer) or {','.join(['p' * self.kv_heads] * self.n_layers)!r}"
+    if self.fox_heads:
+      raise ValueError(
+        f"{n('head_gates')}={self.head_gates!r} and {n('fox_heads')}={self.fox_heads} both split the heads: "
+        f"set {n('fox_heads')}=0 and write the FoX heads as 'f' in {n('head_gates')}"
+      )
+    if len(groups) not in (1, self.n_layers) or any(len(g) != self.kv_heads for g in groups):
+      raise ValueError(
+        f"{n('head_gates')}={self.head_gates!r}: one group of kv_heads={self.kv_heads} letters for every layer, "
+        f"or one per layer (n_layers={self.n_layers}), comma-separated; {eg}"
+      )
+    bad = set("".join(groups)) - set(HEAD_GATES)
+    if bad:
+      raise ValueError(f"{n('head_gates')}={self.head_gates!r}: unknown kind(s) {sorted(bad)}; use {tuple(HEAD_GATES)}")
+    for kind in set("".join(groups)) - {"f"}:  # "f" without FoX's term is a NoPE head, as with fox_heads
+      if not set(HEAD_GATES[kind]) & set(self.gate_terms):
+        raise ValueError(
+          f"{n('head_gates')} kind {kind!r} keeps {HEAD_GATES[kind]}, none of which the gate has "
+          f"(gate_terms {self.gate_terms}, attention={self.attention!r}): use another kind or "
+          f"{n('attention')}='fpa'"
+        )
+    if self.scan_layers and len(set(groups)) > 1:
+      raise ValueError(
+        f"{n('head_gates')}={self.head_gates!r} differs across layers, which a scanned stack (one Block "
+        f"for every layer) cannot hold: set {n('scan_layers')}=False"
+      )
 
   @property
   def gate_terms(self) -> tuple[str, ...]:
@@ -236,6 +282,8 @@ class ModelConfig(_Part):
         f"read-outs): set {n('fox_heads')}={max(self.kv_heads - 1, 0)} (the LM presets hold one head), or "
         f"{n('attention')}='fox' for every head at FoX's term"
       )
+    if self.head_gates:
+      self._check_head_gates(n)
     _ops_validate.check_impl(self.attn_impl, self.block_size or None, name=n("attn_impl"), block_name=n("block_size"))
     _ops_validate.check_skip_tolerance(
       self.skip_tolerance, self.attn_impl, name=n("skip_tolerance"), impl_name=n("attn_impl")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fpa_jax.configs import ModelConfig
+from fpa_jax.configs import GATE_TERMS, HEAD_GATES, ModelConfig
 from fpa_jax.ops.common import F32
 from fpa_jax.sharding import EMBED, HEADS
 
@@ -64,7 +64,8 @@ def _side_stream(rngs: nnx.Rngs) -> nnx.Rngs:
 class Gate(nnx.Module):
   """The gate of one attention layer; optional read-outs are None when the variant lacks them."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, layer: int = 0, rngs: nnx.Rngs):
+    """`layer`: the block's index, which picks its group of `cfg.head_gates`."""
     terms = cfg.gate_terms
     # One read-out per kv head: a key's penalty is then shared by the query heads of its group.
     d, h, pdt = cfg.d_model, cfg.kv_heads, jnp.dtype(cfg.param_dtype)
@@ -72,9 +73,12 @@ class Gate(nnx.Module):
       d, h, scale=scale, init_std=std, bias_init=bias, param_dtype=pdt, rngs=r
     )
     self.n_heads = h
-    # heads [0, fox_heads) keep no extremum read-out: their terms are replaced by 0 (so their read-out
-    # weights get no gradient and stay at their init; `ModelConfig.fox_heads`)
-    self.fox_heads = int(cfg.fox_heads)
+    # Which read-outs feed each head (`ModelConfig.head_gates`, or fox_heads' split): a term a head's
+    # kind lacks is replaced by 0 there (its read-out weights get no gradient and stay as they were).
+    kinds = cfg.head_gate_kinds(layer)
+    self.head_kinds = kinds
+    # per term, per head: kept? (tuples: a module's static attributes must hash, for jit)
+    self._keeps = tuple((t, tuple(t in HEAD_GATES[c] for c in kinds)) for t in GATE_TERMS)
     self.forget: LinearReadout | None = mk(1.0, cfg.gate_init_std, cfg.gate_bias_init) if "forget" in terms else None
     # The FPA read-outs draw from a side stream (the layer's stream does not advance for them), so
     # every other parameter of an FPA model starts equal to the FoX (with `gate_forget`) or softmax
@@ -96,26 +100,25 @@ class Gate(nnx.Module):
     """Field == level == cumsum of a log forget gate: the monotone special case (FoX kernel)."""
     return self.step is None and self.absolute is None and self.offset is None
 
-  def _readout(self, r: LinearReadout | None, x: jax.Array) -> jax.Array | None:
-    """An extremum read-out's term [B, T, H], 0 on the fox heads; None if the gate lacks it."""
-    if r is None:
-      return None
-    out = r(x)
-    if self.fox_heads:  # a where, not a product: keeps out's dtype, and 0 * inf would be nan
-      out = jnp.where(jnp.arange(self.n_heads) >= self.fox_heads, out, jnp.zeros((), out.dtype))
-    return out
+  def _term(self, term: str, out: jax.Array | None) -> jax.Array | None:
+    """A read-out's term [B, T, H], 0 on the heads whose kind lacks it; None if the gate lacks it."""
+    keep = dict(self._keeps)[term]
+    if out is None or all(keep):
+      return out
+    # a where, not a product: keeps out's dtype, and 0 * inf would be nan
+    return jnp.where(jnp.asarray(keep), out, jnp.zeros((), out.dtype))
 
   def parts(self, x: jax.Array) -> GateParts:
     """x [B, T, D] -> per-token terms; pointwise in t, so decoding calls it on one token."""
     inc = jnp.zeros(x.shape[:2] + (self.n_heads,), F32)  # no accumulating term: a flat walk
     if self.forget is not None:
-      inc = inc + jax.nn.log_sigmoid(self.forget(x))
+      inc = inc + self._term("forget", jax.nn.log_sigmoid(self.forget(x)))
     if self.step is not None:
-      inc = inc + self._readout(self.step, x)
+      inc = inc + self._term("step", self.step(x))
     return GateParts(
       increment=jnp.asarray(inc, F32),
-      absolute=self._readout(self.absolute, x),
-      offset=self._readout(self.offset, x),
+      absolute=self._term("absolute", None if self.absolute is None else self.absolute(x)),
+      offset=self._term("offset", None if self.offset is None else self.offset(x)),
     )
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

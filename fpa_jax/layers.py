@@ -373,7 +373,7 @@ class FirstPassageAttention(nnx.Module):
   depth scaling: each block adds two residual branches), which is what `DecoderLM` uses.
   """
 
-  def __init__(self, cfg: ModelConfig | Config, *, out_init_std: float | None = None, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig | Config, *, out_init_std: float | None = None, layer: int = 0, rngs: nnx.Rngs):
     cfg = cfg.model.validate()  # a layer built on its own (not via DecoderLM) is checked too
     d, h, kvh, k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     pdt = jnp.dtype(cfg.param_dtype)
@@ -393,7 +393,7 @@ class FirstPassageAttention(nnx.Module):
     self.wg: nnx.Param | None = (
       _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt) if cfg.output_gate else None
     )
-    self.gate: Gate | None = Gate(cfg, rngs=rngs) if cfg.gate_terms else None
+    self.gate: Gate | None = Gate(cfg, layer=layer, rngs=rngs) if cfg.gate_terms else None
 
   @classmethod
   def from_args(

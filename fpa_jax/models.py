@@ -96,10 +96,11 @@ class ModelCache(Protocol):
 class Block(nnx.Module):
   """x + attn(norm(x)); x + mlp(norm(x))."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, layer: int = 0, rngs: nnx.Rngs):
+    """`layer`: the block's index (its group of `cfg.head_gates`; a scanned stack has one for all)."""
     pdt = jnp.dtype(cfg.param_dtype)
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
-    self.attn = FirstPassageAttention(cfg, rngs=rngs)
+    self.attn = FirstPassageAttention(cfg, layer=layer, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
     self.mlp = SwiGLU(
       cfg.d_model,
@@ -146,7 +147,9 @@ class DecoderLM(nnx.Module):
     self.embed = _param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED), pdt)
     # scan_layers: one Block with [L, ...] params (unsharded leading axis), else a list of L Blocks.
     self.blocks = (
-      _stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+      _stacked_blocks(cfg, rngs)
+      if cfg.scan_layers
+      else nnx.List([Block(cfg, layer=i, rngs=rngs) for i in range(cfg.n_layers)])
     )
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt, rngs=rngs)
     if not cfg.tie_embeddings:

@@ -125,6 +125,7 @@ def test_resume_check_on_saved_dicts():
   _check_resume_config(old, C.replace(cfg, lr=1e-2), "wd")
 
 
+@pytest.mark.slow
 def test_trainer_resumes_across_train_fields_and_refuses_another_model(tmp_path):
   cfg = C.get_config("tiny", task="synthetic", steps=2, ckpt_every=2, n_layers=1, seq_len=16, batch_size=2)
 
@@ -214,6 +215,7 @@ def test_field_lists_come_from_the_fields():
     "offset_init_std",
     "offset_bias_init",
     "fox_heads",
+    "head_gates",
   )
   assert set(C.GATE_PRESET_FIELDS) == {
     "gate_bias_init",
@@ -245,6 +247,7 @@ def test_field_lists_come_from_the_fields():
     "absolute_init_std",
     "offset_init_std",
     "offset_bias_init",
+    "head_gates",
   }
   from fpa_jax import layers
 
