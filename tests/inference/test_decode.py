@@ -33,7 +33,9 @@ def _tokens(b, t, vocab, seed=1):
 # ------------------------------------------------------------------------------------------------ full
 
 
-@pytest.mark.parametrize("att", C.ATTENTIONS)
+@pytest.mark.parametrize(  # stack: fpa's cache with another gate module; nope: softmax's decode path without RoPE
+  "att", [pytest.param(a, marks=pytest.mark.slow) if a in ("stack", "nope") else a for a in C.ATTENTIONS]
+)
 def test_full_cache_equals_parallel(att):
   m = _model(att)
   tok = _tokens(2, 21, m.cfg.vocab_size)
@@ -47,7 +49,7 @@ def test_full_cache_equals_parallel(att):
   assert_close(logits, forward(m, tok, seg), n=n)
 
 
-@pytest.mark.parametrize("n_kv_heads", [4, 2])
+@pytest.mark.parametrize("n_kv_heads", [4, pytest.param(2, marks=pytest.mark.slow)])
 def test_full_cache_equals_parallel_with_fox_heads(n_kv_heads):
   """`fox_heads`: decoding masks the read-outs of the same heads as the parallel path (GQA too)."""
   m = _model("fpa", gate_forget=True, fox_heads=1, n_heads=4, n_kv_heads=n_kv_heads)
@@ -57,7 +59,14 @@ def test_full_cache_equals_parallel_with_fox_heads(n_kv_heads):
 
 
 @pytest.mark.parametrize(
-  "policy,kw", [("fpa_budget", {}), ("window", {}), ("sink_window", {}), ("h2o", {}), ("full", {})]
+  "policy,kw",
+  [
+    ("fpa_budget", {}),
+    pytest.param("window", {}, marks=pytest.mark.slow),
+    pytest.param("sink_window", {}, marks=pytest.mark.slow),
+    ("h2o", {}),
+    pytest.param("full", {}, marks=pytest.mark.slow),
+  ],
 )
 def test_budget_at_least_sequence_equals_full(policy, kw):
   m = _model("fpa")
@@ -130,8 +139,20 @@ def _simulate(policy, field, capacity, n_sink=4):
   return sets
 
 
-@pytest.mark.parametrize("policy", ["fpa_budget", "window", "sink_window"])
-@pytest.mark.parametrize("capacity", [3, 5, 8])
+@pytest.mark.parametrize(
+  "capacity,policy",
+  [  # capacity 5 of each policy in the default run
+    pytest.param(3, "fpa_budget", marks=pytest.mark.slow),
+    pytest.param(3, "window", marks=pytest.mark.slow),
+    (3, "sink_window"),
+    (5, "fpa_budget"),
+    (5, "window"),
+    (5, "sink_window"),
+    pytest.param(8, "fpa_budget", marks=pytest.mark.slow),
+    pytest.param(8, "window", marks=pytest.mark.slow),
+    pytest.param(8, "sink_window", marks=pytest.mark.slow),
+  ],
+)
 def test_budget_policies_evict_exactly(policy, capacity):
   if policy == "sink_window" and capacity <= 4:
     pytest.skip("sink_window needs a budget > 4")
@@ -168,7 +189,7 @@ def _forgetful_fpa(seed=0):
   return m
 
 
-@pytest.mark.parametrize("eps", [1e-2, 1e-4])
+@pytest.mark.parametrize("eps", [1e-2, pytest.param(1e-4, marks=pytest.mark.slow)])
 def test_tolerance_bound_holds_and_evicts(eps):
   m = _forgetful_fpa()
   tok = _tokens(3, 48, m.cfg.vocab_size, seed=3)
@@ -216,7 +237,9 @@ def _greedy_reference(m, prompt, n):
   return np.asarray(toks[len(prompt) :])
 
 
-@pytest.mark.parametrize("att", ["fpa", "fox", "softmax"])
+@pytest.mark.parametrize(
+  "att", ["fpa", pytest.param("fox", marks=pytest.mark.slow), pytest.param("softmax", marks=pytest.mark.slow)]
+)
 def test_generate_greedy_equals_parallel_argmax(att):
   m = _model(att)
   prompts = [np.asarray(_tokens(1, n, m.cfg.vocab_size, seed=n))[0] for n in (5, 11, 8)]
@@ -235,11 +258,11 @@ def test_generate_greedy_equals_parallel_argmax(att):
 @pytest.mark.parametrize(
   "policy,kw",
   [
-    ("window", dict(budget=7)),
+    pytest.param("window", dict(budget=7), marks=pytest.mark.slow),
     ("fpa_budget", dict(budget=7)),
-    ("sink_window", dict(budget=7)),
+    pytest.param("sink_window", dict(budget=7), marks=pytest.mark.slow),
     ("h2o", dict(budget=6)),
-    ("fpa_threshold", dict(threshold=0.5, budget=9)),
+    pytest.param("fpa_threshold", dict(threshold=0.5, budget=9), marks=pytest.mark.slow),
   ],
 )
 def test_reused_slots_equal_measured_cache(policy, kw):
@@ -255,7 +278,11 @@ def test_reused_slots_equal_measured_cache(policy, kw):
 
 @pytest.mark.parametrize(
   "policy,kw",
-  [("fpa_budget", dict(budget=5)), ("h2o", dict(budget=6)), ("fpa_threshold", dict(threshold=0.5, budget=7))],
+  [
+    ("fpa_budget", dict(budget=5)),
+    pytest.param("h2o", dict(budget=6), marks=pytest.mark.slow),
+    pytest.param("fpa_threshold", dict(threshold=0.5, budget=7), marks=pytest.mark.slow),
+  ],
 )
 def test_inactive_rows_keep_their_cache_bit_for_bit(policy, kw):
   """decode_attend(active=...) (a decode prefill's rows past their prompt): an inactive row's cache,
@@ -287,6 +314,7 @@ def test_inactive_rows_keep_their_cache_bit_for_bit(policy, kw):
   assert int(np.asarray(cache.alive)[0].sum(0).max()) == pol.capacity  # row 0 filled up and evicted
 
 
+@pytest.mark.slow  # test_policies' prefill checks
 def test_parallel_prefill_keeps_the_same_keys_as_decode():
   m = _model("fpa", step_init_std=0.3)
   prompt = _tokens(2, 16, m.cfg.vocab_size, seed=5)
@@ -328,7 +356,7 @@ def test_parallel_prefill_keeps_the_same_keys_as_decode():
   "att,kw",
   [
     ("fpa", dict(attn_impl="pallas")),  # the Pallas kernels (interpret mode on CPU)
-    ("fpa", dict(skip_tolerance=0.5, skip="keys", block_size=4)),
+    pytest.param("fpa", dict(skip_tolerance=0.5, skip="keys", block_size=4), marks=pytest.mark.slow),
     ("fox", dict(skip_tolerance=0.5, skip="keys", block_size=4)),
   ],
 )

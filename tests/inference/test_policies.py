@@ -306,8 +306,21 @@ def _pool_sets(cache, b=0):
   return [[set(pos[alive & (owner == l * kvh + j)].tolist()) for j in range(kvh)] for l in range(cache.n_layers)]
 
 
-@pytest.mark.parametrize("impl", ["packed", "masked"])
-@pytest.mark.parametrize("keys,cap,recent", [(3, 6, 1), (4, 8, 2), (3, 3, 0), (3, None, 1), (4, None, 2)])
+@pytest.mark.parametrize(
+  "keys,cap,recent,impl",
+  [
+    (3, 6, 1, "packed"),
+    (3, 6, 1, "masked"),
+    pytest.param(4, 8, 2, "packed", marks=pytest.mark.slow),
+    pytest.param(4, 8, 2, "masked", marks=pytest.mark.slow),
+    pytest.param(3, 3, 0, "packed", marks=pytest.mark.slow),
+    pytest.param(3, 3, 0, "masked", marks=pytest.mark.slow),
+    pytest.param(3, None, 1, "packed", marks=pytest.mark.slow),
+    pytest.param(3, None, 1, "masked", marks=pytest.mark.slow),
+    (4, None, 2, "packed"),
+    pytest.param(4, None, 2, "masked", marks=pytest.mark.slow),
+  ],
+)
 def test_global_budget_matches_numpy(keys, cap, recent, impl):
   """2 layers x 2 heads, decoded token by token: the shared pool (exactly G slots per row; "packed"
   repacked every 4 steps by `pool_evict`) and the per-head measuring layout (`global_evict`, what
@@ -426,7 +439,7 @@ def test_pool_attends_like_the_measuring_layout(tiny):
   assert_close(np.asarray(lp), np.asarray(lm), n=t * tiny.cfg.d_model * tiny.cfg.n_layers)
 
 
-@pytest.mark.parametrize("head_cap", [None, 9])
+@pytest.mark.parametrize("head_cap", [None, pytest.param(9, marks=pytest.mark.slow)])
 def test_global_budget_generates_like_its_measured_cache(tiny, head_cap):
   """generate's shared pool (slots reused) attends exactly like cached_logits' measured cache when
   the prompt is fed token by token (same greedy tokens); one compiled program per generation; the
@@ -453,6 +466,7 @@ def test_global_budget_generates_like_its_measured_cache(tiny, head_cap):
   assert ref <= stats["cache_bytes"] == cstats["cache_bytes"] <= 1.15 * ref
 
 
+@pytest.mark.slow  # the pool's bytes: ..._measured_cache
 def test_global_budget_parallel_prefill_holds_its_pool(tiny):
   """The parallel prefill keeps at most G - L * KVH keys and allocates the decode's pool."""
   prompt = np.asarray(jax.random.randint(jax.random.key(4), (2, 12), 0, tiny.cfg.vocab_size))
@@ -514,7 +528,7 @@ def test_evict_few_is_evict_largest():
     np.testing.assert_array_equal(np.asarray(P.evict_few(pen, pos, owner, cand, count, most)), np.asarray(want))
 
 
-@pytest.mark.parametrize("head_cap", [None, 10])
+@pytest.mark.parametrize("head_cap", [None, pytest.param(10, marks=pytest.mark.slow)])
 def test_pool_impls_agree(tiny, head_cap):
   """The tiny model decoded token by token through fpa_global's pool with each implementation in
   one program: "masked" (the default: top-k eviction), "gather" (each head over its own slots) and
@@ -551,7 +565,8 @@ def test_pool_impls_agree(tiny, head_cap):
 
 
 @pytest.mark.parametrize(
-  "head_cap,held,seed", [(None, (30, 0, 14, 0), 0), (None, (0, 20, 0, 24), 1), (20, (18, 0, 14, 0), 2)]
+  "head_cap,held,seed",
+  [pytest.param(None, (30, 0, 14, 0), 0, marks=pytest.mark.slow), (None, (0, 20, 0, 24), 1), (20, (18, 0, 14, 0), 2)],
 )
 def test_packed_pool_attends_like_float64(head_cap, held, seed):
   """pool_impl "packed" on random pools (2 layers x 2 kv heads, 4 query heads, random keys, levels

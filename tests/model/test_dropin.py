@@ -89,14 +89,14 @@ def test_readme_recipe_trains_then_decodes_with_the_learned_rule(readme_recipe_r
   "policy, kw",
   [
     ("full", {}),
-    ("window", dict(budget=4)),
-    ("sink_window", dict(budget=6)),
+    pytest.param("window", dict(budget=4), marks=pytest.mark.slow),
+    pytest.param("sink_window", dict(budget=6), marks=pytest.mark.slow),
     ("h2o", dict(budget=4)),
     ("snapkv", dict(budget=4)),
     ("fpa_budget", dict(compression_ratio=0.75)),
     ("fpa_global", dict(budget=4)),
     ("fpa", dict(tolerance=1e-3)),
-    ("fpa_threshold", dict(threshold=2.0)),
+    pytest.param("fpa_threshold", dict(threshold=2.0), marks=pytest.mark.slow),
   ],
 )
 def test_readme_model_decodes_under_every_policy(readme_run, policy, kw):
@@ -218,6 +218,7 @@ def _skip_layer(gate, skip_tolerance, **kw):
 FPA_DOWN = dict(step_bias_init=-0.07)
 
 
+@pytest.mark.slow  # the op's bound: ops/test_skip.py
 def test_layer_skip_tolerance_within_the_ops_bound():
   """skip_tolerance reaches the op: tiles are dropped, and the layer output moves by no more than the
   op's bound (each output component <= 2 eps max|v|) carried through W_o."""

@@ -79,7 +79,7 @@ def test_gated_variants_with_a_flat_gate_are_nope(att):
   assert_close(fwd(model, tok), fwd(nope, tok), n=cfg.d_model * cfg.n_layers)
 
 
-@pytest.mark.parametrize("att", ["stack", "fpa"])
+@pytest.mark.parametrize("att", [pytest.param("stack", marks=pytest.mark.slow), "fpa"])
 def test_default_gate_gets_gradient_at_init(att):
   """A flat field makes every penalty relu(0), whose derivative is 0: the default init must make the
   field move so that every gate read-out (but the absolute bias, a global shift) learns."""

@@ -55,8 +55,9 @@ def test_projection_and_gate_shapes():
 
 @pytest.mark.parametrize(
   "att,kvh",
-  [(a, 2) if a in ("fpa", "softmax") else pytest.param(a, 2, marks=pytest.mark.slow) for a in C.ATTENTIONS]
-  + [("fpa", 1)],
+  # [softmax-2] in the default run (with test_policies_run_per_kv_head); the rest with -m slow
+  [(a, 2) if a == "softmax" else pytest.param(a, 2, marks=pytest.mark.slow) for a in C.ATTENTIONS]
+  + [pytest.param("fpa", 1, marks=pytest.mark.slow)],
 )
 def test_full_cache_equals_parallel(att, kvh):
   m = _model(att, n_kv_heads=kvh)
@@ -89,6 +90,7 @@ def test_policies_run_per_kv_head():
   assert stats["lost_mass_max"] > 0.0
 
 
+@pytest.mark.slow  # inference/test_decode.py's
 def test_generate_parallel_prefill_equals_decode_prefill():
   m = _model("fpa")
   prompts = [np.asarray(_tokens(1, n, m.cfg.vocab_size, seed=n))[0] for n in (5, 11)]
@@ -101,7 +103,8 @@ def test_generate_parallel_prefill_equals_decode_prefill():
     np.testing.assert_array_equal(np.argmax(np.asarray(forward(m, seq))[0, len(p) - 1 : -1], -1), row)
 
 
-@pytest.mark.parametrize("att", ["fpa", pytest.param("softmax", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("att", ["fpa", "softmax"])
 def test_kv_heads_equal_heads_is_unchanged(att):
   a, b = _model(att, n_heads=2, n_kv_heads=0), _model(att, n_heads=2, n_kv_heads=2)
   sa, sb = nnx.state(a, nnx.Param), nnx.state(b, nnx.Param)

@@ -137,6 +137,7 @@ def test_own_model_under_budgets_and_in_eval(mixed):
   assert cut["nll"][-1] != pytest.approx(res["nll"][-1], rel=1e-4)  # the last ones do not
 
 
+@pytest.mark.slow  # extend: ops/test_prefix.py on DecoderLM
 def test_own_model_extends_chunk_by_chunk(mixed):
   """`extend` on a model of one's own: chunk by chunk under `full` is the parallel forward; a score
   policy chunks too (score = -penalty keeps fpa_budget's keys)."""
@@ -158,6 +159,7 @@ def test_own_model_extends_chunk_by_chunk(mixed):
   np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
+@pytest.mark.slow  # test_own_model_under_budgets_and_in_eval
 def test_fpa_global_and_tolerance_on_own_model():
   """fpa_global's pool across the layers of a model with one kv-head count; the tolerance policy
   with the layers' QK-norm bound (lost mass <= eps)."""
@@ -401,6 +403,7 @@ def test_gate_optimizer_is_the_trainers():
       optim.gate_optimizer(adamw, **kw)
 
 
+@pytest.mark.slow  # eager; the hinge on an own model: test_dropin's README recipe trains with it; the trainer's: ops/test_evictability.py
 def test_evictability_loss_is_the_trainers_and_trains_an_own_model(mixed):
   """On a DecoderLM, `evictability_loss` is the trainer's hinge (the objective's metrics, bit for
   bit); on a model of one's own its gradient reaches the gate read-outs."""

@@ -70,7 +70,9 @@ def test_stacked_params_layout_and_conversion_round_trip():
     assert (path[0] == "blocks") == (v.shape[0] == big.n_layers and spec[0] is None and len(spec) == v.ndim), path
 
 
-@pytest.mark.parametrize("att", ["fox", "fpa", "softmax"])  # fox: the chunked tile kernel FPA shares
+@pytest.mark.parametrize(
+  "att", ["fox", pytest.param("fpa", marks=pytest.mark.slow), pytest.param("softmax", marks=pytest.mark.slow)]
+)  # fox: the chunked tile kernel FPA shares
 def test_scanned_equals_unscanned_logits_and_grads(att):
   m = build_model(_cfg(att, scan_layers=True, qk_norm=True, output_gate=True), seed=0)
   u = convert_layers(m, False)
@@ -84,11 +86,12 @@ def test_scanned_equals_unscanned_logits_and_grads(att):
   assert_trees_close(_per_layer(gs, 3), _per_layer(gu, 3), n=n, zero_leaves=("absolute/b",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "cases",
   [
     [(True, "full")],
-    pytest.param([(False, "full"), (True, "dots"), (True, "dots_no_batch")], marks=pytest.mark.slow, id="others"),
+    pytest.param([(False, "full"), (True, "dots"), (True, "dots_no_batch")], id="others"),
   ],
   ids=lambda c: "scanned-full" if c == [(True, "full")] else None,
 )
@@ -130,6 +133,7 @@ def test_bad_remat_config(overrides, match):
   assert C.parse_overrides(C.Tiny, ["scan_layers=true", "remat=dots"]) == {"scan_layers": True, "remat": "dots"}
 
 
+@pytest.mark.slow
 def test_cached_decoding_of_a_scanned_model():
   """The per-layer cache path slices the stack: full-cache decoding equals the parallel logits, the
   fpa policy's bounds equal the unscanned model's, and greedy generation is the same."""
@@ -155,6 +159,7 @@ def _tx(cfg):
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
 
 
+@pytest.mark.slow  # remat grads + sharded step tests
 def test_scanned_remat_train_step_on_the_8_device_mesh():
   """One step of a scanned + remat model on (data=4, model=2): sharded params (layer axis whole),
   and the unscanned model's loss, gradient norm and updated parameters (fp32, 1e-5)."""
@@ -194,6 +199,7 @@ def _decayed(cfg, tx) -> set[str]:
   return {k for k, v in moved.items() if np.any(v != 0)}
 
 
+@pytest.mark.slow
 def test_weight_decay_mask_is_layout_independent():
   cfg = _cfg(warmup_steps=0)
   decayed = _decayed(cfg, _tx(cfg))
@@ -207,6 +213,7 @@ def test_make_optimizer_decays_the_same_parameters_in_both_layouts():
   assert _decayed(cfg, make_optimizer(cfg)) == _decayed(scanned, make_optimizer(scanned))
 
 
+@pytest.mark.slow
 def test_scanned_step_keeps_activations_sharded():
   """The activation constraints inside the scanned block still apply (no whole-batch activations on
   a device) and the compiled step carries the stacked params' per-device shards."""

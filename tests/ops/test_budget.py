@@ -177,7 +177,9 @@ def test_budgeted_attention_matches_loop_reference_and_finite_differences(heads,
     assert_close(np.asarray(g), fd, dtype=np.float32, n=t * d, scale=max(np.abs(fd).max(), 1.0))
 
 
-@pytest.mark.parametrize("heads,kv_heads,cap,w,soft", [(2, 2, 3, 1, 0.5), (4, 2, 2, 0, 2.0)])
+@pytest.mark.parametrize(
+  "heads,kv_heads,cap,w,soft", [(2, 2, 3, 1, 0.5), pytest.param(4, 2, 2, 0, 2.0, marks=pytest.mark.slow)]
+)
 def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads, cap, w, soft):
   """soft > 0: kept keys exact, evicted keys at the soft bias beyond the cache's threshold; the
   gate's gradient now reaches the evicted keys' penalties (theta and the mask held, as the op stops them)."""
@@ -228,7 +230,13 @@ def tiny(**kw):
 
 
 @pytest.mark.parametrize(
-  "attention,scan,kv", [("fpa", False, None), ("fpa", True, 1), ("fox", False, None), ("stack", True, None)]
+  "attention,scan,kv",
+  [
+    ("fpa", False, None),
+    pytest.param("fpa", True, 1, marks=pytest.mark.slow),
+    pytest.param("fox", False, None, marks=pytest.mark.slow),
+    pytest.param("stack", True, None, marks=pytest.mark.slow),
+  ],
 )
 def test_model_budget_forward_equals_fpa_budget_decode(attention, scan, kv):
   from fpa_jax.inference import cached_logits
@@ -244,7 +252,7 @@ def test_model_budget_forward_equals_fpa_budget_decode(attention, scan, kv):
   assert np.abs(np.asarray(model(jnp.asarray(toks), budget=(jnp.int32(5), jnp.int32(0)))) - full).max() > 1e-3
 
 
-@pytest.mark.parametrize("scan,remat", [(True, "none"), (False, "full")])
+@pytest.mark.parametrize("scan,remat", [(True, "none"), pytest.param(False, "full", marks=pytest.mark.slow)])
 def test_soft_budget_through_scanned_and_rematerialised_models(scan, remat):
   """The soft width rides in the budget tuple, which nnx.scan / remat trace: a traced 0 is the hard
   cut, a traced width the soft one (= the plain model's with a Python float)."""
@@ -310,6 +318,7 @@ def test_budget_objective(batch):
   assert float(v) > float(v_lm)  # a quarter of the cache loses information
 
 
+@pytest.mark.slow
 def test_budget_objective_soft_cut(batch):
   """The soft cut: evicted keys weigh in again (loss between the hard cut's and the full cache's),
   and the gate's gradient changes (it now reaches the penalties of the keys the cache lost)."""
@@ -322,6 +331,7 @@ def test_budget_objective_soft_cut(batch):
   assert max(np.abs(a - b).max() for a, b in zip(gate, gate_soft)) > 0
 
 
+@pytest.mark.slow  # test_budget_objective
 def test_budget_objective_with_the_hinge_and_a_late_start(batch):
   (v_lm, _), _ = _objective(tiny(), batch)
   # with the evictability hinge as well: both terms' metrics

@@ -52,8 +52,15 @@ def test_sub_tiled_bias_equals_in_tile_scan_and_loop_penalty(monkeypatch, n, sub
   assert np.all(np.isfinite(got))  # above-diagonal sub-tiles: finite (the causal mask drops them)
 
 
-@pytest.mark.parametrize("n,sub", [(32, 8), (64, 16)])
-@pytest.mark.parametrize("gates", ["walk", "ties"])
+@pytest.mark.parametrize(
+  "gates,n,sub",
+  [
+    pytest.param("walk", 32, 8, marks=pytest.mark.slow),
+    ("walk", 64, 16),
+    ("ties", 32, 8),
+    pytest.param("ties", 64, 16, marks=pytest.mark.slow),
+  ],
+)
 def test_sub_tiled_bias_pullback_matches_in_tile_scan(monkeypatch, n, sub, gates):
   monkeypatch.setattr(bias, "DIAG_SUB", sub)
   lvl, phi = _tile_inputs(1, n, gates)
@@ -78,6 +85,7 @@ def test_small_tiles_keep_the_in_tile_scan():
   assert bias._diag_sub(4 * bias.DIAG_SUB) == bias.DIAG_SUB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "seed,t,blk,gates,seg",
   [

@@ -106,7 +106,9 @@ def inf_case():
   return args, ct, want, out_q, g_q
 
 
-@pytest.mark.parametrize("impl,blk,tol", IMPLS)
+@pytest.mark.parametrize(  # the skipping and pallas cases are heavy compiles: -m slow
+  "impl,blk,tol", IMPLS[:3] + [pytest.param(*c, marks=pytest.mark.slow) for c in IMPLS[3:]]
+)
 def test_inf_level_every_impl_agrees_values_and_grads(inf_case, impl, blk, tol):
   args, ct, want, _, g_q = inf_case
   out, g = _grads(args, ct, impl, blk, tol)
@@ -330,6 +332,7 @@ def _run_at_level_0(script: str) -> None:
   assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
+@pytest.mark.slow  # a level users do not run; with its xfail sibling
 def test_chunked_grads_finite_at_xla_opt_level_0():
   _run_at_level_0(_O0_SCRIPT)
 
@@ -352,6 +355,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
   strict=True,
   raises=AssertionError,  # the NaN-gradient failure only: another failure of the script is an error

@@ -248,6 +248,7 @@ def test_target_ramp_is_dms():
   assert_close([float(losses.evict_target(s, late)) for s in (0, 100, 105, 110, 500)], [1.0, *r], dtype=np.float32)
 
 
+@pytest.mark.slow
 def test_train_logs_evict_metrics(tmp_path):
   cfg = tiny(evict_weight=0.5, evict_window=4, steps=2, grad_accum=2, ckpt_every=100, evict_ramp_steps=1)
   out = train_fixed(cfg, str(tmp_path))
@@ -285,7 +286,9 @@ def test_bad_settings_raise(kw, match):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention,scan", [("fpa", False), ("fpa", True), ("fox", True)])
+@pytest.mark.parametrize(
+  "attention,scan", [("fpa", False), ("fpa", True), pytest.param("fox", True, marks=pytest.mark.slow)]
+)
 def test_return_gates_equal_the_gate(batch, scan, attention):
   cfg = tiny(attention=attention, scan_layers=scan)
   model = build_model(cfg, seed=0)

@@ -80,8 +80,15 @@ def run(kind, impl, blk, tol, q, k, v, g1, g2, ct, seg):
   return float(val), [np.asarray(x, np.float64) for x in gr]
 
 
-@pytest.mark.parametrize("kind", ["fpa", "fox"])
-@pytest.mark.parametrize("h,kvh,seg", [(4, 2, True), (3, 1, False)])  # GQA with segments; MQA
+@pytest.mark.parametrize(
+  "h,kvh,seg,kind",
+  [  # GQA with segments; MQA
+    pytest.param(4, 2, True, "fpa", marks=pytest.mark.slow),
+    pytest.param(4, 2, True, "fox", marks=pytest.mark.slow),
+    (3, 1, False, "fpa"),
+    pytest.param(3, 1, False, "fox", marks=pytest.mark.slow),
+  ],
+)
 def test_values_match_repeated_reference(kind, h, kvh, seg):
   b, t, g = 2, 9, h // kvh  # T = 9 with tile 4: three tiles, the last one padded
   q, k, v, field, level, lf, ct, s = make(0, b, t, h, kvh, seg=seg)
@@ -116,6 +123,7 @@ def test_grads_match_finite_differences_tiny():
       np.testing.assert_allclose(a, w, rtol=1e-3, atol=1e-3 * max(1.0, np.abs(w).max()), err_msg=f"{impl} d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fpa", "fox"])
 @pytest.mark.parametrize("h,kvh,seg", [(4, 2, True), (3, 1, False)])
 def test_grads_match_repeated_heads(kind, h, kvh, seg):
@@ -229,9 +237,11 @@ def test_softmax_attention_grouped():
   "kind,h,kvh,seg,block",
   [
     ("fpa", 4, 2, True, 8),
-    ("fox", 2, 1, False, 8),
-    ("fpa", 2, 1, False, BlockSizes(16, 8)),
-    ("fpa", 6, 2, False, 8),  # G = 3: the dK / dV kernel's [G, T, .] head blocks start at h G
+    pytest.param("fox", 2, 1, False, 8, marks=pytest.mark.slow),
+    pytest.param("fpa", 2, 1, False, BlockSizes(16, 8), marks=pytest.mark.slow),
+    pytest.param(
+      "fpa", 6, 2, False, 8, marks=pytest.mark.slow
+    ),  # G = 3: the dK / dV kernel's [G, T, .] head blocks start at h G
   ],
 )
 def test_pallas_grouped_matches_quadratic(kind, h, kvh, seg, block):

@@ -130,7 +130,7 @@ FD_CASES = [
   # (seed, b, t, h, d, dv, seg, blk): T=9 with tile 4 -> 3 tiles (an in-between tile for R),
   # the last one padded.
   (0, 1, 9, 1, 2, 3, None, 4),
-  (1, *SHAPE.values(), "unsorted", 4),
+  pytest.param(1, *SHAPE.values(), "unsorted", 4, marks=pytest.mark.slow),
 ]
 
 
@@ -172,7 +172,7 @@ def test_grads_match_fp32_directional_fd_of_op(impl, blk):
 AGREE_CASES = [
   # (seed, b, t, h, d, dv, gates, seg, blk)
   (3, *SHAPE.values(), "iid", "sorted", 4),
-  (4, *SHAPE.values(), "spikes", None, 4),
+  pytest.param(4, *SHAPE.values(), "spikes", None, 4, marks=pytest.mark.slow),
   (5, *SHAPE.values(), "spikes", "unsorted", 4),
   (6, 1, 1, 2, 3, 2, "iid", None, None),  # T = 1
 ]
@@ -253,6 +253,7 @@ def test_fox_grads_match_fpa_special_case():
 # ----------------------------------------------------------------------------- large tiles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "seed,t,blk,gates,seg",
   [

@@ -153,7 +153,14 @@ def _inputs(rng, lead, t=9, h=2, d=3, dv=2):
   return q, k, v, f, l
 
 
-@pytest.mark.parametrize("impl,blk", [("quadratic", None), ("recurrent", None), ("chunked", 4)])
+@pytest.mark.parametrize(
+  "impl,blk",
+  [
+    pytest.param("quadratic", None, marks=pytest.mark.slow),
+    pytest.param("recurrent", None, marks=pytest.mark.slow),
+    ("chunked", 4),
+  ],
+)
 def test_jit_and_vmap(impl, blk):
   rng = np.random.default_rng(2)
   n, b, t = 2, 2, 9

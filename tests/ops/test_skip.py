@@ -160,6 +160,7 @@ def test_mostly_dead_tiles_are_skipped_within_bound():
   check_case(args, ct, 1e-3, min_dead=0.5)  # 0.61 of the (batch, head) tiles
 
 
+@pytest.mark.slow
 def test_near_threshold_dips_move_the_output_within_bound():
   # Dips close to the threshold with a loose eps: dropped weights are large enough to see, so the
   # bound is checked where it has to hold, not where everything dropped is ~exp(-50).
@@ -169,6 +170,7 @@ def test_near_threshold_dips_move_the_output_within_bound():
   check_case(args, ct, eps, min_dead=0.2, min_moved=1e-4)
 
 
+@pytest.mark.slow  # test_mostly_dead_tiles_are_skipped_within_bound
 def test_random_fields_within_bound():
   # iid fields and levels of scale 30: scattered dead tiles (0.24 per head), never the same for
   # every head, so each one runs with some heads masked.
@@ -179,6 +181,7 @@ def test_random_fields_within_bound():
   assert check_case(args, ct, 1e-3) == 0.0
 
 
+@pytest.mark.slow
 def test_segments_and_padding():
   # T not a multiple of the tile (padded last block) and packed segments: tight check only.
   rng = np.random.default_rng(4)
@@ -211,6 +214,7 @@ def fox_grads(q, k, v, logf, ct, *, kind, tol=None):
   return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, logf)[::-1]
 
 
+@pytest.mark.slow  # test_mostly_dead_tiles_are_skipped_within_bound
 def test_fox_skipping_within_bound():
   # Slow forgetting with hard resets (log f = -40) every 16 tokens: keys before a reset are dead.
   rng = np.random.default_rng(5)

@@ -223,6 +223,7 @@ def _case(seed, depth=40.0, t=T, kvh=H, grp=1, norm=1.5):
   return args, np.asarray(np.float32(ct), np.float64)
 
 
+@pytest.mark.slow  # test_gradients_near_threshold_and_loose_eps
 def test_gradients_mostly_dropped():
   args, ct = _case(10, depth=40.0)
   assert _check_grads(args, ct, 1e-2) > 0.5
@@ -293,6 +294,7 @@ def test_live_key_stats_reads():
   assert min(st["read_per_head"], st["read_shared"]) - 1e-9 <= st["read_auto"] <= st["read_shared"] + 1e-9
 
 
+@pytest.mark.slow  # the op: test_sparse's gradient tests
 def test_model_prefill_with_keys_and_training_with_it(tmp_path):
   from fpa_jax.models import build_model
 

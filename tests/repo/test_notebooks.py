@@ -63,13 +63,12 @@ def kernel_env(tmp_path, monkeypatch):
   monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend, as in Jupyter
 
 
-# 02 (scan vs quadratic timings, ~80 s) runs with `-m slow`; so do 01 and 03 (listed in conftest.SLOW).
-SLOW_NOTEBOOKS = ("02_scan_vs_quadratic.ipynb",)
-
-
+# Every notebook runs with `-m slow` only (02, the scan vs quadratic timings, takes ~80 s); the paths
+# they show have fast tests of their own.
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "path",
-  [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_NOTEBOOKS else p for p in NOTEBOOKS],
+  NOTEBOOKS,
   ids=lambda p: p.name,
 )
 def test_notebook_runs(path, kernel_env):

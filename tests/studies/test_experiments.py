@@ -10,6 +10,7 @@ import pytest
 from experiments import bench_attention, report
 
 
+@pytest.mark.slow
 def test_bench_attention_tiny_run_writes_results(tmp_path):
   bench_attention.main(
     [
@@ -141,6 +142,7 @@ def test_update_readme_fills_marked_blocks(tmp_path):
   assert report.render(out, tmp_path) == out  # idempotent
 
 
+@pytest.mark.slow
 def test_bench_decode_tiny_run_writes_results(tmp_path):
   from experiments import bench_decode
 
@@ -153,6 +155,7 @@ def test_bench_decode_tiny_run_writes_results(tmp_path):
   assert "| 2x (64) | fpa_budget | 20 |" in (tmp_path / "bench_decode.md").read_text()
 
 
+@pytest.mark.slow  # its library paths: test_prefix.py
 def test_bench_prefix_tiny_run_writes_results(tmp_path):
   from experiments import bench_prefix
 
@@ -167,6 +170,7 @@ def test_bench_prefix_tiny_run_writes_results(tmp_path):
   assert "python -m experiments.bench_prefix --config tiny" in (tmp_path / "bp.md").read_text()
 
 
+@pytest.mark.slow
 def test_kv_compression_tiny_run(tmp_path, monkeypatch):
   """Train-free smoke run on a 1-step model: every requested cell written, reruns skip them."""
   from experiments import kv_compression
@@ -214,6 +218,7 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
   assert "base110m" in kv_compression.base110m_recipe()
 
 
+@pytest.mark.slow  # a script's tiny run, with its retrofit run
 def test_forget_speed_records_every_layer_and_rebuilds_with_skipping():
   import jax
 
@@ -268,7 +273,7 @@ def test_perplexity_evict_cost_claim_is_paired_by_seed():
   assert _evict_cost({"fpa_lm": res["fpa_lm"]}) == ""
 
 
-@pytest.mark.parametrize("att", ["fpa", "fox"])
+@pytest.mark.parametrize("att", ["fpa", pytest.param("fox", marks=pytest.mark.slow)])
 def test_needle_penalty_reads_every_layer_and_head(att):
   from experiments import needle_penalty as N
   from fpa_jax import configs as C
@@ -423,6 +428,7 @@ def test_report_renders_readme_and_docs(tmp_path):
   assert report.pages(tmp_path) == [tmp_path / "README.md", tmp_path / "docs" / "results" / "study.md"]
 
 
+@pytest.mark.slow  # its tables: the summary test
 def test_forget_train_tiny_run_resumes_and_reports(tmp_path):
   """Two paired trainings (exact, keys) from one init on the same batches: the same losses up to the
   key-sparse bound, probes and step times logged, a rerun with more steps resumes both."""
@@ -467,6 +473,7 @@ def test_forget_train_summary_pairs_steps_and_probes():
   assert s["probes"][0]["attention_speedup"] == 4.0
 
 
+@pytest.mark.slow
 def test_forget_speed_workdirs_schedules_and_profile(tmp_path):
   """Trainer workdirs: the key-sparse schedules side by side, and the prefill's profile (without
   attention, the bound alone, half-block chunks) with its Amdahl cap."""

@@ -72,7 +72,9 @@ def test_examples_hold_each_querys_live_set(task):
   assert ex["target"][0].sum() == ref["live_len"].sum()
 
 
-@pytest.mark.parametrize("method", ["fpa", "fox", "softmax"])  # stack is fpa with fewer read-outs
+@pytest.mark.parametrize(
+  "method", ["fpa", pytest.param("fox", marks=pytest.mark.slow), pytest.param("softmax", marks=pytest.mark.slow)]
+)  # stack is fpa with fewer read-outs
 def test_quadratic_weights_match_the_layers_chunked_output(method):
   # A non-trivial gate (large random read-outs), so penalties are tens of nats.
   cfg = L.layer_config(
@@ -119,6 +121,7 @@ def test_merge_seeds_appends_and_recounts():
   assert m["successes"] == m["successes_coverage"] == 2 and m["train_s"] == 3.0
 
 
+@pytest.mark.slow
 def test_run_smoke_writes_results_and_resumes(tmp_path):
   out = tmp_path / "scopes.json"
   kw = dict(seeds=1, steps=4, chunk=2, pool=16, n_eval=8, batch=4, methods=("fpa",), out=out)

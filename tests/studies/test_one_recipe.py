@@ -89,6 +89,7 @@ def test_cache_cells_skip_policies_a_prefill_cannot_run():
   assert ("decode", "h2o") in cells and ("parallel", "snapkv") in cells and ("parallel", "full") in cells
 
 
+@pytest.mark.slow  # its report: the verdict tests
 def test_tiny_run_trains_evaluates_and_resumes(tmp_path):
   argv = [
     "--methods", "fox", "recipe", "--seeds", "0", "--steps", "4", "--stage-steps", "2", "--layers", "1",

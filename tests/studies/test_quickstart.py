@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import quickstart
 
 
@@ -29,6 +31,7 @@ def test_bindings_lm_data_resumes_exactly():
   assert want["inputs"].shape == (2, 64) and want["loss_mask"].max() == 4.0  # answers weighted
 
 
+@pytest.mark.slow
 def test_quickstart_smoke(tmp_path):
   out = tmp_path / "results"
   assert quickstart.main(["--small", "--out", str(out), "--workdir", str(tmp_path / "runs")]) == 0

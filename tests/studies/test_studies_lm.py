@@ -18,7 +18,7 @@ def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("data"))
 
 
-@pytest.mark.parametrize("attention", ["fox", "fpa"])
+@pytest.mark.parametrize("attention", [pytest.param("fox", marks=pytest.mark.slow), "fpa"])
 def test_teacher_forced_exact_match_is_greedy_decoding(attention):
   # A random model with large weights: its greedy continuations depend on the context.
   model = build_model(get_config("tiny", attention=attention, vocab_size=32, init_std=0.5), seed=1)
@@ -98,6 +98,7 @@ def _tiny_passkey_argv(tmp_path, data_dir, methods):
   ]
 
 
+@pytest.mark.slow
 def test_passkey_script_tiny_run(tmp_path, data_dir):
   argv = _tiny_passkey_argv(tmp_path, data_dir, ["fox"])
   res = passkey.main(argv)
@@ -131,6 +132,7 @@ def test_passkey_retrofit_needs_its_trained_source(tmp_path, data_dir):
     passkey.main(_tiny_passkey_argv(tmp_path, data_dir, ["fpa_fox5_evict"]))
 
 
+@pytest.mark.slow
 def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
   # --competence 0: the 2-step source counts as trained; the retrofit then continues it 2 steps with
   # the evictability objective, its target ramped from the source's last step.
@@ -170,6 +172,7 @@ def test_passkey_retrofit_continues_the_source_run(tmp_path, data_dir):
   assert "| fpa_fox5_evict | 4 |" in open(out + ".md").read()
 
 
+@pytest.mark.slow
 def test_perplexity_script_tiny_run(tmp_path, data_dir, monkeypatch):
   argv = [
     "--methods",
@@ -236,6 +239,7 @@ def test_base110m_recipes_only_print(capsys, tmp_path):
   assert "mesh" in out and "expected" in out and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_lm_ablations_script_tiny_run(tmp_path, data_dir):
   """The lm_ablations study's rows: one change each against fpa_fox0; paired vs fox and fpa_fox0; the
   held-out curve from the trainer's periodic evals; a rerun resumes (no training, same numbers)."""
@@ -254,6 +258,7 @@ def test_lm_ablations_script_tiny_run(tmp_path, data_dir):
   assert again["fox"]["bpb"] == res["fox"]["bpb"] and again["fox"]["train_wall_s"] == res["fox"]["train_wall_s"]
 
 
+@pytest.mark.slow  # a script's tiny run
 def test_bindings_lm_script_tiny_run_resumes_and_reuses_its_scores(tmp_path, monkeypatch):
   """`experiments.bindings_lm` end to end: trains, decodes each length under every
   policy, writes the table and claims; a rerun resumes the run and reuses its scores (same step)."""
@@ -276,6 +281,7 @@ def test_bindings_lm_script_tiny_run_resumes_and_reuses_its_scores(tmp_path, mon
   assert again["fpa"]["evals"] == res["fpa"]["evals"] and again["fpa"]["steps"] == [2]
 
 
+@pytest.mark.slow  # the clip itself: test_train.py's clip_apart test
 def test_clip_coupling_tiny_run(tmp_path, data_dir):
   """experiments.clip_coupling on a tiny passkey recipe: FPA with still read-outs, clipped apart, takes
   FoX's steps (the same loss at every step); under one clip it does not."""

@@ -112,6 +112,7 @@ def _finish(single):
   assert single.returncode == 0, log[-4000:]
 
 
+@pytest.mark.slow  # test_sharded_step_matches_single_device
 def test_two_process_train_matches_one_process(tmp_path):
   """Short version: 2 processes x 2 devices train 2 steps == 1 process x 4 devices; each process's
   data iterator state lands in the checkpoint."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from _helpers_train import float_shapes
@@ -17,6 +18,7 @@ from fpa_jax.models import build_model
 from experiments.bench_train import compile_train_step
 
 
+@pytest.mark.slow
 def test_train_step_activations_are_batch_sharded_on_data8():
   """Per-device HLO of the data=8 step: no float tensor spans the global batch.
 

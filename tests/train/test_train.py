@@ -92,6 +92,7 @@ def _restore(workdir, target, step):
   return state, data_state
 
 
+@pytest.mark.slow  # in-process: train/test_checkpoint.py's resume
 def test_resume_in_new_process_is_exact(tmp_path):
   """12 steps straight == 6 steps, new process, resume, 6 more: identical losses and parameters."""
   straight, split = tmp_path / "straight", tmp_path / "split"
@@ -124,6 +125,7 @@ def test_resume_in_new_process_is_exact(tmp_path):
   ck.close()
 
 
+@pytest.mark.slow  # one trace per program: the inference TRACES tests
 def test_no_retracing_in_process(tmp_path):
   cfg = C.get_config("tiny", task="synthetic", steps=5, ckpt_every=3, n_layers=1)
   out = train(cfg, workdir=str(tmp_path), progress=False, mesh=S.make_mesh(None, devices=jax.devices()[:1]))
@@ -135,6 +137,7 @@ def test_no_retracing_in_process(tmp_path):
   assert [ln.split()[2] for ln in lines if ln.startswith("[train] step")] == ["6/7", "7/7"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("att", C.ATTENTIONS)
 def test_tiny_model_overfits_tiny_batch(att, tmp_path):
   cfg = C.get_config(
@@ -162,6 +165,7 @@ def test_tiny_model_overfits_tiny_batch(att, tmp_path):
   assert out["traces"] == 1
 
 
+@pytest.mark.slow  # ..._step_is_skipped_...
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   cfg = C.get_config("tiny", task="synthetic", steps=6, ckpt_every=1, n_layers=1)
   with pytest.raises(NonFiniteLossError, match="non-finite loss/grad at step 3.*Last good checkpoint: step 2"):
@@ -253,6 +257,7 @@ def test_data_state_saved_per_process_and_old_checkpoints_restore(tmp_path):
     own_process_state(two)
 
 
+@pytest.mark.slow
 def test_no_host_transfer_between_log_steps(tmp_path, monkeypatch):
   """Metrics stay on device: every device->host read of a jax.Array (float(), np.asarray,
   device_get) is recorded with the step in flight; reads happen at log / checkpoint steps only.
@@ -293,6 +298,7 @@ def test_nonfinite_step_is_skipped_and_stops_within_log_every(tmp_path):
   ck.close()
 
 
+@pytest.mark.slow
 def test_cli_profile_steps_writes_trace(tmp_path):
   assert (
     main(
@@ -335,6 +341,7 @@ def test_cooldown_schedule_decays_linearly_to_zero():
     C.get_config("tiny", steps=10, cooldown_steps=10)
 
 
+@pytest.mark.slow  # make_heldout: data/test_pipeline.py
 def test_periodic_eval_scores_the_fixed_heldout_set(tmp_path):
   """Text: the periodic eval scores the held-out windows over every validation document
   (`heldout_batches`), the same set at every eval, padded to whole per-process batches."""

@@ -103,7 +103,7 @@ def test_block_sparse_matches_chunked_with_the_same_tolerance(seed, b, t, h, kvh
   assert np.abs(np.asarray(want[4])).max() > 1e-3, "the gate gradient should not vanish"
 
 
-@pytest.mark.parametrize("fox", [False, True])
+@pytest.mark.parametrize("fox", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_block_sparse_walks_exactly_the_given_tiles(monkeypatch, fox):
   # The sound bound drops tiles whose weights are far below rounding, so the test above cannot
   # tell a dropped tile from a kept one. Here both kernels get one arbitrary dead mask (drawn per
@@ -122,6 +122,7 @@ def test_block_sparse_walks_exactly_the_given_tiles(monkeypatch, fox):
   assert np.abs(np.asarray(exact[0] - want[0])).max() > 1e-2, "the mask should drop weight"
 
 
+@pytest.mark.slow  # fp32: ..._matches_chunked_with_the_same_tolerance
 def test_block_sparse_bf16():
   # bf16 q / k / v: the kernels round p / dS to bf16 for their matmuls (as `kernels.py`); the
   # reference, chunked in fp32 on the same rounded inputs, drops the same tiles (the bound reads

@@ -90,8 +90,8 @@ CASES = [
   # T=21 with tile 8: 3 tiles (one in between, for R), the last one padded.
   (0, 2, 21, 2, 4, 3, "unsorted", False, 8, True),
   # Forward tiles of 16, backward tiles of 8 (stats for both tilings); T a multiple of both.
-  (1, 1, 16, 1, 8, 8, None, False, BlockSizes(16, 8), False),
-  (3, 2, 19, 2, 4, 4, "sorted", True, 8, True),
+  pytest.param(1, 1, 16, 1, 8, 8, None, False, BlockSizes(16, 8), False, marks=pytest.mark.slow),
+  pytest.param(3, 2, 19, 2, 4, 4, "sorted", True, 8, True, marks=pytest.mark.slow),
 ]
 
 
@@ -122,6 +122,7 @@ def test_pallas_single_default_tile():
   )
 
 
+@pytest.mark.slow  # bf16: ops/test_reference.py's chunked bf16; pallas: its fp32 case
 def test_pallas_bf16():
   # bf16 q / k / v (gates stay fp32): the kernels' matmuls take bf16 operands (p, dS rounded to
   # bf16 as in FlashAttention), the reference sees the same rounded inputs with fp32 softmax.

@@ -61,7 +61,9 @@ def layer():
   [
     ("data=4,model=2", 8),  # batch and heads both split
     pytest.param("data=8", 8, marks=pytest.mark.slow),
-    ("data=2,model=4", 6),  # 2 heads on model=4: heads replicated (as `constrain` leaves them)
+    pytest.param(
+      "data=2,model=4", 6, marks=pytest.mark.slow
+    ),  # 2 heads on model=4: heads replicated (as `constrain` leaves them)
   ],
 )
 def test_layer_under_mesh_matches_plain_and_gathers_nothing(layer, mesh_spec, b):
@@ -78,6 +80,7 @@ def test_layer_under_mesh_matches_plain_and_gathers_nothing(layer, mesh_spec, b)
   assert not _gathers(hlo), f"all-gathers in the sharded layer's step: {_gathers(hlo)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mesh_spec, q_gathered",
   [
