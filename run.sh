@@ -18,7 +18,8 @@ cmd=${1:-}; shift || true
 case "$cmd" in
   quickstart) exec .venv/bin/python -m experiments.quickstart "$@" ;;
   # Two workers (CI and this project's machines have 2 cores), one test file per worker at a time
-  # (files share module fixtures); FPA_TEST_WORKERS=0 runs in one process.
-  test) exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${FPA_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+  # (files share module fixtures); FPA_TEST_WORKERS=0 runs in one process. The 25 slowest tests are
+  # listed at the end, so every run shows where its time goes.
+  test) exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${FPA_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@" ;;
   *) echo "usage: bash run.sh {quickstart|test} [args]" >&2; exit 2 ;;
 esac
