@@ -5,7 +5,7 @@ key-sparse) so load on a shared machine hits both alike:
   * exact: the chunked kernel, every key;
   * keys: `skip="keys"` at `skip_tolerance` eps (`fpa_jax.ops.sparse`), forward and backward: each
     row drops only keys whose weights sum to <= eps under the sound bound, so the loss and the
-    gradients differ from exact by that bound (tests/test_ops_sparse.py, against float64 loops).
+    gradients differ from exact by that bound (tests/ops/test_sparse.py, against float64 loops).
 The model is the recipe's gate (`experiments.recipes.ONE_RECIPE["recipe_t25_fh0"]`: the library's
 LM default with the evictability objective at its default target, 25% of old keys live) at
 T = --seq-len on text (the LM task), its objective ramped in from --ramp-start over --ramp-steps, so

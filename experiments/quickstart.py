@@ -13,7 +13,7 @@
    right, the far ones (a binding made before long closed inner scopes) apart. The model ships with
    the repository (`experiments/assets/quickstart_lm/`: written by `--train`, which trains it with the
    project's own trainer, about 10 min on 2 cores; its command and a check loss are in its
-   config.json, and tests/test_quickstart.py checks both). The full study with FoX, stack and softmax
+   config.json, and tests/studies/test_quickstart.py checks both). The full study with FoX, stack and softmax
    and 3 seeds is `python -m experiments.bindings_lm`.
 Writes results/quickstart/{summary.json, live_sets.md, decode.md}; ends with the full study commands.
 Output is line-buffered, so a log file or CI shows each step as it happens.

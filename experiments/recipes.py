@@ -79,7 +79,7 @@ EVICT_LATE: dict[str, Any] = {**EVICT_FROM_SCRATCH, "evict_ramp_start": 1500, "e
 FOX_B5: dict[str, Any] = {**SINGLE_HEAD_GATE, "attention": "fox", "gate_bias_init": 5.0}
 # The LM gate (LM_FOX_HEAD, the LM default these runs started from) started exactly at FOX_B5 (the
 # read-outs at 0, FoX's term at bias 5). Its `fox_heads=0` rows (`recipe_*_fh0`) are the library's
-# LM default now (`configs.LM_DEFAULT`, tests/test_recipes.py).
+# LM default now (`configs.LM_DEFAULT`, tests/studies/test_recipes.py).
 RECIPE_GATE: dict[str, Any] = {**LM_FOX_HEAD, "attention": "fpa", "gate_bias_init": 5.0, "step_bias_init": 0.0}
 
 # The one-recipe study's candidate the claims are judged on (`experiments.one_recipe --claims-method`),

@@ -7,7 +7,7 @@ orbax deletes on the next start). A finalized checkpoint can still be damaged la
 an interrupted copy): `restore_newest` (what a resumed run uses) falls back to the newest step that
 restores, logs each one it skipped and why, and moves those to `<directory>.corrupt/`; if none
 restores it raises one `CheckpointRestoreError` naming the directory and the fix (tests:
-`tests/test_checkpoint_fallback.py`). Restores are sharded directly onto the mesh from an abstract
+`tests/train/test_checkpoint.py`). Restores are sharded directly onto the mesh from an abstract
 target (ShapeDtypeStruct + NamedSharding), never materialised unsharded.
 
 Data iterator state is per process (each host reads its own shard): `save` gathers every process's

@@ -1,4 +1,4 @@
-"""One process of the two-process training test (tests/test_multihost.py); also its single-process
+"""One process of the two-process training test (tests/train/test_multihost.py); also its single-process
 reference. argv: workdir steps out.npz [single]. Env: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
 JAX_PROCESS_ID (multi-process) and XLA_FLAGS for the simulated CPU devices."""
 

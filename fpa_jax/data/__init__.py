@@ -6,7 +6,7 @@
 
 Build everything ahead of time with `python -m fpa_jax.data.prepare --data-dir DIR [--small]`.
 
-Modules in layers; each imports only from the layers before it (tests/test_imports.py checks):
+Modules in layers; each imports only from the layers before it (tests/repo/test_imports.py checks):
   1. tokenizers                                   bytes and SentencePiece
   2. scopes, dips, passkey, synthetic, bindings   task generators (numpy; bindings: in-memory LM
                                                   batches of nested named bindings)

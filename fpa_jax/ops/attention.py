@@ -14,7 +14,7 @@ query-head gates would keep it alive while any of the G heads wants it), and the
 tile bias is computed once per kv head and shared by its G query heads. One convention only:
 gates have kv_heads entries, which is heads when not grouped, so ungrouped calls are unchanged.
 
-Edge cases, the same in every impl (tests/test_ops_edges.py):
+Edge cases, the same in every impl (tests/ops/test_edges.py):
   * level_j = +inf: key j is dead (penalty +inf, weight exactly 0) for every query i after it
     with a finite field value in (j, i]; on its own diagonal (empty range) its penalty is 0, so a
     row whose other keys are all dead attends to itself alone. Values and gradients stay finite;
@@ -26,7 +26,7 @@ Edge cases, the same in every impl (tests/test_ops_edges.py):
   * batch 0 or seq 0: the empty [batch, seq, heads, v_dim] output (and empty gradients).
   * log_fgate > 0 (FoX): ValueError on concrete arrays; under jit clamped to 0 (`fox_attention`).
   * values that are not allowed (`validate.ALLOWED`): NaN anywhere, a field of -inf, a log_fgate
-    of +-inf (tests/test_no_silent_wrongs.py). A concrete array raises ValueError naming the
+    of +-inf (tests/ops/test_no_silent_wrongs.py). A concrete array raises ValueError naming the
     argument, the count and the first position. Under jit (values unknown) the output is NaN in
     exactly the query rows (b, i, h) with a bad entry of kv head h // G at a position t <= i of row
     b, whatever the segments, and every other row is what the finite inputs give (those rows never

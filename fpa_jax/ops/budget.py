@@ -13,7 +13,7 @@ rule): in a training step, every (row, kv head) gets a KV cache of `capacity` ke
 for every query of a training sequence at once (a scan over positions, O(B H T^2) time, O(B H T)
 carry) and returns which keys query i sees; `budgeted_attention` is the quadratic attention over
 exactly those keys, with the exact penalty on the logits. Its outputs equal the decode's
-(`tests/test_budget.py` checks the logits of a model against `cached_logits(policy="fpa_budget")`).
+(`tests/ops/test_budget.py` checks the logits of a model against `cached_logits(policy="fpa_budget")`).
 
 The keep mask is not differentiated (as Expire-Span's hard cut): the LM loss flows through the kept
 keys' logits and penalties as usual, so the gate learns what survives the cut and the rest of the

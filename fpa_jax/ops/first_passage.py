@@ -13,7 +13,7 @@ for good, it would never have come back under it. Capacity eviction takes the la
 ties the oldest, outside a protected window of recent keys (`victim`, `evict_largest`).
 
 Where the state is built (each form beside the float64 loop `reference_np.penalty_np`, in
-tests/test_first_passage.py):
+tests/ops/test_first_passage.py):
   one token at a time  `advance`: `ops.recurrent`, `inference.cache`, `inference.pool`, `ops.budget`
   a whole prompt       `suffix_min` (each key's run_min after it), `run_min_at` (at sampled queries:
                        `ops.evictability`, SnapKV's observation window)

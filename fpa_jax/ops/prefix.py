@@ -128,7 +128,7 @@ def prefix_attention(
   Returns:
     [batch, chunk, heads, v_dim] in q's dtype. Equal, up to fp32 reduction order, to the chunk's
     rows of `fpa_attention` over the whole sequence when `cached` holds every earlier key with its
-    running min (tests/test_prefix.py).
+    running min (tests/ops/test_prefix.py).
   """
   b, t, h, _, d = _check(q, k, v, cached, {"field": field, "level": level})
   if _v.is_empty(b, t):

@@ -37,7 +37,7 @@ do_i.o_i) moves by <= 2 A p_ij on a dropped entry and by <= 4 A p_ij eps / (1 - 
 (renormalised by 1 / (1 - delta_i)), so per row sum_j |d ds_ij| <= 6 A eps / (1 - eps); hence
 |d dq_i| <= 6 |scale| A max|k| eps / (1 - eps), and dk_j, d level_j, d field_s are the sums of
 those per-entry bounds against |scale| |q_i|, 1, 1 over the entries each one enters, dv_j moves
-by <= sum_i p_ij |do_i| (1 dropped, eps / (1 - eps) kept) (`tests/test_sparse.py` checks both:
+by <= sum_i p_ij |do_i| (1 dropped, eps / (1 - eps) kept) (`tests/ops/test_sparse.py` checks both:
 equality with float64 loops masked the same way, and this bound against the unmasked ones).
 
 Reads. Per query block: the floor and the test, O(T) elementwise; the live keys compacted in key

@@ -24,7 +24,7 @@ VOCAB = 259  # bytes: the passkey prompts' tokenizer
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
   """A workdir holding one checkpoint of a randomly initialised `tiny` fpa model, in the trainer's
-  layout (what `load_model` restores; tests/test_inference.py checks it against a trained run).
+  layout (what `load_model` restores; tests/inference/test_decode.py checks it against a trained run).
   Large weights and random gates: losses and greedy continuations depend on the context."""
   from fpa_jax.checkpoint import Checkpointer
   from fpa_jax.train import _init_fn, make_optimizer

@@ -160,7 +160,7 @@ def test_set_parses_every_part_with_its_type():
 def test_lm_presets_use_the_lm_default_and_the_base_the_single_head_gate():
   """LM_DEFAULT is the LM presets' gate; the base defaults and `tiny` keep the single-head gate, and
   SINGLE_HEAD_GATE is exactly those defaults. Each gate preset sets every gate field (the studies'
-  other presets: tests/test_recipes.py)."""
+  other presets: tests/studies/test_recipes.py)."""
   for preset in (C.SINGLE_HEAD_GATE, C.LM_DEFAULT):
     assert tuple(preset) == C.GATE_PRESET_FIELDS
   assert C.LM_DEFAULT != C.SINGLE_HEAD_GATE

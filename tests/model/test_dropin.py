@@ -23,8 +23,8 @@ from fpa_jax.models import build_model
 from fpa_jax.ops import bias, chunked
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-MARKER = "<!-- tests/test_dropin.py executes the next python block -->"
-MARKER_RECIPE = "<!-- tests/test_dropin.py executes the next python block after the one above -->"
+MARKER = "<!-- tests/model/test_dropin.py executes the next python block -->"
+MARKER_RECIPE = "<!-- tests/model/test_dropin.py executes the next python block after the one above -->"
 
 
 def _block(marker: str) -> str:

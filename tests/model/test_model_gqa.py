@@ -35,7 +35,7 @@ def test_config_kv_heads():
     C.get_config("tiny", n_heads=4, n_kv_heads=3)
   with pytest.raises(ValueError, match="n_kv_heads"):
     C.get_config("tiny", n_heads=4, n_kv_heads=-1)
-  # Grouped heads run on every impl (pallas: tests/test_pallas_sharded.py); auto keeps them on
+  # Grouped heads run on every impl (pallas: tests/ops/pallas/test_pallas_sharded.py); auto keeps them on
   # chunked until the grouped Pallas path is checked on an accelerator.
   assert C.get_config("tiny", n_heads=4, n_kv_heads=2, attn_impl="pallas").kv_heads == 2
 

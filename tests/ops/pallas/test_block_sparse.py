@@ -1,7 +1,7 @@
 """impl="pallas" with skip_tolerance (the block-sparse kernels, `ops.pallas.block_sparse`) against the
 chunked kernel with the same tolerance, which drops the same tiles: outputs and every gradient.
 
-In the Pallas interpreter on CPU (as tests/test_ops_pallas.py; `FPA_PALLAS_COMPILED=1` on a TPU runs
+In the Pallas interpreter on CPU (as tests/ops/pallas/test_kernels.py; `FPA_PALLAS_COMPILED=1` on a TPU runs
 them compiled). Gates fall at a different rate per (batch row, kv head), so the dropped tiles differ
 between them: per-(row, head) index lists, not one shared mask. Between them the cases cover T not a
 multiple of the tile, grouped heads, segment ids, FPA and FoX, a query block whose only live tile

@@ -3,7 +3,7 @@
 On CPU the kernels run in the Pallas interpreter (the TPU / GPU lowerings are not exercised here).
 On a TPU / GPU backend impl="pallas" compiles them (Mosaic / Triton: `interpret=False` is the default
 there), so the same tests check the compiled kernels: `FPA_PALLAS_COMPILED=1 pytest
-tests/test_ops_pallas.py` on an accelerator, which skips the module where JAX has no TPU / GPU
+tests/ops/pallas/test_kernels.py` on an accelerator, which skips the module where JAX has no TPU / GPU
 rather than passing in the interpreter (docs/ops.md, "Verifying the Pallas kernels on an accelerator").
 Each case compiles the forward and both backward kernels once, a few seconds on a loaded CPU, so
 the cases are few and small; between them they cover T not a multiple of the tile (padding),
