@@ -107,12 +107,3 @@ __all__ = [
   "tolerance_threshold",
   "key_tolerance_threshold",
 ]
-
-
-def __getattr__(name):
-  # `init_cache` is `init_layer_cache` now (`ops.recurrent` had one too): importable with a warning.
-  if name == "init_cache":
-    from fpa_jax.inference import cache
-
-    return getattr(cache, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

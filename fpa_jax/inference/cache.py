@@ -608,15 +608,3 @@ class LayerCaches:
 
   def update(self, i: int, new: CacheView) -> LayerCaches:
     return dataclasses.replace(self, layers=self.layers[:i] + (new.state,) + self.layers[i + 1 :])
-
-
-def __getattr__(name):
-  # `init_cache` also named `ops.recurrent`'s cache: renamed, still importable with a warning.
-  if name == "init_cache":
-    import warnings
-
-    warnings.warn(
-      "fpa_jax.inference.init_cache is fpa_jax.inference.init_layer_cache now", DeprecationWarning, stacklevel=2
-    )
-    return init_layer_cache
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,12 +23,3 @@ __all__ = [
   "decode_step",
   "cache_penalty",
 ]
-
-
-def __getattr__(name):
-  # `ops.FPACache` / `ops.init_cache`: renamed (see `recurrent`), still importable with a warning.
-  if name in ("FPACache", "init_cache"):
-    from fpa_jax.ops import recurrent
-
-    return getattr(recurrent, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -321,21 +321,3 @@ def skipped_tile_fraction(q, k, bias: Bias, *, skip_tolerance, scale=None, block
   nb = dead.shape[-1]
   n_off = max(nb * (nb - 1) // 2, 1)
   return float(dead.sum(axis=(-2, -1)).mean()) / n_off, float(dead.all(axis=(0, 1)).sum()) / n_off
-
-
-_RENAMED = {"FPAGate": "FPABias", "FoXGate": "FoXBias"}
-
-
-def __getattr__(name):
-  # The bias classes were `chunked.FPAGate` / `FoXGate`, a second meaning of "gate" beside the NNX
-  # `gates.Gate` that makes the gate values: still importable, with a warning.
-  if name in _RENAMED:
-    import warnings
-
-    from fpa_jax.ops import bias
-
-    warnings.warn(
-      f"fpa_jax.ops.chunked.{name} is fpa_jax.ops.bias.{_RENAMED[name]} now", DeprecationWarning, stacklevel=2
-    )
-    return getattr(bias, _RENAMED[name])
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -157,16 +157,3 @@ def recurrent_attention(q, k, v, field, level, *, scale, segment_ids=None):
   xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, field, level, seg))
   _, out = jax.lax.scan(step, cache, xs)
   return jnp.moveaxis(out, 0, 1)
-
-
-_RENAMED = {"FPACache": "RecurrentCache", "init_cache": "init_recurrent_cache"}
-
-
-def __getattr__(name):
-  # Old names, kept with a warning: `init_cache` also named `inference.cache`'s layer cache.
-  if name in _RENAMED:
-    import warnings
-
-    warnings.warn(f"fpa_jax.ops.{name} is fpa_jax.ops.{_RENAMED[name]} now", DeprecationWarning, stacklevel=2)
-    return globals()[_RENAMED[name]]
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
