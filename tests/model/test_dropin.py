@@ -33,6 +33,12 @@ def _block(marker: str) -> str:
   return re.search(r"```python\n(.*?)```", text.split(marker, 1)[1], re.S).group(1)
 
 
+@nnx.jit
+def _layer_out(layer, x, segment_ids=None):
+  """A layer's output: one program per layer structure and shape, shared by this file's tests."""
+  return layer(x, segment_ids)
+
+
 @pytest.fixture(scope="module")
 def readme_run():
   """The README's block, executed as written: its namespace (model, optimizer, losses, ...)."""
@@ -140,7 +146,7 @@ def test_from_args_equals_model_config(kw):
     assert_bitwise(va.get_value(), vb.get_value(), err_msg=str(path))
   x = jax.random.normal(jax.random.key(0), (2, 24, 32))
   seg = jnp.array([[0] * 10 + [1] * 14, [0] * 24])
-  assert_bitwise(nnx.jit(lambda m, x: m(x, seg))(b, x), nnx.jit(lambda m, x: m(x, seg))(a, x))
+  assert_bitwise(_layer_out(b, x, seg), _layer_out(a, x, seg))
   # out_init_std defaults to init_std: a layer needs no depth
   c = FirstPassageAttention.from_args(d_model=32, n_heads=2, gate=gate, rngs=nnx.Rngs(params=7), **kw)
   assert_bitwise(c.wq[...], a.wq[...])
@@ -225,7 +231,7 @@ def test_layer_skip_tolerance_within_the_ops_bound():
   exact, skip = _skip_layer("fpa", None, **FPA_DOWN), _skip_layer("fpa", SKIP_EPS, **FPA_DOWN)
   t = 64
   x = jax.random.normal(jax.random.key(1), (2, t, 32))
-  y0, y1 = nnx.jit(lambda m, x: m(x))(exact, x), nnx.jit(lambda m, x: m(x))(skip, x)
+  y0, y1 = _layer_out(exact, x), _layer_out(skip, x)
   # the tiles the op drops for these q, k and gates
   q, k, v = exact.project(x, jnp.broadcast_to(jnp.arange(t), (2, t)))
   per_head, _ = chunked.skipped_tile_fraction(q, k, bias.FPABias(*exact.gate(x)), skip_tolerance=SKIP_EPS, block_size=4)
@@ -246,7 +252,7 @@ def test_layer_without_skip_tolerance_is_the_exact_op():
     q, k, v = m.project(x, jnp.broadcast_to(jnp.arange(40), (2, 40)))
     return m.output(ops.fpa_attention(q, k, v, *m.gate(x), impl="chunked", block_size=4), x)
 
-  assert_bitwise(nnx.jit(lambda m, x: m(x))(layer, x), nnx.jit(by_hand)(layer, x))
+  assert_bitwise(_layer_out(layer, x), nnx.jit(by_hand)(layer, x))
 
 
 def test_model_skip_tolerance_loss():
@@ -302,8 +308,7 @@ def test_precision_values_on_cpu():
   """CPU computes fp32 matmuls in full precision under every setting: "highest" changes no value."""
   x = jax.random.normal(jax.random.key(0), (1, 16, 16))
   make = lambda p: FirstPassageAttention.from_args(d_model=16, n_heads=2, precision=p, rngs=nnx.Rngs(0))
-  fwd = nnx.jit(lambda m, x: m(x))
-  assert_close(fwd(make("highest"), x), fwd(make("default"), x), n=16 * 16)
+  assert_close(_layer_out(make("highest"), x), _layer_out(make("default"), x), n=16 * 16)
 
 
 def test_quadratic_reference_runs_at_highest():
