@@ -19,15 +19,7 @@ import json
 import sys
 
 from fpa_jax import cli
-from fpa_jax.inference.policies import POLICIES
-
-
-def _budget(raw: str) -> float | int:
-  """'0.25' -> a fraction, '128' -> a key count (also --head-cap)."""
-  try:
-    return int(raw)
-  except ValueError:
-    return float(raw)
+from fpa_jax.inference.policies import add_policy_args, policy_from_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,20 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--workdir", required=True, help="a training workdir (python -m fpa_jax.train --workdir ...)")
   ap.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
   ap.add_argument("--max-new-tokens", type=int, default=64)
-  ap.add_argument("--policy", default="full", choices=POLICIES)
-  ap.add_argument("--budget", type=_budget, help="fraction of prompt + new tokens (0.25) or a key count (128)")
-  ap.add_argument(
-    "--compression-ratio", type=float, help="instead of --budget: the fraction of keys removed (kvpress's; 0.75)"
-  )
-  ap.add_argument("--tolerance", type=float, help="policy fpa: attention mass evicted keys may carry")
-  ap.add_argument("--threshold", type=float, help="policy fpa_threshold: penalty (nats) at which a key goes")
-  ap.add_argument("--bound", choices=("keys", "params"), help="policy fpa: the logit bound (default keys)")
-  ap.add_argument(
-    "--recent", type=int, help="fpa_budget, fpa_global, snapkv: last keys never evicted (default budget/8)"
-  )
-  ap.add_argument(
-    "--head-cap", type=_budget, help="fpa_global: max keys per layer and head in the pool (default: none)"
-  )
+  add_policy_args(ap)
   ap.add_argument("--temperature", type=float, default=0.0)
   ap.add_argument("--top-k", type=int)
   ap.add_argument("--seed", type=int, default=0)
@@ -70,14 +49,7 @@ def main(argv=None) -> int:
       model,
       prompts,
       a.max_new_tokens,
-      policy=a.policy,
-      budget=a.budget,
-      compression_ratio=a.compression_ratio,
-      tolerance=a.tolerance,
-      threshold=a.threshold,
-      recent=a.recent,
-      head_cap=a.head_cap,
-      bound=a.bound,
+      policy=policy_from_args(a),
       temperature=a.temperature,
       top_k=a.top_k,
       seed=a.seed,

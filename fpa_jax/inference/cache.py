@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax import ops
-from fpa_jax.inference.policies import SCORE, Policy, score_keys
+from fpa_jax.inference.policies import POLICY_CLASSES, Policy, snapkv_scores  # noqa: F401
 from fpa_jax.ops import first_passage as fp  # the first-passage state and the eviction rule
 from fpa_jax.ops.common import F32
 
@@ -127,21 +127,12 @@ def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, 
   The protected window (`policy.recent` = W): the new key at `now` and the W - 1 before it stay, so
   the candidates are the keys at positions <= now - W (all alive keys if none is; make_policy keeps
   W below the capacity, so a full cache always has one). Every policy evicts in
-  `first_passage.oldest_max` order (ties: the oldest); the fpa ones by the largest penalty
-  (`first_passage.victim`).
+  `first_passage.oldest_max` order (ties: the oldest) of the rank its `Policy.evict_rank` gives (the
+  fpa ones: the largest penalty, `first_passage.victim`).
   """
   pos, now = cache.pos, now[:, None, None]
-  alive = fp.candidates(alive, pos, now, policy.recent)
-  if policy.name in ("snapkv", SCORE):  # the lowest score goes (score: `decode_attend` just scored the keys)
-    return fp.oldest_max(-cache.score, pos, alive)
-  if policy.name == "window" or policy.name == "full":
-    return fp.oldest_max(jnp.zeros_like(pen), pos, alive)
-  if policy.name == "sink_window":
-    mask = alive & (pos >= policy.n_sink)
-    return fp.oldest_max(jnp.zeros_like(pen), pos, jnp.where(jnp.any(mask, 1, keepdims=True), mask, alive))
-  if policy.name == "h2o":
-    return fp.oldest_max(-cache.score, pos, fp.candidates(alive, pos, now, policy.capacity // 2))
-  return fp.oldest_max(pen, pos, alive)  # fpa_budget, fpa_global's per-head cap (and thresholded on overflow)
+  rank, cand = policy.evict_rank(cache, pen, fp.candidates(alive, pos, now, policy.recent), now)
+  return fp.oldest_max(rank, pos, cand)
 
 
 def _scatter(x, slot, val, *, head_major=False):
@@ -234,9 +225,7 @@ def decode_attend(
   run_min = jnp.where(occupied, fp.advance(cache.run_min, f[:, None, :]), jnp.inf)
   cache = cache._replace(run_min=run_min)
   pen = cache.penalty  # [B, S, H]
-  if policy.name == SCORE:  # a policy of your own scores the keys for this step's query (k: [B, S, KVH, K])
-    k_bs = cache.k.swapaxes(1, 2)
-    cache = cache._replace(score=score_keys(policy, q[:, 0], k_bs, f, cache.level, pen, cache.pos))
+  cache = policy.rescore(cache, q[:, 0], f, pen)  # a policy of your own scores the keys for this step's query
   alive = cache.alive
   if policy.thresholded:
     alive = alive & fp.survives(pen, cache.key_threshold())
@@ -281,8 +270,7 @@ def decode_attend(
     seen = (cache.pos >= 0).transpose(0, 2, 1)[:, :, None]
     p_full = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
     lost = jnp.sum(jnp.where(seen & ~live, p_full, 0.0), axis=-1).max(-1)
-  if policy.name == "h2o":  # the attention mass each key received (snapkv keeps its prefill score)
-    cache = cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1))
+  cache = policy.observe(cache, p)  # h2o: the attention mass each key received
   cache = cache._replace(lost=lost)
   if active is not None:  # the [B, S, KVH] fields (K times smaller than k, v) of inactive rows as they were
     cache = select_rows(active, cache, entry, skip=("k", "v"))
@@ -304,52 +292,13 @@ def _keep_order(policy: Policy, pen, pos, valid, thr, lengths, score=None):
   keep = valid
   if policy.thresholded:
     keep = keep & fp.survives(pen, thr)
-  if policy.name in ("window", "full"):
-    primary = jnp.zeros_like(pen)
-  elif policy.name == "sink_window":
-    primary = (pos < policy.n_sink).astype(F32)
-  elif policy.name in ("snapkv", SCORE):
-    primary = score
-  else:  # fpa_budget, fpa_global, thresholded: smallest penalty first
-    primary = -pen
+  primary = policy.keep_rank(pen, pos, score)  # the most wanted first
   if policy.recent:
     primary = jnp.where(pos >= lengths[:, None, None] - policy.recent, jnp.inf, primary)
   # Sort by (kept, primary, newer) descending; lax.sort is ascending over its keys.
   t_idx = jnp.broadcast_to(jnp.arange(pen.shape[1])[None, :, None], pen.shape)
   _, _, _, order = jax.lax.sort((~keep, -primary, -pos, t_idx), dimension=1, num_keys=3)
   return order, keep
-
-
-def snapkv_scores(q, k, field, level, lengths, *, scale: float, window: int, kernel: int) -> jax.Array:
-  """[B, T, KVH] SnapKV's vote for each prompt key: the attention of the last `window` queries.
-
-  For each row of length L, the queries at L - window .. L - 1 (those >= 0) attend as the model
-  does (logits scale q.k - penalty, causal; penalty = relu(level_j - min field over (j, i])); each
-  query head's probabilities are summed over the window queries, max-pooled over `kernel`
-  neighbouring keys (stride 1, centred; SnapKV's clustering of the votes) and summed over the query
-  heads of a kv head. The window's own keys score +inf (always kept); padding 0.
-
-  Args: q [B, T, H, K], k [B, T, KVH, K], field, level [B, T, KVH], lengths [B].
-  """
-  b, t, h, dk = q.shape
-  kvh = k.shape[2]
-  w_idx = lengths[:, None] - window + jnp.arange(window)[None, :]  # [B, W] query positions
-  w_ok = w_idx >= 0
-  w_idx = jnp.maximum(w_idx, 0)
-  qw = jnp.take_along_axis(q, w_idx[:, :, None, None], axis=1)  # [B, W, H, K]
-  j = jnp.arange(t)[None, None, :]  # key index
-  causal = j <= w_idx[:, :, None]  # [B, W, T]
-  pen = fp.penalty(level[:, None], fp.run_min_at(field, w_idx))  # [B, W, T, KVH] key j at query i
-  qg = qw.reshape(b, window, kvh, h // kvh, dk)
-  s = jnp.einsum("bwhgk,bthk->bwhgt", qg, k, preferred_element_type=F32) * scale
-  logits = s - pen.transpose(0, 1, 3, 2)[:, :, :, None]
-  p = jax.nn.softmax(jnp.where(causal[:, :, None, None], logits, -jnp.inf), axis=-1)
-  votes = jnp.sum(jnp.where(w_ok[:, :, None, None, None], p, 0.0), axis=1)  # [B, KVH, G, T]
-  pooled = jax.lax.reduce_window(votes, -jnp.inf, jax.lax.max, (1, 1, 1, kernel), (1, 1, 1, 1), "SAME")
-  score = jnp.sum(pooled, axis=2).transpose(0, 2, 1)  # [B, T, KVH]
-  tt = jnp.arange(t)[None, :, None]
-  in_window = (tt >= lengths[:, None, None] - window) & (tt < lengths[:, None, None])
-  return jnp.where(in_window, jnp.inf, jnp.where(tt < lengths[:, None, None], score, 0.0))
 
 
 def prefill_attend(
@@ -396,12 +345,7 @@ def prefill_attend(
   pen = fp.penalty(level, run_min)
   pos = jnp.broadcast_to(t_idx, (b, t, h)).astype(jnp.int32)
   valid = jnp.broadcast_to(valid, (b, t, h))
-  score = None
-  if policy.name == "snapkv":
-    score = snapkv_scores(q, k, field, level, lengths, scale=scale, window=policy.obs_window, kernel=policy.kernel)
-  elif policy.name == SCORE:  # scored for each row's last prompt query
-    at_end = lambda x: jnp.take_along_axis(x, (lengths - 1).reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
-    score = score_keys(policy, at_end(q), k, at_end(field), level, pen, pos)
+  score = policy.prompt_scores(q, k, field, level, pen, pos, lengths, scale=scale)  # snapkv, a policy of your own
   last = jnp.take_along_axis(cum.astype(F32), (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
   return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, lengths, last, score)
 
@@ -449,14 +393,14 @@ def _keep_best(cache: LayerCache, policy: Policy, k, v, level, run_min, pen, pos
 # A chunk after the cache
 # ------------------------------------------------------------------------------------------------
 
-CHUNKABLE = ("full", "fpa", "fpa_threshold", "fpa_budget", "window", "sink_window", SCORE)
+CHUNKABLE = tuple(name for name, cls in POLICY_CLASSES.items() if cls.chunkable)
 
 
 def check_chunk_policy(policy: Policy) -> None:
   """The policies `prefill_chunk` runs: those that rank keys by their penalty, position or nothing.
   h2o (attention mass received), snapkv (a prompt's last window) and fpa_global (a budget across
   layers) rank by what one chunk cannot see: ValueError naming what to use."""
-  if policy.name not in CHUNKABLE:
+  if not policy.chunkable:
     raise ValueError(
       f"policy {policy.name!r} cannot prefill chunk by chunk (it ranks keys by what a chunk does not see: "
       f"attention mass, a prompt's last window or every layer's penalties): use one of {CHUNKABLE}, or "
@@ -520,10 +464,7 @@ def prefill_chunk(
   last = jnp.take_along_axis(cum.astype(F32), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
   carry = jnp.where((lengths > 0)[:, None], last, cache.carry)
   pen = fp.penalty(level, run_min)
-  score = None
-  if policy.name == SCORE:  # scored for each row's last chunk query
-    at_end = lambda x: jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1)), 1)
-    score = score_keys(policy, at_end(q)[:, 0], k, at_end(f)[:, 0], level, pen, pos)
+  score = policy.chunk_scores(q, k, f, level, pen, pos, lengths)  # a policy of your own: for the last chunk query
   return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, offsets + lengths, carry, score)
 
 

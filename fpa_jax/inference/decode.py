@@ -40,17 +40,15 @@ from fpa_jax.inference.cache import (
   reset_rows,
   select_rows,
 )
-from fpa_jax.inference.graph import attention_layers, call_cached, check_decodable, layer_configs, vocab_size
-from fpa_jax.inference.policies import (
+from fpa_jax.inference.graph import call_cached, check_decodable, layer_configs, vocab_size
+from fpa_jax.inference.policies import (  # noqa: F401  (the bounds: importable from here, as before)
   CachePolicy,
   Policy,
+  _check_bounded,
   as_policy,
-  key_tolerance_threshold,
-  logit_bound,
-  query_norm_bound,
-  tolerance_threshold,
+  layer_logit_bounds,
+  layer_query_bounds,
 )
-from fpa_jax.layers import attention_spec
 from fpa_jax.models import DecoderLM, check_tokens
 from fpa_jax.ops import first_passage as fp
 
@@ -62,68 +60,14 @@ TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (t
 # ------------------------------------------------------------------------------------------------
 
 
-def layer_logit_bounds(model) -> list[jax.Array]:
-  """Per attention layer, U [KVH]: a bound on |scale q.k| from the parameters (`policies.logit_bound`).
-  `model`: a `DecoderLM` or a model of your own (`graph.attention_layers`); a layer without QK-norm
-  needs the RMSNorm in front of it known (`graph.Found.norm_scale`: DecoderLM, `models.Block`)."""
-  out = []
-  for f in attention_layers(model):  # per-layer views of a scanned (stacked) model too
-    a = f.layer
-    _check_bounded(f, model)
-    out.append(
-      logit_bound(
-        f.norm_scale,
-        a.wq[...],
-        a.wk[...],
-        scale=a.spec.scale,  # the layer's logit scale
-        q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
-        k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...],
-        rope=a.cfg.use_rope,
-      )
-    )
-  return out
-
-
-def layer_query_bounds(model) -> list[jax.Array]:
-  """Per attention layer, Q [KVH]: a bound on any query's norm (max over each kv head's group;
-  `policies.query_norm_bound`)."""
-  out = []
-  for f in attention_layers(model):
-    a = f.layer
-    _check_bounded(f, model)
-    out.append(
-      query_norm_bound(f.norm_scale, a.wq[...], a.cfg.kv_heads, None if a.q_norm is None else a.q_norm.scale[...])
-    )
-  return out
-
-
-def _check_bounded(f, model) -> None:
-  if f.layer.q_norm is None and f.norm_scale is None:
-    raise ValueError(
-      f"policy 'fpa' bounds every logit from the layers' parameters, but {type(model).__name__}'s layer at "
-      f"{f.path} has no QK-norm and no known RMSNorm before it: build the layer with qk_norm=True (the bound then "
-      "reads the q / k norm scales), or use a budgeted policy (fpa_budget)"
-    )
-
-
 def _check_model_policy(model, policy: Policy) -> None:
-  """Before tracing: a model of your own decodes (`graph.check_decodable`) and suits the policy (fpa:
-  bounded layers; fpa_global: one pool needs the same kv heads, head dim and dtype in every layer).
-  A `DecoderLM` always does."""
+  """Before tracing: a model of your own decodes (`graph.check_decodable`) and suits the policy
+  (`Policy.check_model`: fpa needs bounded layers; fpa_global's one pool the same kv heads, head dim
+  and dtype in every layer). A `DecoderLM` always does."""
   if isinstance(model, DecoderLM):
     return
   check_decodable(model)
-  found = attention_layers(model)
-  if policy.name == "fpa":
-    for f in found:
-      _check_bounded(f, model)
-  if policy.is_global:
-    shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in layer_configs(model)}
-    if len(shapes) > 1:
-      raise ValueError(
-        f"fpa_global shares one slot pool between the layers, so they need the same (kv heads, head dim, dtype); "
-        f"{type(model).__name__}'s layers have {sorted(shapes)}: use fpa_budget (one cache per layer)"
-      )
+  policy.check_model(model)
 
 
 def init_caches(
@@ -145,18 +89,7 @@ def init_caches(
     g = policy.pool_slots(n, c.kv_heads)
     empty = pool.init_global_cache(batch, g, n, c.kv_heads, c.head_dim, dtype=jnp.dtype(c.dtype))
     return pool.prepare(empty, policy)
-  coefs = caps = [None] * n
-  if policy.name == "fpa" and policy.bound == "keys":
-    us = layer_logit_bounds(model)
-    thresholds = [key_tolerance_threshold(u, n_keys, policy.tolerance) for u in us]
-    coefs = [attention_spec(a).scale * q for a, q in zip(layers, layer_query_bounds(model))]
-    caps = us
-  elif policy.name == "fpa":
-    thresholds = [tolerance_threshold(u, n_keys, policy.tolerance) for u in layer_logit_bounds(model)]
-  elif policy.name == "fpa_threshold":
-    thresholds = [jnp.full((a.kv_heads,), policy.threshold, jnp.float32) for a in layers]
-  else:
-    thresholds = [None] * n
+  thresholds, coefs, caps = zip(*policy.layer_thresholds(model, n_keys))  # per layer: the policy's
   # Slots per kv head: a key, its level and penalty are shared by the query heads of its group.
   return tuple(
     init_layer_cache(
@@ -179,12 +112,12 @@ def cache_bytes(model, batch: int, policy: Policy, n_keys: int | None = None) ->
   return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
 
-def _slots_per_row(model, policy: Policy) -> int:
+def slots_per_row(model, policy: Policy) -> int:
   """Key slots one row's cache allocates over all layers and kv heads (fpa_global: the pool, G)."""
-  kvh = [c.kv_heads for c in layer_configs(model)]
-  if policy.is_global:
-    return policy.pool_slots(len(kvh), kvh[0])
-  return policy.capacity * sum(kvh)
+  return policy.slots_per_row([c.kv_heads for c in layer_configs(model)])
+
+
+_slots_per_row = slots_per_row  # the name the benchmarks used
 
 
 def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -> tuple[LayerCache, ...]:
@@ -232,7 +165,9 @@ def _split_on_one_device(model):
   return graphdef, state
 
 
-def _step(model, caches, tokens, positions, policy: Policy, *, step=None, measure=False, repack=True, active=None):
+def decode_step(
+  model, caches, tokens, positions, policy: Policy, *, step=None, measure=False, repack=True, active=None
+):
   """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
   `pool.GlobalCache`; `repack`: `pool.pool_evict`'s repack_due, False in `pool.scan_steps`' blocks;
   `active` [B]: the rows that take the token, the others' per-layer caches kept as they were; the
@@ -250,7 +185,7 @@ def _step(model, caches, tokens, positions, policy: Policy, *, step=None, measur
   return logits[:, 0], caches
 
 
-def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
+def occupancy(caches) -> tuple[jax.Array, jax.Array]:
   """(max keys held by any (layer, row, head) [], keys held [L, B, KVH]), fp32; layers with fewer kv
   heads than the most (a model of your own may mix them) padded with NaN."""
   if isinstance(caches, pool.GlobalCache):
@@ -264,6 +199,9 @@ def _occupancy(caches) -> tuple[jax.Array, jax.Array]:
       return jnp.nanmax(held), held
     held = jnp.stack(per)  # [L, B, H]
   return jnp.max(held), held
+
+
+_step, _occupancy = decode_step, occupancy  # the names tests and benchmarks used
 
 
 def _lost(caches) -> jax.Array:
@@ -330,8 +268,8 @@ def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Poli
     new_seq = seg != prev_seg
     caches = tuple(reset_rows(c, new_seq) for c in caches)
     pos = jnp.where(new_seq, 0, prev_pos + 1)
-    logits, caches = _step(model, caches, tok, pos, policy, step=step, measure=True)
-    peak, held = _occupancy(caches)
+    logits, caches = decode_step(model, caches, tok, pos, policy, step=step, measure=True)
+    peak, held = occupancy(caches)
     kept = jnp.mean(held / (pos + 1).astype(jnp.float32)[None, :, None], axis=1)  # [L, KVH]
     lost = _lost(caches)
     overflow = _overflow(caches)
@@ -387,8 +325,7 @@ def cached_logits(
   kw = dict(budget=budget, compression_ratio=compression_ratio, tolerance=tolerance, threshold=threshold)
   pol = as_policy(policy, recent=recent, head_cap=head_cap, bound=bound, **kw).resolve(t)
   _check_model_policy(model, pol)
-  if pol.name == "snapkv":
-    raise ValueError("snapkv ranks a prompt's keys by its last window's attention at prefill: use generate()")
+  pol.check_prefill("none")  # snapkv ranks a prompt's keys at prefill: generate() only
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   if seg.shape != (b, t):
     raise ValueError(f"segment_ids must have the tokens' shape {(b, t)}, got {seg.shape}")
@@ -448,7 +385,7 @@ def _generate_program(
   if prefill == "parallel":
     logits, caches = prefill_parallel(model, prompt, lengths, policy, n_keys)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    peak0, _ = _occupancy(caches)
+    peak0, _ = occupancy(caches)
   else:  # token by token under the policy; rows past their prompt keep their state
 
     def feed(carry, xs, repack=True):
@@ -457,12 +394,12 @@ def _generate_program(
       active = t < lengths
       pos = jnp.full((b,), t, jnp.int32)
       if isinstance(caches, pool.GlobalCache):
-        logits, new = _step(model, caches, tok, pos, policy, repack=repack)
+        logits, new = decode_step(model, caches, tok, pos, policy, repack=repack)
         caches = _select_rows(active, new, caches)
       else:  # each layer keeps the rows past their prompt itself: no pass over the whole cache here
-        logits, caches = _step(model, caches, tok, pos, policy, repack=repack, active=active)
+        logits, caches = decode_step(model, caches, tok, pos, policy, repack=repack, active=active)
       last = jnp.where(active[:, None], logits, last)
-      return (caches, last, jnp.maximum(peak, _occupancy(caches)[0])), None
+      return (caches, last, jnp.maximum(peak, occupancy(caches)[0])), None
 
     caches = init_caches(model, b, policy, n_keys)
     init = (caches, jnp.zeros((b, vocab), jnp.float32), jnp.float32(0))
@@ -474,14 +411,14 @@ def _generate_program(
   def body(carry, xs, repack=True):
     caches, tok, pos, peak = carry
     k = xs
-    logits, caches = _step(model, caches, tok, pos, policy, repack=repack)
+    logits, caches = decode_step(model, caches, tok, pos, policy, repack=repack)
     nxt = _sample(logits, k, temperature, top_k)
-    return (caches, nxt, pos + 1, jnp.maximum(peak, _occupancy(caches)[0])), nxt
+    return (caches, nxt, pos + 1, jnp.maximum(peak, occupancy(caches)[0])), nxt
 
   (caches, _, pos, peak), rest = pool.scan_steps(body, (caches, first, lengths, peak0), keys[1:], policy)
   tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, N]
   overflow = _overflow(caches)
-  _, held = _occupancy(caches)  # [L, B, KVH] at the end, over the pos keys each row has seen
+  _, held = occupancy(caches)  # [L, B, KVH] at the end, over the pos keys each row has seen
   kept = jnp.mean(held / pos.astype(jnp.float32)[None, :, None], axis=1)
   return tokens, {"peak": peak, "overflow": overflow, "kept": kept}
 
@@ -542,13 +479,10 @@ def generate(
   kw = dict(budget=budget, compression_ratio=compression_ratio, tolerance=tolerance, threshold=threshold)
   pol = as_policy(policy, recent=recent, head_cap=head_cap, bound=bound, **kw).resolve(n_keys)
   _check_model_policy(model, pol)
-  prefill = prefill or ("decode" if pol.name == "h2o" else "parallel")
+  prefill = prefill or pol.default_prefill()
   if prefill not in ("parallel", "decode"):
     raise ValueError(f"prefill must be 'parallel' or 'decode', got {prefill!r}")
-  if prefill == "parallel" and pol.name == "h2o":
-    raise ValueError("h2o ranks keys by the attention they received: use prefill='decode'")
-  if prefill == "decode" and pol.name == "snapkv":
-    raise ValueError("snapkv ranks the prompt's keys by its last window's attention: use prefill='parallel'")
+  pol.check_prefill(prefill)  # h2o: decode only; snapkv: parallel only
   graphdef, state = _split_on_one_device(model)
   tokens, s = _generate_program(
     graphdef,
@@ -569,7 +503,7 @@ def generate(
     "policy": pol.name,
     "prefill": prefill,
     "capacity": pol.capacity,
-    "slots_per_row": _slots_per_row(model, pol),
+    "slots_per_row": slots_per_row(model, pol),
     "cache_fraction": float(s["peak"]) / n_keys,
     "cache_bytes": cache_bytes(model, b, pol, n_keys),
     "kept_fraction_per_head": _per_head(s["kept"]),

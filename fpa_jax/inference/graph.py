@@ -111,7 +111,7 @@ def check_decodable(model) -> None:
 
 def _accepts(model, name: str) -> bool:
   params = inspect.signature(type(model).__call__).parameters.values()
-  return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+  return any(name == p.name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 @dataclasses.dataclass(frozen=True)

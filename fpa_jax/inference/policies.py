@@ -64,10 +64,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+
+from fpa_jax.inference.graph import attention_layers, layer_configs
+from fpa_jax.layers import attention_spec
+from fpa_jax.ops import first_passage as fp
+from fpa_jax.ops.common import F32
 
 PolicyName = Literal[
   "full", "fpa", "fpa_threshold", "fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
@@ -87,62 +92,6 @@ REPACK_EVERY = 32  # "packed": decode steps between repacks (a sort of the pool 
 N_SINK = 4
 OBS_WINDOW = 32  # snapkv: the prompt's last queries that vote
 KERNEL = 7  # snapkv: max-pool width over keys
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-  """A resolved policy (static under jit). `capacity`: keys per (row, head) the policy may fill
-  (fpa_global: the per-head limit inside the pool, the sequence length when there is none).
-
-  recent: W, the last keys (the newest included) that are never evicted (0: none).
-  keys: fpa_global's mean key budget per (layer, kv head); the row's total (its pool) is keys * L * KVH.
-  head_cap: fpa_global's per-head limit (None: none; then capacity = the sequence length).
-  score: the `score` policy's function (`CachePolicy`; `score_keys`).
-  pool_impl: how fpa_global's pool runs (`POOL_IMPLS`; `fpa_jax.inference.pool`), the same keys kept.
-  repack_every: pool_impl "packed": decode steps between repacks of the pool by owner (N).
-  """
-
-  name: str
-  capacity: int
-  tolerance: float | None = None  # fpa
-  threshold: float | None = None  # fpa_threshold
-  n_sink: int = N_SINK
-  recent: int = 0
-  keys: int | None = None  # fpa_global
-  head_cap: int | None = None  # fpa_global
-  bound: str = "keys"  # fpa
-  obs_window: int = OBS_WINDOW  # snapkv
-  kernel: int = KERNEL  # snapkv
-  score: Callable | None = None  # score
-  pool_impl: str = "packed"  # fpa_global: `POOL_IMPLS`
-  repack_every: int = REPACK_EVERY  # fpa_global, pool_impl "packed"
-
-  def __post_init__(self):
-    if self.pool_impl not in POOL_IMPLS:
-      raise ValueError(
-        f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
-      )
-    n = self.repack_every
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-      raise ValueError(f"repack_every must be an int >= 1 (decode steps between repacks of the pool), got {n!r}")
-
-  @property
-  def thresholded(self) -> bool:
-    return self.name in THRESHOLDED
-
-  @property
-  def is_global(self) -> bool:
-    return self.name == "fpa_global"
-
-  @property
-  def pack_steps(self) -> int:
-    """ "packed": steps between repacks, `repack_every` but at most the mean budget `keys`, so the
-    lists of keys written since (one int32 per owner and step) hold at most one entry per pool slot."""
-    return max(1, min(self.repack_every, self.keys or self.repack_every))
-
-  def pool_slots(self, n_layers: int, kv_heads: int) -> int:
-    """fpa_global: G = keys * n_layers * kv_heads, the slots of a row's pool."""
-    return self.keys * n_layers * kv_heads
 
 
 def _check_budget(budget, what: str) -> None:
@@ -212,6 +161,7 @@ class CachePolicy:
   head_cap: float | int | None = None
   bound: str | None = None
   score: Callable | None = None
+  pool_impl: str | None = None
 
   def __post_init__(self):
     name = self.name
@@ -275,6 +225,12 @@ class CachePolicy:
       raise ValueError(f"head_cap only applies to policy 'fpa_global', not {name!r}")
     if self.head_cap is not None:
       _check_budget(self.head_cap, "head_cap")
+    if name != "fpa_global" and self.pool_impl is not None:
+      raise ValueError(f"pool_impl only applies to policy 'fpa_global', not {name!r}")
+    if self.pool_impl is not None and self.pool_impl not in POOL_IMPLS:
+      raise ValueError(
+        f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
+      )
 
   @property
   def kept(self) -> float | int | None:
@@ -283,8 +239,14 @@ class CachePolicy:
       return 1.0 - float(self.compression_ratio)
     return self.budget
 
-  def resolve(self, seq_len: int) -> Policy:
-    """The static `Policy` for sequences of up to `seq_len` keys (see `make_policy`); raises what to change."""
+  @property
+  def kind(self) -> type[Policy]:
+    """The policy's class (`POLICY_CLASSES`): what it supports (`Policy.prefills`, `keeps_all`, ...)."""
+    return policy_class(self.name)
+
+  def resolve(self, seq_len: int, *, into: type[Policy] | None = None, **own) -> Policy:
+    """The static `Policy` for sequences of up to `seq_len` keys (see `make_policy`); raises what to change.
+    `into`: the class to build (default `kind`; a subclass of your own), `own`: its other fields."""
     name = self.name
     cap = resolve_budget(self.kept, seq_len)
     if name == "full" and cap is not None and cap < seq_len:
@@ -296,7 +258,7 @@ class CachePolicy:
       raise ValueError(f"sink_window keeps {N_SINK} sink keys plus a window: budget must be > {N_SINK}, got {cap}")
     if name == "h2o" and cap is not None and cap < 2:
       raise ValueError(f"h2o splits its budget into recent and heavy halves: budget must be >= 2, got {cap}")
-    kw = {}
+    kw = {"recent": 0}
     if name in WINDOWED:
       keys = min(cap, seq_len)
       w = default_recent(keys) if self.recent is None else self.recent
@@ -320,8 +282,12 @@ class CachePolicy:
     if name == "fpa":
       kw["bound"] = self.bound or "keys"
     if name == SCORE:
-      kw["score"] = self.score
-    return Policy(name, min(cap, seq_len) if cap is not None else seq_len, self.tolerance, self.threshold, **kw)
+      kw["score_fn"] = self.score
+    if self.pool_impl is not None:
+      kw["pool_impl"] = self.pool_impl
+    cls = into or self.kind
+    capacity = min(cap, seq_len) if cap is not None else seq_len
+    return cls(capacity=capacity, tolerance=self.tolerance, threshold=self.threshold, **{**kw, **own})
 
   def record(self) -> dict[str, Any]:
     """{"policy": name, and each argument given}: a results file's JSON record (a score function by name)."""
@@ -333,19 +299,389 @@ class CachePolicy:
     return out
 
 
-def as_policy(policy: str | CachePolicy = "full", **policy_kw) -> CachePolicy:
-  """A `CachePolicy` from a policy name and its keywords (None values ignored), or the object itself
-  (then no keywords: ValueError, the arguments belong in the object)."""
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A KV-cache policy: one subclass per rule (`POLICY_CLASSES`), with the few methods the cache and
+  the decoder call, so that neither branches on a name. Built by a user it holds the arguments
+  (`FPABudget(budget=0.25)`, checked when built, as `CachePolicy`); `resolve(seq_len)` gives the
+  same class with the sizes filled in (static under jit). A policy of your own subclasses
+  `ScorePolicy` and writes `score()` (kvpress's `ScorerPress`).
+
+  capacity: keys per (row, kv head) the policy may fill (fpa_global: the per-head limit inside the
+    pool, the sequence length when there is none); None until resolved.
+  recent: W, the last keys (the newest included) that are never evicted (0: none; None until resolved).
+  tolerance (fpa), threshold (fpa, fpa_threshold: the cache's eviction threshold), budget,
+  compression_ratio: the user's arguments (`CachePolicy`; budget and compression_ratio are cleared
+  when resolved).
+
+  What a subclass says (class attributes): `thresholded` (evicts by a penalty threshold: the cache
+  checks the threshold and counts an overflow), `is_global` (one slot pool per row over every layer
+  instead of a cache per layer), `chunkable` (`extend` chunk by chunk), `prefills` (the prefill
+  modes of `generate`; "none": `cached_logits`, every token decoded with no prefill), `keeps_all`
+  (the parallel model computes the same thing: the eval runs that).
+  """
+
+  name: ClassVar[str] = ""
+  thresholded: ClassVar[bool] = False
+  is_global: ClassVar[bool] = False
+  chunkable: ClassVar[bool] = True
+  prefills: ClassVar[tuple[str, ...]] = ("parallel", "decode", "none")
+  keeps_all: ClassVar[bool] = False
+
+  capacity: int | None = None
+  recent: int | None = None
+  tolerance: float | None = None
+  threshold: Any = None
+  budget: float | int | None = None
+  compression_ratio: float | None = None
+
+  def __post_init__(self):
+    if self.capacity is None:
+      self.spec()  # the arguments' checks (CachePolicy's), before any sequence is seen
+
+  # -------------------------------------------------------------------------------- the user's side
+  @property
+  def kind(self) -> type[Policy]:
+    return type(self)
+
+  @property
+  def resolved(self) -> bool:
+    return self.capacity is not None
+
+  def spec(self) -> CachePolicy:
+    """The arguments as a `CachePolicy` (what `record` writes and `resolve` checks)."""
+    kw = {f: getattr(self, f) for f in SPEC_ARGS if f != "score" and getattr(self, f, None) is not None}
+    return CachePolicy(self.name, **kw)
+
+  def record(self) -> dict[str, Any]:
+    return self.spec().record()
+
+  def resolve(self, seq_len: int) -> Policy:
+    """This policy sized for sequences of up to `seq_len` keys (`CachePolicy.resolve`), same class."""
+    if self.resolved:
+      raise ValueError(f"{type(self).__name__} is already resolved (capacity={self.capacity}): pass the unresolved one")
+    own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SPEC_ARGS + RESOLVED}
+    return self.spec().resolve(seq_len, into=type(self), **own)
+
+  @classmethod
+  def default_prefill(cls) -> str:
+    return "parallel" if "parallel" in cls.prefills else "decode"
+
+  @classmethod
+  def check_prefill(cls, prefill: str) -> None:
+    """ValueError naming what to use when the policy cannot run `prefill` ("parallel", "decode"; "none":
+    every token decoded with no prompt, `cached_logits`)."""
+    if prefill not in cls.prefills:
+      raise ValueError(cls.refusal(prefill))
+
+  @classmethod
+  def refusal(cls, prefill: str) -> str:
+    return f"policy {cls.name!r} cannot run prefill={prefill!r}: use one of {cls.prefills}"
+
+  # -------------------------------------------------------------------------------- the cache's side
+  def evict_rank(self, cache, pen: jax.Array, cand: jax.Array, now: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A full (row, kv head) of a `LayerCache`: (rank [B, S, H], candidates [B, S, H] bool); the
+    candidate of the largest rank goes, ties the oldest. `cand`: the alive keys outside the protected
+    window; `pen` [B, S, H] the penalties now; `now` [B, 1, 1] the position being written.
+    Default: the largest penalty (fpa_budget; the thresholded policies on overflow)."""
+    return pen, cand
+
+  def keep_rank(self, pen: jax.Array, pos: jax.Array, score: jax.Array | None) -> jax.Array:
+    """Prefill and `extend`: [B, N, H] how much each candidate key is wanted (the largest kept first,
+    ties the newest; the protected window comes first anyway). Default: the smallest penalty."""
+    return -pen
+
+  def rescore(self, cache, q: jax.Array, field: jax.Array, pen: jax.Array):
+    """A decode step, before eviction: the cache with `score` updated for this step's query
+    (q [B, H, K], field [B, KVH] fp32, pen [B, S, KVH]). Default: unchanged."""
+    return cache
+
+  def observe(self, cache, p: jax.Array):
+    """A decode step, after attention: p [B, KVH, G, S] the step's attention. Default: unchanged."""
+    return cache
+
+  def prompt_scores(self, q, k, field, level, pen, pos, lengths, *, scale: float):
+    """A parallel prefill: [B, T, KVH] scores of the prompt's keys for `keep_rank` (None: none).
+    q [B, T, H, K], k [B, T, KVH, K], field, level, pen [B, T, KVH] fp32, pos [B, T, KVH], lengths [B]."""
+    return None
+
+  def chunk_scores(self, q, k, field, level, pen, pos, lengths):
+    """`extend`: [B, N, KVH] scores of the cached and the chunk's keys (None: none); q [B, T, H, K]
+    the chunk's queries, field [B, T, KVH] (padding +inf), the rest over the N candidates."""
+    return None
+
+  # -------------------------------------------------------------------------------- the decoder's side
+  def layer_thresholds(self, model, n_keys: int) -> list[tuple[Any, Any, Any]]:
+    """Per attention layer of `model`, (threshold, key_coef, key_cap) [KVH] for `init_layer_cache`
+    (None: none). Default: no threshold."""
+    return [(None, None, None)] * len(layer_configs(model))
+
+  def check_model(self, model) -> None:
+    """Before tracing, on a model of your own: ValueError if it cannot run this policy."""
+
+  def slots_per_row(self, kv_heads: list[int]) -> int:
+    """Key slots one row's cache allocates over all layers (their kv heads)."""
+    return self.capacity * sum(kv_heads)
+
+
+class _ByPosition(Policy):
+  """Order by position alone: the oldest candidate goes, the newest are kept."""
+
+  def evict_rank(self, cache, pen, cand, now):
+    return jnp.zeros_like(pen), cand
+
+  def keep_rank(self, pen, pos, score):
+    return jnp.zeros_like(pen)
+
+
+class Full(_ByPosition):
+  """Every key (the cache holds the whole sequence)."""
+
+  name = "full"
+  keeps_all = True
+
+
+class Window(_ByPosition):
+  """The last C keys."""
+
+  name = "window"
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkWindow(Policy):
+  """The first `n_sink` keys and the last C - n_sink (StreamingLLM)."""
+
+  name = "sink_window"
+  n_sink: int = N_SINK
+
+  def evict_rank(self, cache, pen, cand, now):
+    mask = cand & (cache.pos >= self.n_sink)
+    return jnp.zeros_like(pen), jnp.where(jnp.any(mask, 1, keepdims=True), mask, cand)
+
+  def keep_rank(self, pen, pos, score):
+    return (pos < self.n_sink).astype(jnp.float32)
+
+
+class H2O(Policy):
+  """The C/2 most recent keys plus the heaviest by attention received (H2O); decode prefill only."""
+
+  name = "h2o"
+  chunkable = False
+  prefills = ("decode", "none")
+
+  @classmethod
+  def refusal(cls, prefill):
+    return f"h2o ranks keys by the attention they received while decoding: use prefill='decode' (not {prefill!r})"
+
+  def evict_rank(self, cache, pen, cand, now):
+    return -cache.score, fp.candidates(cand, cache.pos, now, self.capacity // 2)
+
+  def observe(self, cache, p):
+    return cache._replace(score=cache.score + p.sum(2).transpose(0, 2, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(Policy):
+  """The prompt keys its last `obs_window` queries attend to most (SnapKV); parallel prefill only."""
+
+  name = "snapkv"
+  chunkable = False
+  prefills = ("parallel",)
+  obs_window: int = OBS_WINDOW
+  kernel: int = KERNEL
+
+  @classmethod
+  def refusal(cls, prefill):
+    what = "use generate()" if prefill == "none" else "use prefill='parallel'"
+    return f"snapkv ranks the prompt's keys by its last window's attention at prefill: {what}"
+
+  def evict_rank(self, cache, pen, cand, now):
+    return -cache.score, cand
+
+  def keep_rank(self, pen, pos, score):
+    return score
+
+  def prompt_scores(self, q, k, field, level, pen, pos, lengths, *, scale):
+    return snapkv_scores(q, k, field, level, lengths, scale=scale, window=self.obs_window, kernel=self.kernel)
+
+
+class FPABudget(Policy):
+  """At most C keys; when full the largest penalty goes (ties: the oldest), never one of the last W."""
+
+  name = "fpa_budget"
+
+
+class FPAThreshold(Policy):
+  """Keys whose penalty is below `threshold`."""
+
+  name = "fpa_threshold"
+  thresholded = True
+
+  def layer_thresholds(self, model, n_keys):
+    return [(jnp.full((c.kv_heads,), self.threshold, jnp.float32), None, None) for c in layer_configs(model)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FPATolerance(Policy):
+  """`fpa`: keys whose penalty is below the threshold that keeps evicted keys' share of any later
+  query's attention <= `tolerance` (`bound`: "keys" per key, "params" per layer)."""
+
+  name = "fpa"
+  thresholded = True
+  bound: str | None = None
+
+  def layer_thresholds(self, model, n_keys):
+    us = layer_logit_bounds(model)
+    if self.bound == "params":
+      return [(tolerance_threshold(u, n_keys, self.tolerance), None, None) for u in us]
+    qs = layer_query_bounds(model)
+    return [
+      (key_tolerance_threshold(u, n_keys, self.tolerance), attention_spec(c).scale * q, u)
+      for u, q, c in zip(us, qs, layer_configs(model))
+    ]
+
+  def check_model(self, model):
+    for f in attention_layers(model):
+      _check_bounded(f, model)
+
+
+@dataclasses.dataclass(frozen=True)
+class FPAGlobal(Policy):
+  """One budget per row over every layer and kv head: a slot pool of G = keys * L * KVH slots, the
+  largest penalties across layers and heads out first (`fpa_jax.inference.pool`).
+
+  keys: the mean budget per (layer, kv head); head_cap: the per-head limit (None: none);
+  pool_impl: how the pool runs (`POOL_IMPLS`, the same keys kept); repack_every: "packed": decode
+  steps between repacks of the pool by owner (N)."""
+
+  name = "fpa_global"
+  is_global = True
+  chunkable = False
+  keys: int | None = None
+  head_cap: float | int | None = None
+  pool_impl: str = "packed"
+  repack_every: int = REPACK_EVERY
+
+  def __post_init__(self):
+    if self.pool_impl not in POOL_IMPLS:
+      raise ValueError(
+        f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
+      )
+    n = self.repack_every
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"repack_every must be an int >= 1 (decode steps between repacks of the pool), got {n!r}")
+    super().__post_init__()
+
+  @property
+  def pack_steps(self) -> int:
+    """ "packed": steps between repacks, `repack_every` but at most the mean budget `keys`, so the
+    lists of keys written since (one int32 per owner and step) hold at most one entry per pool slot."""
+    return max(1, min(self.repack_every, self.keys or self.repack_every))
+
+  def pool_slots(self, n_layers: int, kv_heads: int) -> int:
+    """G = keys * n_layers * kv_heads, the slots of a row's pool."""
+    return self.keys * n_layers * kv_heads
+
+  def slots_per_row(self, kv_heads):
+    return self.pool_slots(len(kv_heads), kv_heads[0])
+
+  def check_model(self, model):
+    shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in layer_configs(model)}
+    if len(shapes) > 1:
+      raise ValueError(
+        f"fpa_global shares one slot pool between the layers, so they need the same (kv heads, head dim, dtype); "
+        f"{type(model).__name__}'s layers have {sorted(shapes)}: use fpa_budget (one cache per layer)"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorePolicy(Policy):
+  """A policy of your own: capacity C; when full, the lowest-scored key outside the last W goes
+  (ties: the oldest); a parallel prefill and each chunk of `extend` keep the best-scored keys.
+  Subclass it and write `score` (kvpress's `ScorerPress.score`), or give `score_fn`
+  (`CachePolicy(score=fn)`). Called for the newest query (at prefill: each row's last); arguments
+  as `CachePolicy`'s `score`."""
+
+  name = SCORE
+  score_fn: Callable | None = None
+
+  def score(self, q, k, field, level, penalty, positions) -> jax.Array:
+    """[B, S, KVH] (or what broadcasts to it): the lowest goes. q [B, H, K], k [B, S, KVH, K],
+    field [B, KVH], level, penalty [B, S, KVH] fp32, positions [B, S, KVH] int32."""
+    if self.score_fn is None:
+      raise ValueError("a ScorePolicy needs score_fn=fn or a subclass that writes score(q, k, field, level, ...)")
+    return self.score_fn(q, k, field, level, penalty, positions)
+
+  @property
+  def _overridden(self) -> bool:
+    return type(self).score is not ScorePolicy.score
+
+  def spec(self) -> CachePolicy:
+    kw = {f: getattr(self, f) for f in SPEC_ARGS if f != "score" and getattr(self, f, None) is not None}
+    return CachePolicy(score=self.score if self._overridden else self.score_fn, **kw)
+
+  def resolve(self, seq_len):
+    out = super().resolve(seq_len)
+    return dataclasses.replace(out, score_fn=None) if self._overridden else out
+
+  def scores(self, q, k, field, level, penalty, positions) -> jax.Array:
+    return score_keys(self, q, k, field, level, penalty, positions)
+
+  def evict_rank(self, cache, pen, cand, now):
+    return -cache.score, cand
+
+  def keep_rank(self, pen, pos, score):
+    return score
+
+  def rescore(self, cache, q, field, pen):
+    return cache._replace(score=self.scores(q, cache.k.swapaxes(1, 2), field, cache.level, pen, cache.pos))
+
+  def _at_end(self, q, k, field, level, pen, pos, lengths):
+    at_end = lambda x: jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1)), 1)
+    return self.scores(at_end(q)[:, 0], k, at_end(field)[:, 0], level, pen, pos)
+
+  def prompt_scores(self, q, k, field, level, pen, pos, lengths, *, scale):
+    return self._at_end(q, k, field, level, pen, pos, lengths)
+
+  def chunk_scores(self, q, k, field, level, pen, pos, lengths):
+    return self._at_end(q, k, field, level, pen, pos, lengths)
+
+
+POLICY_CLASSES: dict[str, type[Policy]] = {
+  c.name: c for c in (Full, FPATolerance, FPAThreshold, FPABudget, FPAGlobal, Window, SinkWindow, H2O, SnapKV)
+}
+POLICY_CLASSES[SCORE] = ScorePolicy
+SPEC_ARGS = ("budget", "compression_ratio", "tolerance", "threshold", "recent", "head_cap", "bound", "score")
+RESOLVED = ("capacity", "keys", "score_fn")  # what `CachePolicy.resolve` sets (with recent, head_cap, bound)
+
+
+def policy_class(name: str) -> type[Policy]:
+  """The class of a policy name (`POLICY_CLASSES`); ValueError on an unknown name."""
+  if name not in POLICY_CLASSES:
+    raise ValueError(f"unknown policy {name!r}; use one of {POLICIES}")
+  return POLICY_CLASSES[name]
+
+
+def as_policy(policy: str | CachePolicy | Policy | type[Policy] = "full", **policy_kw) -> CachePolicy | Policy:
+  """The policy object every entry point runs: from a policy name and its keywords (None values
+  ignored; a `CachePolicy`), from a `Policy` class and its keywords (`FPABudget, budget=0.25`), or
+  an object itself, a `CachePolicy` or an unresolved `Policy` (then no keywords: ValueError, the
+  arguments belong in the object). Either has `resolve(seq_len)`, `record()` and `kind`."""
   given = {k: v for k, v in policy_kw.items() if v is not None}
-  if isinstance(policy, CachePolicy):
+  if isinstance(policy, type) and issubclass(policy, Policy):
+    return policy(**given)
+  if isinstance(policy, (CachePolicy, Policy)):
     if given:
       raise ValueError(
-        f"policy is a CachePolicy: give its arguments in it (CachePolicy({policy.name!r}, ...)), not as "
-        f"keywords {sorted(given)}"
+        f"policy is a {type(policy).__name__}: give its arguments in it "
+        f"({'CachePolicy(%r, ...)' % policy.name if isinstance(policy, CachePolicy) else type(policy).__name__ + '(...)'}), "
+        f"not as keywords {sorted(given)}"
+      )
+    if isinstance(policy, Policy) and policy.resolved:
+      raise ValueError(
+        "policy is a resolved Policy (make_policy); pass a policy name, a CachePolicy or an unresolved one"
       )
     return policy
-  if isinstance(policy, Policy):
-    raise ValueError("policy is a resolved Policy (make_policy); pass a policy name or a CachePolicy")
   return CachePolicy(policy, **given)
 
 
@@ -361,6 +697,7 @@ def make_policy(
   head_cap: float | int | None = None,
   bound: str | None = None,
   score: Callable | None = None,
+  pool_impl: str | None = None,
 ) -> Policy:
   """Check the arguments of a policy for sequences of up to `seq_len` keys; raise what to change.
 
@@ -382,6 +719,7 @@ def make_policy(
     head_cap=head_cap,
     bound=bound,
     score=score,
+    pool_impl=pool_impl,
   )
   if score is not None and name == SCORE:
     name = None
@@ -497,3 +835,133 @@ def key_tolerance_threshold(u: jax.Array, n_keys: int, tolerance: float) -> jax.
   returns U + log N - log eps; the cache adds the per-key term (`cache.LayerCache.key_coef`).
   """
   return u + math.log(n_keys) - math.log(tolerance)
+
+
+# ------------------------------------------------------------------------------------------------
+# The bounds of a model's layers (the `fpa` policy) and SnapKV's vote
+# ------------------------------------------------------------------------------------------------
+
+
+def layer_logit_bounds(model) -> list[jax.Array]:
+  """Per attention layer, U [KVH]: a bound on |scale q.k| from the parameters (`policies.logit_bound`).
+  `model`: a `DecoderLM` or a model of your own (`graph.attention_layers`); a layer without QK-norm
+  needs the RMSNorm in front of it known (`graph.Found.norm_scale`: DecoderLM, `models.Block`)."""
+  out = []
+  for f in attention_layers(model):  # per-layer views of a scanned (stacked) model too
+    a = f.layer
+    _check_bounded(f, model)
+    out.append(
+      logit_bound(
+        f.norm_scale,
+        a.wq[...],
+        a.wk[...],
+        scale=a.spec.scale,  # the layer's logit scale
+        q_norm_scale=None if a.q_norm is None else a.q_norm.scale[...],
+        k_norm_scale=None if a.k_norm is None else a.k_norm.scale[...],
+        rope=a.cfg.use_rope,
+      )
+    )
+  return out
+
+
+def layer_query_bounds(model) -> list[jax.Array]:
+  """Per attention layer, Q [KVH]: a bound on any query's norm (max over each kv head's group;
+  `policies.query_norm_bound`)."""
+  out = []
+  for f in attention_layers(model):
+    a = f.layer
+    _check_bounded(f, model)
+    out.append(
+      query_norm_bound(f.norm_scale, a.wq[...], a.cfg.kv_heads, None if a.q_norm is None else a.q_norm.scale[...])
+    )
+  return out
+
+
+def _check_bounded(f, model) -> None:
+  if f.layer.q_norm is None and f.norm_scale is None:
+    raise ValueError(
+      f"policy 'fpa' bounds every logit from the layers' parameters, but {type(model).__name__}'s layer at "
+      f"{f.path} has no QK-norm and no known RMSNorm before it: build the layer with qk_norm=True (the bound then "
+      "reads the q / k norm scales), or use a budgeted policy (fpa_budget)"
+    )
+
+
+def snapkv_scores(q, k, field, level, lengths, *, scale: float, window: int, kernel: int) -> jax.Array:
+  """[B, T, KVH] SnapKV's vote for each prompt key: the attention of the last `window` queries.
+
+  For each row of length L, the queries at L - window .. L - 1 (those >= 0) attend as the model
+  does (logits scale q.k - penalty, causal; penalty = relu(level_j - min field over (j, i])); each
+  query head's probabilities are summed over the window queries, max-pooled over `kernel`
+  neighbouring keys (stride 1, centred; SnapKV's clustering of the votes) and summed over the query
+  heads of a kv head. The window's own keys score +inf (always kept); padding 0.
+
+  Args: q [B, T, H, K], k [B, T, KVH, K], field, level [B, T, KVH], lengths [B].
+  """
+  b, t, h, dk = q.shape
+  kvh = k.shape[2]
+  w_idx = lengths[:, None] - window + jnp.arange(window)[None, :]  # [B, W] query positions
+  w_ok = w_idx >= 0
+  w_idx = jnp.maximum(w_idx, 0)
+  qw = jnp.take_along_axis(q, w_idx[:, :, None, None], axis=1)  # [B, W, H, K]
+  j = jnp.arange(t)[None, None, :]  # key index
+  causal = j <= w_idx[:, :, None]  # [B, W, T]
+  pen = fp.penalty(level[:, None], fp.run_min_at(field, w_idx))  # [B, W, T, KVH] key j at query i
+  qg = qw.reshape(b, window, kvh, h // kvh, dk)
+  s = jnp.einsum("bwhgk,bthk->bwhgt", qg, k, preferred_element_type=F32) * scale
+  logits = s - pen.transpose(0, 1, 3, 2)[:, :, :, None]
+  p = jax.nn.softmax(jnp.where(causal[:, :, None, None], logits, -jnp.inf), axis=-1)
+  votes = jnp.sum(jnp.where(w_ok[:, :, None, None, None], p, 0.0), axis=1)  # [B, KVH, G, T]
+  pooled = jax.lax.reduce_window(votes, -jnp.inf, jax.lax.max, (1, 1, 1, kernel), (1, 1, 1, 1), "SAME")
+  score = jnp.sum(pooled, axis=2).transpose(0, 2, 1)  # [B, T, KVH]
+  tt = jnp.arange(t)[None, :, None]
+  in_window = (tt >= lengths[:, None, None] - window) & (tt < lengths[:, None, None])
+  return jnp.where(in_window, jnp.inf, jnp.where(tt < lengths[:, None, None], score, 0.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# The command lines' policy flags (`python -m fpa_jax.inference`, `python -m fpa_jax.eval`)
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_budget(raw: str) -> float | int:
+  """'0.25' -> a fraction, '128' -> a key count (--budget, --head-cap)."""
+  try:
+    return int(raw)
+  except ValueError:
+    return float(raw)
+
+
+def add_policy_args(ap, *, of: str = "prompt + new tokens") -> None:
+  """Add the KV-cache policy flags to an argparse parser (one group); `policy_from_args` reads them.
+  `of`: what a fractional budget is a fraction of, for the help text."""
+  g = ap.add_argument_group("KV-cache policy (fpa_jax.inference.policies)")
+  g.add_argument("--policy", default="full", choices=POLICIES, help="the eviction policy (full: keep every key)")
+  g.add_argument("--budget", type=parse_budget, help=f"fraction of {of} (0.25) or a key count (128)")
+  g.add_argument(
+    "--compression-ratio", type=float, help="instead of --budget: the fraction of keys removed (kvpress's; 0.75)"
+  )
+  g.add_argument("--tolerance", type=float, help="policy fpa: attention mass evicted keys may carry")
+  g.add_argument("--threshold", type=float, help="policy fpa_threshold: penalty (nats) at which a key goes")
+  g.add_argument("--bound", choices=BOUNDS, help="policy fpa: the logit bound (default keys)")
+  g.add_argument(
+    "--recent", type=int, help="fpa_budget, fpa_global, snapkv: last keys never evicted (default budget/8)"
+  )
+  g.add_argument(
+    "--head-cap", type=parse_budget, help="fpa_global: max keys per layer and head in the pool (default: none)"
+  )
+  g.add_argument(
+    "--pool-impl", choices=POOL_IMPLS, help="fpa_global: how the pool runs (default packed; the same keys)"
+  )
+
+
+POLICY_FLAGS = ("budget", "compression_ratio", "tolerance", "threshold", "bound", "recent", "head_cap", "pool_impl")
+
+
+def policy_from_args(a, **more) -> CachePolicy:
+  """The `CachePolicy` the flags of `add_policy_args` name (ValueError: what to change); `more`:
+  other arguments (a flag and the same argument in `more`: ValueError)."""
+  kw = {k: getattr(a, k) for k in POLICY_FLAGS if getattr(a, k, None) is not None}
+  both = sorted(set(kw) & set(more))
+  if both:
+    raise ValueError(f"{both} given twice: as --{both[0].replace('_', '-')} and as another argument")
+  return as_policy(a.policy, **kw, **more)

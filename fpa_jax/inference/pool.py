@@ -369,9 +369,9 @@ def scan_steps(body, init, xs, policy: Policy):
   would copy the whole pool at every step: the carry cannot stay in place through a conditional).
   -> (carry, stacked outputs) as `lax.scan`."""
   n = jax.tree.leaves(xs)[0].shape[0]
-  every = policy.pack_steps
   if not (policy.is_global and policy.pool_impl == "packed") or n == 0:
     return jax.lax.scan(functools.partial(body, repack=True), init, xs)
+  every = policy.pack_steps
   step = functools.partial(body, repack=False)  # at most pack_steps steps after each repack
 
   def block(carry, xb):
