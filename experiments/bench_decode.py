@@ -7,7 +7,7 @@
 
 Policies (`POLICIES`, label -> policy and arguments): full; fpa_budget, window, snapkv at 25%;
 fpa_global at 25% (one shared slot pool per row of 25% of every layer's and head's keys: the cache
-bytes of fpa_budget 25% plus an int32 owner tag per slot; the default `Policy.pool_impl` "packed":
+bytes of fpa_budget 25% plus an int32 owner tag per slot; the default `FPAGlobal.pool_impl` "packed":
 the pool repacked by owner every `repack_every` steps, each head over its own range); fpa_global_cap
 at 25% with a per-head limit of 50% (the same bytes); fpa_global_masked, fpa_global_gather and
 fpa_global_sort: fpa_global's other implementations ("masked": each head over the whole pool,
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import statistics
 import sys
 import time
@@ -51,9 +50,17 @@ from tqdm import tqdm
 
 from experiments._common import ROOT, md_table, run_meta, write_json
 from fpa_jax import configs as C
-from fpa_jax.inference import cache_bytes, cached_logits, load_model, make_policy
-from fpa_jax.inference.decode import _occupancy, _slots_per_row, _step, prefill_parallel
-from fpa_jax.inference.pool import scan_steps
+from fpa_jax.inference import (
+  cache_bytes,
+  cached_logits,
+  decode_step,
+  load_model,
+  make_policy,
+  occupancy,
+  prefill_parallel,
+  scan_steps,
+  slots_per_row,
+)
 from fpa_jax.models import build_model
 
 POLICIES: dict[str, tuple[str, dict]] = {
@@ -63,13 +70,12 @@ POLICIES: dict[str, tuple[str, dict]] = {
   "snapkv": ("snapkv", {"budget": 0.25}),
   "fpa_global": ("fpa_global", {"budget": 0.25}),  # fpa_budget 25%'s bytes (a shared pool)
   "fpa_global_cap": ("fpa_global", {"budget": 0.25, "head_cap": 0.5}),  # the same, a per-head limit
-  # the same policy, other implementations (`Policy.pool_impl`; the same keys and tokens)
+  # the same policy, other implementations (`FPAGlobal.pool_impl`; the same keys and tokens)
   "fpa_global_masked": ("fpa_global", {"budget": 0.25, "pool_impl": "masked"}),
   "fpa_global_gather": ("fpa_global", {"budget": 0.25, "pool_impl": "gather"}),
   "fpa_global_sort": ("fpa_global", {"budget": 0.25, "pool_impl": "reference"}),
 }
 QUICK = ("full", "fpa_budget", "window", "fpa_global", "fpa_global_masked")
-IMPL_KW = ("pool_impl",)  # POLICIES keywords for the resolved `Policy`, not `make_policy`
 
 
 def plot_kept_heatmap(kept, path: str, title: str) -> None:
@@ -111,11 +117,11 @@ def decode_timer(model, prompt, n_new: int, policy):
 
     def body(carry, pos, repack=True):
       caches, tok = carry
-      logits, caches = _step(m, caches, tok, jnp.full((b,), pos, jnp.int32), policy, repack=repack)
+      logits, caches = decode_step(m, caches, tok, jnp.full((b,), pos, jnp.int32), policy, repack=repack)
       return (caches, jnp.argmax(logits, -1).astype(jnp.int32)), None
 
     (caches, tok), _ = scan_steps(body, (caches, tok), jnp.arange(p, p + n_new), policy)  # generate's loop
-    held = _occupancy(caches)[1]  # [L, B, KVH]
+    held = occupancy(caches)[1]  # [L, B, KVH]
     return tok, jnp.mean(held, axis=1) / (p + n_new)  # kept fraction per layer and kv head
 
   tok, caches = prefill(state, jnp.asarray(prompt, jnp.int32))
@@ -267,8 +273,7 @@ def main(argv=None) -> dict:
 
   def resolve(label: str, p: int):
     policy, kw = POLICIES[label]
-    pol = make_policy(policy, p + a.new_tokens, **{k: v for k, v in kw.items() if k not in IMPL_KW})
-    return dataclasses.replace(pol, **{k: v for k, v in kw.items() if k in IMPL_KW})
+    return make_policy(policy, p + a.new_tokens, **kw)
 
   timed = {}
   for mult in tqdm(a.multiples, desc="bench_decode", disable=None):  # each context's policies interleaved
@@ -289,7 +294,7 @@ def main(argv=None) -> dict:
       "head_cap": kw.get("head_cap"),
       "pool_impl": pol.pool_impl if pol.is_global else None,
       "capacity": pol.capacity,
-      "slots_per_row": _slots_per_row(model, pol),
+      "slots_per_row": slots_per_row(model, pol),
       "recent": pol.recent,
       "cache_bytes": cache_bytes(model, a.batch, pol, p + a.new_tokens),
       "decode_ms_per_token": per_token * 1e3,
