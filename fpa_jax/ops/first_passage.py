@@ -128,11 +128,11 @@ def block_stats(phi: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   nb = phi.shape[-2]
   suffix = suffix_min(phi, -1)
   prefix = min_scan(phi, -1)
-  if nb == 1:
-    # One block: no pair has a block between. Built from a zero-size slice of p instead, R's
-    # pullback read garbage (NaN field gradients) at --xla_backend_optimization_level=0.
-    return suffix, prefix, jnp.full(phi.shape[:-2] + (1, 1), _INF, STATS_DTYPE)
-  bmin = phi.min(-1)  # [..., nb]
+  # The block minima as a gather at their argmin, not phi.min(-1), whose pullback divides by the
+  # count of entries equal to the min: XLA recomputes phi inside that count's fusion, and where
+  # one copy is compiled to an FMA and the other not (XLA:CPU at backend optimisation level 0) the
+  # count is 0 and the field's gradient 0/0 = NaN, even for a zero cotangent (as for nb = 1).
+  bmin = jnp.take_along_axis(phi, jnp.argmin(phi, -1)[..., None], -1)[..., 0]  # [..., nb]
   # P[b, J] = min(bmin over (J, b]); R[I, J] = P[I - 1, J] = min over blocks strictly between.
   ib = jnp.arange(nb)
   p = min_scan(jnp.where(ib[:, None] > ib[None, :], bmin[..., :, None], _INF), -2)
