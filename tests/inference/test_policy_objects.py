@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -87,7 +88,7 @@ def test_docs_policy_of_ones_own_runs_as_written(tiny):
   block = _docs_block("## Writing a policy")
   assert len(block.strip().splitlines()) <= 15, "the docs promise a policy in at most 15 lines"
   tok = np.asarray(np.random.default_rng(0).integers(0, tiny.cfg.vocab_size, (2, 12)))
-  ns = {"model": tiny, "prompts": tok}
+  ns = {"model": tiny, "prompts": tok, "jnp": jnp}  # jnp: jax.numpy, as on the rest of the page
   exec(compile(block, "docs/inference.md", "exec"), ns)
   policy, tokens, stats = ns["policy"], ns["tokens"], ns["stats"]
   assert isinstance(policy, ScorePolicy) and not policy.resolved
