@@ -17,12 +17,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 # the evictability objective as the LM studies train it from scratch (defined with the recipes)
 from experiments.recipes import EVICT_FROM_SCRATCH  # noqa: F401
+
+# The progress bar, the markdown table and the parallel model's token NLL are the evaluation's
+# (`fpa_jax.eval`): the studies call them by these names.
+from fpa_jax.eval import md_table, progress, token_nll_fn  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,37 +146,11 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
   return json.loads(path.read_text()) if path.exists() else default
 
 
-def md_table(headers: list[str], rows: Iterable[Iterable[Any]], align: str | None = None) -> str:
-  """GitHub markdown table; `align` one char per column ('l' or 'r', default: first l, rest r)."""
-  align = align or "l" + "r" * (len(headers) - 1)
-  sep = ["---" if a == "l" else "---:" for a in align]
-  lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
-  lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
-  return "\n".join(lines) + "\n"
-
-
-def _cell(c: Any) -> str:
-  if c is None:
-    return "—"
-  if isinstance(c, float):
-    return f"{c:.3g}" if abs(c) >= 1e3 else f"{c:.3f}"
-  return str(c)
-
-
 def mean_std(xs: list[float]) -> str:
   """'m ± s' (sample std over seeds; '± 0' for one seed)."""
   xs = np.asarray(xs, float)
   s = xs.std(ddof=1) if len(xs) > 1 else 0.0
   return f"{xs.mean():.4f} ± {s:.4f}"
-
-
-def progress(it: Iterable, **kw):
-  """tqdm bar; off a terminal (nohup logs) it updates at most every 30 s."""
-  from tqdm import tqdm
-
-  if not sys.stderr.isatty():
-    kw.setdefault("mininterval", 30.0)
-  return tqdm(it, dynamic_ncols=True, **kw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,19 +223,3 @@ def forward_fn(model):
     return nnx.merge(graphdef, state)(tokens, segment_ids)
 
   return lambda tokens, segment_ids=None: fwd(state, tokens, segment_ids)
-
-
-def token_nll_fn(model):
-  """Jitted per-token NLL: (inputs, targets int [B, T]) -> nats fp32 [B, T] (causal, no segments)."""
-  import jax
-  import optax
-  from flax import nnx
-
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def nll(state, inputs, targets):
-    logits = nnx.merge(graphdef, state)(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-
-  return lambda inputs, targets: nll(state, inputs, targets)
