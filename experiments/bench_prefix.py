@@ -64,7 +64,7 @@ def chunk_program_temp(model, conv, tokens) -> int | None:
   graphdef, state = nnx.split(model)
   b = tokens.shape[0]
   lengths, seen = jnp.full((b,), tokens.shape[1], jnp.int32), jnp.asarray(conv.seen, jnp.int32)
-  lowered = E._extend_program.lower(graphdef, state, conv.caches, tokens, lengths, seen, policy=conv.policy)
+  lowered = E.extend_program.lower(graphdef, state, conv.caches, tokens, lengths, seen, policy=conv.policy)
   return _temp_bytes(lowered.compile())
 
 

@@ -61,12 +61,17 @@ class Conversation:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
-def _extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: Policy):
+def extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: Policy):
+  """The jitted program of one `extend` chunk (graphdef, policy static): (logits, caches). Public so
+  that a benchmark can lower it (`.lower(...).compile().memory_analysis()`)."""
   TRACES["extend"] += 1
   model = nnx.merge(graphdef, state)
   positions = seen[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
   logits, done = call_cached(model, tokens, positions, LayerCaches(tuple(caches), Extend(policy, lengths, seen)))
   return logits, done.layers
+
+
+_extend_program = extend_program  # its former name
 
 
 def extend(
@@ -140,7 +145,7 @@ def extend(
       f"past the conversation's max_len={conversation.max_len}: start it with a larger max_len"
     )
   graphdef, state = nnx.split(model)
-  logits, caches = _extend_program(
+  logits, caches = extend_program(
     graphdef,
     state,
     conversation.caches,
