@@ -1,6 +1,9 @@
 """KV-cache eviction policies and the bounds behind the `fpa` tolerance policy.
 
-Policies (`Policy.name`):
+One class per policy (`POLICY_CLASSES`; `Policy` says which methods the cache and the decoder call,
+so that neither branches on a name): `Full`, `FPATolerance`, `FPAThreshold`, `FPABudget`,
+`FPAGlobal`, `Window`, `SinkWindow`, `H2O`, `SnapKV`, and `ScorePolicy` for a policy of your own
+(subclass it and write `score()`). By name (`Policy.name`, `CachePolicy(name, ...)`, the CLIs):
   full          keep every key (the cache must hold the whole sequence).
   fpa           evict a key once its first-passage penalty reaches a threshold that makes all evicted
                 keys together carry at most eps of any later query's attention (`tolerance_threshold`).
@@ -295,7 +298,7 @@ class CachePolicy:
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
       if f.name != "name" and v is not None:
-        out[f.name] = getattr(v, "__qualname__", repr(v)) if f.name == "score" else v
+        out[f.name] = getattr(v, "__qualname__", repr(v)) if callable(v) else v  # a score function by name
     return out
 
 
