@@ -37,7 +37,6 @@ Writes results/bench_decode.{json,md}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -61,6 +60,7 @@ from fpa_jax.inference import (
   scan_steps,
   slots_per_row,
 )
+from fpa_jax.inference.pool import stand_in
 from fpa_jax.models import build_model
 
 POLICIES: dict[str, tuple[str, dict]] = {
@@ -157,37 +157,13 @@ def time_interleaved(model, prompt, n_new: int, repeats: int, policies) -> tuple
   return [statistics.median(t) / n_new for t in times], [run.kept[0] for run in runs]
 
 
-@contextlib.contextmanager
-def _without(part: str):
-  """fpa_global with one part of its step replaced by a stand-in of no cost (for the profile only:
-  the tokens it then decodes mean nothing): "attention" (every head's attention, over its range or the whole pool) or
-  "eviction" (`pool_evict` between steps)."""
-  from fpa_jax.inference import pool as P
-
-  stubs = {
-    "attention": {
-      "_attend_masked": lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum(),
-      "_attend_packed": lambda qg, pool, index, layer, scale, limit: qg * pool.k[:, :1, :1].sum(),
-    },
-    "eviction": {"pool_evict": lambda cache, policy, now, repack_due=True: cache},
-  }[part]
-  old = {name: getattr(P, name) for name in stubs}
-  for name, stub in stubs.items():
-    setattr(P, name, stub)
-  try:
-    yield
-  finally:
-    for name, fn in old.items():
-      setattr(P, name, fn)
-
-
 def profile_global(model, prompt, n_new: int, repeats: int, policy) -> dict:
-  """fpa_global's step split by stand-ins (`_without`), timed interleaved with the whole step:
+  """fpa_global's step split by stand-ins (`fpa_jax.inference.pool.stand_in`), timed interleaved with the whole step:
   {"step_ms", "attention_ms", "eviction_ms", "rest_ms"} per token (a part's time: the whole step's
   minus the step's without it)."""
   runs = [decode_timer(model, prompt, n_new, policy)]
   for part in ("attention", "eviction"):
-    with _without(part):  # traced (and compiled) inside: the stand-in is baked into this program
+    with stand_in(part):  # traced (and compiled) inside: the stand-in is baked into this program
       run = decode_timer(model, prompt, n_new, policy)
       run(), run()
     runs.append(run)

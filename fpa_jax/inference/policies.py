@@ -25,7 +25,7 @@ so that neither branches on a name): `Full`, `FPATolerance`, `FPAThreshold`, `FP
                 `fpa_budget` allocates at the same budget plus an int32 tag per slot
                 (`decode.cache_bytes`). Every `repack_every` steps the pool is sorted by owner, so
                 each head's keys lie side by side and each query head attends over its own range plus
-                the keys its head wrote since: O(keys it holds) per head and step (`Policy.pool_impl`;
+                the keys its head wrote since: O(keys it holds) per head and step (`FPAGlobal.pool_impl`;
                 "masked": the whole pool masked, O(G); `fpa_jax.inference.pool`). `head_cap` (optional): at most that many keys per
                 (layer, kv head), its largest penalty going first as in `fpa_budget` (default: no
                 limit, a head may fill the pool). The last W keys of every head are protected. Between

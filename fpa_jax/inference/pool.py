@@ -7,7 +7,7 @@ exactly G slots per row and allocates what `fpa_budget`'s per-head caches alloca
 budget, plus an int32 owner tag per slot (`decode.cache_bytes`). A slot holds one key of one
 (layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key).
 
-Cost per token (`Policy.pool_impl`; every implementation keeps the same keys and decodes the same
+Cost per token (`FPAGlobal.pool_impl`; every implementation keeps the same keys and decodes the same
 tokens): "packed" (default) sorts the pool by owner every N = `policy.pack_steps` steps (`repack`,
 between blocks of N steps: `scan_steps`), so each head's keys lie side by side in a range
 [start, start + count) (`PackIndex`); a layer reads, per kv head, a window of the least static
@@ -37,6 +37,7 @@ Per-layer state that is not per key (the gate's running sum `carry` [B, KVH]) st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -81,7 +82,7 @@ class SlotPool(NamedTuple):
 
 
 class PackIndex(NamedTuple):
-  """Where each owner's keys lie in a repacked pool (`Policy.pool_impl` "packed"); O = L * KVH owners,
+  """Where each owner's keys lie in a repacked pool (`FPAGlobal.pool_impl` "packed"); O = L * KVH owners,
   N = `policy.pack_steps` steps between repacks.
 
   start, count: [B, O] int32 owner o's range [start, start + count): its keys at the last repack,
@@ -230,7 +231,7 @@ def _widths(limit: int) -> tuple[int, ...]:
 
 def _attend_masked(qg, pool: SlotPool, mine, scale: float, limit: int):
   """Every query head over the whole pool [B, G], masked to its own slots: O(G) per head (the
-  reference layout, `Policy.pool_impl` "masked", "reference"). qg [B, KVH, H/KVH, K]; mine [B, KVH, G]."""
+  reference layout, `FPAGlobal.pool_impl` "masked", "reference"). qg [B, KVH, H/KVH, K]; mine [B, KVH, G]."""
   s = jnp.einsum("bhgk,bsk->bhgs", qg, pool.k, preferred_element_type=F32) * scale  # [B, KVH, G/H, G]
   logits = s - pool.penalty[:, None, None, :]
   p = jax.nn.softmax(jnp.where(mine[:, :, None, :], logits, -jnp.inf), axis=-1)
@@ -551,3 +552,27 @@ def pool_from_caches(caches: Sequence[LayerCache], slots: int) -> GlobalCache:
   pool = SlotPool(**{f: take(x) for f, x in fields.items()})
   pool = pool._replace(pos=jnp.where(pool.alive, pool.pos, -1), run_min=jnp.where(pool.alive, pool.run_min, jnp.inf))
   return GlobalCache(pool, tuple(c.carry for c in caches))
+
+
+@contextlib.contextmanager
+def stand_in(part: str):
+  """For profiling only (`experiments/bench_decode.py`): programs traced inside run fpa_global's step
+  with one part replaced by a stand-in of no cost, so a part's cost is the step's time minus the
+  step's without it (the tokens such a program decodes mean nothing). part: "attention" (every
+  head's attention, over its range or the whole pool) or "eviction" (`pool_evict` between steps)."""
+  stubs = {
+    "attention": {
+      "_attend_masked": lambda qg, pool, mine, scale, limit: qg * pool.k[:, :1, :1].sum(),
+      "_attend_packed": lambda qg, pool, index, layer, scale, limit: qg * pool.k[:, :1, :1].sum(),
+    },
+    "eviction": {"pool_evict": lambda cache, policy, now, repack_due=True: cache},
+  }
+  if part not in stubs:
+    raise ValueError(f"part must be one of {sorted(stubs)}, got {part!r}")
+  here = globals()
+  old = {name: here[name] for name in stubs[part]}
+  here.update(stubs[part])
+  try:
+    yield
+  finally:
+    here.update(old)
