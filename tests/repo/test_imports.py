@@ -200,11 +200,6 @@ def _describe(graph, circle) -> str:
   )
 
 
-# Being fixed (the kernels' shared helpers into a module both import): block_sparse imports eleven
-# private names of kernels at its top, and kernels imports block_sparse back inside a function.
-PALLAS_CIRCLE = ("fpa_jax.ops.pallas.block_sparse", "fpa_jax.ops.pallas.kernels")
-
-
 def test_no_import_circle_at_top_level():
   graph = import_graph()
   found = circles(graph, top_level_only=True)
@@ -214,13 +209,8 @@ def test_no_import_circle_at_top_level():
 def test_no_import_circle_through_function_level_imports():
   """A function-level import that closes a circle only hides it until the function runs."""
   graph = import_graph()
-  found = [c for c in circles(graph, top_level_only=False) if c != PALLAS_CIRCLE]
+  found = circles(graph, top_level_only=False)
   assert not found, "import circles: " + " | ".join(_describe(graph, c) for c in found)
-
-
-@pytest.mark.xfail(strict=True, reason="ops/pallas: kernels and block_sparse import each other (being fixed)")
-def test_pallas_kernels_and_block_sparse_form_no_circle():
-  assert PALLAS_CIRCLE not in circles(import_graph(), top_level_only=False)
 
 
 def test_circle_check_finds_top_level_and_function_level_circles(tmp_path):

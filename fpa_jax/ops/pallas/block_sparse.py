@@ -52,18 +52,18 @@ from fpa_jax.ops import chunked as _chunked
 from fpa_jax.ops.bias import Bias, FoXBias, FPABias
 from fpa_jax.ops.common import F32
 from fpa_jax.ops.validate import PALLAS_SKIP_GPU
-from fpa_jax.ops.pallas.kernels import (
-  _Cfg,
-  _check_blocks,
-  _dot,
-  _dot_nt,
-  _fit,
-  _group_sum,
-  _logits,
-  _pick,
-  _r_rows,
-  _tile_terms,
-  _unpack,
+from fpa_jax.ops.pallas.common import (
+  Cfg,
+  check_blocks,
+  dot,
+  dot_nt,
+  fit,
+  group_sum,
+  masked_logits,
+  pick,
+  r_rows,
+  tile_terms,
+  unpack,
 )
 
 
@@ -97,7 +97,7 @@ def tile_lists(dead, shape):
 
 
 @dataclasses.dataclass(frozen=True)
-class _SparseCfg(_Cfg):
+class _SparseCfg(Cfg):
   kvh: int = 1
   nb: int = 1
 
@@ -117,16 +117,16 @@ def _entry(cfg, cnt_ref, idx_ref, hk):
 
 def _fwd_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   # q, qcol, qseg, r: query block I; k, v, krow, kseg: key block J = idx[b, h // G, I, n].
-  (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, rest = _unpack(refs, 5, has_r, has_seg)
+  (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, rest = unpack(refs, 5, has_r, has_seg)
   o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
   n, j, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
 
   def logits(diag):
-    r = _pick(r_ref[...], j) if has_r and not diag else None
+    r = pick(r_ref[...], j) if has_r and not diag else None
     qseg, kseg = (qseg_ref[...], kseg_ref[...]) if has_seg else (None, None)
     kvec, qvec = (lambda m: krow_ref[m : m + 1, :]), (lambda m: qcol_ref[:, m : m + 1])
-    bias, mask, _ = _tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
-    return _logits(cfg, q_ref[...], k_ref[...], bias, mask)
+    bias, mask, _ = tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
+    return masked_logits(cfg, q_ref[...], k_ref[...], bias, mask)
 
   @pl.when(n == 0)  # the diagonal: the entry is never masked, so m is finite from here on
   def _():
@@ -134,7 +134,7 @@ def _fwd_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
     m = s.max(1, keepdims=True)
     p = jnp.exp(s - m)
     m_sc[...], l_sc[...] = m, p.sum(1, keepdims=True)
-    acc_sc[...] = _dot(p.astype(v_ref.dtype), v_ref[...])
+    acc_sc[...] = dot(p.astype(v_ref.dtype), v_ref[...])
 
   @pl.when((n > 0) & live)
   def _():
@@ -144,7 +144,7 @@ def _fwd_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
     p = jnp.exp(s - m_new)
     m_sc[...] = m_new
     l_sc[...] = l_sc[...] * corr + p.sum(1, keepdims=True)
-    acc_sc[...] = acc_sc[...] * corr + _dot(p.astype(v_ref.dtype), v_ref[...])
+    acc_sc[...] = acc_sc[...] * corr + dot(p.astype(v_ref.dtype), v_ref[...])
 
   @pl.when(n == pl.num_programs(3) - 1)
   def _():
@@ -155,7 +155,7 @@ def _fwd_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
 def _dkv_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   # Grid (B, KVH, J, n). k, v, krow, kseg, r (R[:, J]): key block J of kv head h; q, dO, lse, delta
   # ([G, blk, .], the group's query heads), qcol, qseg: query block I = idxT[b, h, J, n].
-  fixed, r_ref, qseg_ref, kseg_ref, outs = _unpack(refs, 8, has_r, has_seg)
+  fixed, r_ref, qseg_ref, kseg_ref, outs = unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   dk_ref, dv_ref, dkrow_ref = outs[:3]
   dr_ref = outs[3] if has_r else None
@@ -164,17 +164,17 @@ def _dkv_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
 
   def tile(diag):
     k, v = k_ref[...], v_ref[...]
-    r = _pick(r_ref[...], i) if has_r and not diag else None
+    r = pick(r_ref[...], i) if has_r and not diag else None
     qseg, kseg = (qseg_ref[...], kseg_ref[...]) if has_seg else (None, None)
     kvec, qvec = (lambda m: krow_ref[m : m + 1, :]), (lambda m: qcol_ref[:, m : m + 1])
-    bias, mask, pull = _tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
+    bias, mask, pull = tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
     dk, dv, ds_group = dk_sc[...], dv_sc[...], None
     for g in range(cfg.group):  # the group's query heads share k, v and the bias: sum in here
       q, do = q_ref[g], do_ref[g]
-      p = jnp.exp(_logits(cfg, q, k, bias, mask) - lse_ref[g])  # masked entries: exactly 0
-      dv = dv + _dot(p.astype(do.dtype).T, do)
-      ds = p * (_dot_nt(do, v) - delta_ref[g])  # d loss / d logit = d loss / d bias
-      dk = dk + _dot(ds.astype(q.dtype).T, q) * cfg.scale
+      p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse_ref[g])  # masked entries: exactly 0
+      dv = dv + dot(p.astype(do.dtype).T, do)
+      ds = p * (dot_nt(do, v) - delta_ref[g])  # d loss / d logit = d loss / d bias
+      dk = dk + dot(ds.astype(q.dtype).T, q) * cfg.scale
       ds_group = ds if ds_group is None else ds_group + ds
     dk_sc[...], dv_sc[...] = dk, dv
     rows, d_r = pull(ds_group, "key")
@@ -203,19 +203,19 @@ def _dkv_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
 
 def _dq_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   # q, dO, lse, delta, qcol, qseg, r: query block I; k, v, krow, kseg: key block idx[b, h // G, I, n].
-  fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref, dq_sc) = _unpack(refs, 8, has_r, has_seg)
+  fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref, dq_sc) = unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   n, j, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
 
   def tile(diag):
     k, v = k_ref[...], v_ref[...]
-    r = _pick(r_ref[...], j) if has_r and not diag else None
+    r = pick(r_ref[...], j) if has_r and not diag else None
     qseg, kseg = (qseg_ref[...], kseg_ref[...]) if has_seg else (None, None)
     kvec, qvec = (lambda m: krow_ref[m : m + 1, :]), (lambda m: qcol_ref[:, m : m + 1])
-    bias, mask, pull = _tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
-    p = jnp.exp(_logits(cfg, q_ref[...], k, bias, mask) - lse_ref[...])
-    ds = p * (_dot_nt(do_ref[...], v) - delta_ref[...])
-    dq_sc[...] += _dot(ds.astype(k.dtype), k) * cfg.scale
+    bias, mask, pull = tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
+    p = jnp.exp(masked_logits(cfg, q_ref[...], k, bias, mask) - lse_ref[...])
+    ds = p * (dot_nt(do_ref[...], v) - delta_ref[...])
+    dq_sc[...] += dot(ds.astype(k.dtype), k) * cfg.scale
     for m, x in pull(ds, "query").items():
       dqcol_ref[:, m : m + 1] += x
 
@@ -295,7 +295,7 @@ def _forward(cfg, q, k, v, st, seg, lists):
   specs = [_own((blk, d)), _walked(cfg, (blk, d), g), _walked(cfg, (blk, dv), g), _krow_spec(cfg, nr, blk, g, True)]
   specs.append(_own((blk, nc), g))
   if r is not None:
-    args.append(_r_rows(r, nb))
+    args.append(r_rows(r, nb))
     specs.append(_r_spec(nb, g))
   if seg is not None:
     args += list(seg)
@@ -337,7 +337,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_shape.append(jax.ShapeDtypeStruct(krow.shape, F32))
   if has_r:
-    args.append(_r_rows(jnp.swapaxes(r, -1, -2), nb))  # R^T: program J reads R[:, J] as a row
+    args.append(r_rows(jnp.swapaxes(r, -1, -2), nb))  # R^T: program J reads R[:, J] as a row
     specs.append(_r_spec(nb, 1))
     out_specs.append(_r_spec(nb, 1))
     out_shape.append(jax.ShapeDtypeStruct(r.shape[:2] + (nb, 1, nb), F32))
@@ -366,7 +366,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
   specs = [_own((blk, d)), _walked(cfg, (blk, d), g), _walked(cfg, (blk, dv_), g), _own((blk, dv_)), _own((blk, 1))]
   specs += [_own((blk, 1)), _krow_spec(cfg, nr, blk, g, True), _own((blk, nc), g)]
   if has_r:
-    args.append(_r_rows(r, nb))
+    args.append(r_rows(r, nb))
     specs.append(_r_spec(nb, g))
   if has_seg:
     args += list(seg)
@@ -384,7 +384,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
     lists[:2],
     args,
   )
-  return dq, dk, dv, (dkrow, _group_sum(dqcol, g, F32), dr)
+  return dq, dk, dv, (dkrow, group_sum(dqcol, g, F32), dr)
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -443,7 +443,7 @@ def block_sparse_attention(
   mode = "interpret" if interpret else backend
   if mode == "gpu":
     raise ValueError(PALLAS_SKIP_GPU)
-  bs = _check_blocks(block_sizes, mode)
+  bs = check_blocks(block_sizes, mode)
   if bs.backward != bs.fwd:
     raise ValueError(
       f"skip_tolerance drops the same tiles in the forward and backward kernels: one tile size, got "
@@ -451,7 +451,7 @@ def block_sparse_attention(
     )
   if not isinstance(bias, (FPABias, FoXBias)):
     raise TypeError(f"bias must be an ops.bias.FPABias or FoXBias, got {type(bias).__name__}")
-  blk = _fit(bs.fwd, t, False)  # = chunked.block_for(t, bs.fwd): the chunked kernel's tiles
+  blk = fit(bs.fwd, t, False)  # = chunked.block_for(t, bs.fwd): the chunked kernel's tiles
   nb = -(-t // blk)
   tp = nb * blk
   dead = None

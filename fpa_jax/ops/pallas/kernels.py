@@ -30,7 +30,6 @@ mode on CPU (`interpret=True`, the default there); the compiled paths are unveri
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -38,87 +37,28 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from fpa_jax.ops.bias import Bias, FoXBias, FPABias, Kind
-from fpa_jax.ops.common import F32, BlockSizes  # defined below validate / chunked: no import cycle
-from fpa_jax.ops.first_passage import n_levels
-from fpa_jax.ops.pallas.tile_bias import INF, tile_bias
-
-NEG = -1e30  # finite mask value: exp(NEG - m) == 0 without any inf - inf
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-  kind: Kind
-  scale: float
-  fwd: int
-  bwd: int
-  interpret: bool
-  backend: str  # "tpu" | "gpu" | "interpret"
-  group: int = 1  # G = H / KVH: query head h reads kv head h // G
-
-  def compiler_params(self):
-    if self.backend == "tpu":
-      from jax.experimental.pallas import tpu as pltpu
-
-      return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)  # every program writes its own blocks
-    if self.backend == "gpu":
-      from jax.experimental.pallas import triton as plgpu
-
-      return plgpu.CompilerParams(num_warps=4, num_stages=2)
-    return None
-
-  def call(self, kernel, **kw):
-    return pl.pallas_call(kernel, interpret=self.interpret, compiler_params=self.compiler_params(), **kw)
+from fpa_jax.ops.bias import Bias, FoXBias, FPABias
+from fpa_jax.ops.common import F32
+from fpa_jax.ops.pallas.common import (
+  Cfg,
+  check_blocks,
+  dot,
+  dot_nt,
+  fit,
+  group_sum,
+  masked_logits,
+  pick,
+  r_rows,
+  tile_terms,
+  unpack,
+)
 
 
 # ----------------------------------------------------------------------------- tile helpers
 
 
-def _dot_nt(a, b):  # a [m, k], b [n, k] -> a @ b.T [m, n] fp32
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
-
-def _dot(a, b):  # a [m, k], b [k, n] -> [m, n] fp32
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-
-
 def _rows(j, blk):
   return pl.ds(pl.multiple_of(j * blk, blk), blk)
-
-
-def _pick(row, idx):
-  """row[0, idx] of a [1, n] vector as [1, 1] (a masked reduce: no dynamic lane indexing)."""
-  iota = jax.lax.broadcasted_iota(jnp.int32, row.shape, 1)
-  return jnp.min(jnp.where(iota == idx, row, INF), axis=1, keepdims=True)
-
-
-def _tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag):
-  """A tile's (bias [bq, bk] fp32, mask [bq, bk] bool or None, bias pullback): one per kv head,
-  shared by the query heads of its group."""
-  dist = None
-  if diag:
-    dist = jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0) - jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1)
-  bias, pull = tile_bias(cfg.kind, n_levels(blk), kvec, qvec, r, dist)
-  mask = None if dist is None else dist >= 0
-  if qseg is not None:
-    same = qseg == kseg  # [bq, 1] == [1, bk]
-    mask = same if mask is None else mask & same
-  return bias, mask, pull
-
-
-def _logits(cfg, q, k, bias, mask):
-  """q [bq, K], k [bk, K] -> masked logits [bq, bk] fp32."""
-  s = _dot_nt(q, k) * cfg.scale + bias
-  return s if mask is None else jnp.where(mask, s, NEG)
-
-
-def _unpack(refs, n_in, has_r, has_seg):
-  """Kernel refs -> (fixed inputs, r, qseg, kseg, outputs)."""
-  refs = list(refs)
-  fixed, rest = refs[:n_in], refs[n_in:]
-  r = rest.pop(0) if has_r else None
-  qseg, kseg = (rest.pop(0), rest.pop(0)) if has_seg else (None, None)
-  return fixed, r, qseg, kseg, rest
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -126,7 +66,7 @@ def _unpack(refs, n_in, has_r, has_seg):
 
 def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
   # q, qcol, qseg: this query block; k, v, krow, kseg: all of T; r: R[I, :].
-  (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, (o_ref, lse_ref) = _unpack(
+  (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, (o_ref, lse_ref) = unpack(
     refs, 5, has_r, has_seg
   )
   i = pl.program_id(2)
@@ -136,15 +76,15 @@ def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
 
   def logits(j, diag):
     ks = _rows(j, blk)
-    r = _pick(r_ref[...], j) if has_r and not diag else None
+    r = pick(r_ref[...], j) if has_r and not diag else None
     kseg = kseg_ref[:, ks] if has_seg else None
-    bias, mask, _ = _tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
-    return _logits(cfg, q, k_ref[ks, :], bias, mask), v_ref[ks, :]
+    bias, mask, _ = tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
+    return masked_logits(cfg, q, k_ref[ks, :], bias, mask), v_ref[ks, :]
 
   s, v = logits(i, True)  # the diagonal entry is never masked, so m is finite from here on
   m = s.max(1, keepdims=True)
   p = jnp.exp(s - m)
-  carry = (m, p.sum(1, keepdims=True), _dot(p.astype(v.dtype), v))
+  carry = (m, p.sum(1, keepdims=True), dot(p.astype(v.dtype), v))
 
   def body(j, carry):
     m, l, acc = carry
@@ -152,7 +92,7 @@ def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
     m_new = jnp.maximum(m, s.max(1, keepdims=True))
     corr = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
-    return m_new, l * corr + p.sum(1, keepdims=True), acc * corr + _dot(p.astype(v.dtype), v)
+    return m_new, l * corr + p.sum(1, keepdims=True), acc * corr + dot(p.astype(v.dtype), v)
 
   m, l, acc = jax.lax.fori_loop(0, i, body, carry)
   o_ref[...] = (acc / l).astype(o_ref.dtype)
@@ -162,7 +102,7 @@ def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
 def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
   # Grid (B, KVH, J). k, v, krow, kseg: this key block of kv head h; q, dO, lse, delta: all of T
   # for the G query heads reading h ([G, Tp, .]); qcol, qseg: all of T; r: R[:, J].
-  fixed, r_ref, qseg_ref, kseg_ref, outs = _unpack(refs, 8, has_r, has_seg)
+  fixed, r_ref, qseg_ref, kseg_ref, outs = unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   dk_ref, dv_ref, dkrow_ref = outs[:3]
   j = pl.program_id(2)
@@ -174,16 +114,16 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
   def tile(i, carry, diag):
     dk, dv, dkrow, dr = carry
     qs = _rows(i, blk)
-    r = _pick(r_col, i) if has_r and not diag else None
+    r = pick(r_col, i) if has_r and not diag else None
     qseg = qseg_ref[qs, :] if has_seg else None
-    bias, mask, pull = _tile_terms(cfg, blk, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
+    bias, mask, pull = tile_terms(cfg, blk, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
     ds_group = None
     for g in range(cfg.group):  # the group's query heads share k, v and the bias: sum in here
       q, do = q_ref[g, qs, :], do_ref[g, qs, :]
-      p = jnp.exp(_logits(cfg, q, k, bias, mask) - lse_ref[g, qs, :])  # masked entries: exactly 0
-      dv = dv + _dot(p.astype(do.dtype).T, do)
-      ds = p * (_dot_nt(do, v) - delta_ref[g, qs, :])  # d loss / d logit = d loss / d bias
-      dk = dk + _dot(ds.astype(q.dtype).T, q) * cfg.scale
+      p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse_ref[g, qs, :])  # masked entries: exactly 0
+      dv = dv + dot(p.astype(do.dtype).T, do)
+      ds = p * (dot_nt(do, v) - delta_ref[g, qs, :])  # d loss / d logit = d loss / d bias
+      dk = dk + dot(ds.astype(q.dtype).T, q) * cfg.scale
       ds_group = ds if ds_group is None else ds_group + ds
     rows, d_r = pull(ds_group, "key")
     dkrow = tuple(x + rows[n] if n in rows else x for n, x in enumerate(dkrow))
@@ -210,7 +150,7 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
 
 def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
   # q, dO, lse, delta, qcol, qseg: this query block; k, v, krow, kseg: all of T; r: R[I, :].
-  fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref) = _unpack(refs, 8, has_r, has_seg)
+  fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref) = unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   i = pl.program_id(2)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -221,12 +161,12 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
     dq, dqcol = carry
     ks = _rows(j, blk)
     k, v = k_ref[ks, :], v_ref[ks, :]
-    r = _pick(r_ref[...], j) if has_r and not diag else None
+    r = pick(r_ref[...], j) if has_r and not diag else None
     kseg = kseg_ref[:, ks] if has_seg else None
-    bias, mask, pull = _tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
-    p = jnp.exp(_logits(cfg, q, k, bias, mask) - lse)
-    ds = p * (_dot_nt(do, v) - delta)
-    dq = dq + _dot(ds.astype(k.dtype), k) * cfg.scale
+    bias, mask, pull = tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
+    p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse)
+    ds = p * (dot_nt(do, v) - delta)
+    dq = dq + dot(ds.astype(k.dtype), k) * cfg.scale
     cols = pull(ds, "query")
     return dq, tuple(x + cols[n] if n in cols else x for n, x in enumerate(dqcol))
 
@@ -250,20 +190,7 @@ def _whole(rows, cols, g=1):  # all of a [B, H, rows, cols] per (batch, head)
   return pl.BlockSpec((None, None, rows, cols), lambda b, h, x: (b, h // g, 0, 0))
 
 
-def _r_rows(r, nbp):
-  """r [B, H, nb, nb] -> [B, H, nb, 1, nbp]: row x of a program's block is a [1, nbp] vector."""
-  r = jnp.pad(r, [(0, 0), (0, 0), (0, 0), (0, nbp - r.shape[-1])], constant_values=INF)
-  return r[:, :, :, None, :]
-
-
 _R_SPEC = lambda nbp, g=1: pl.BlockSpec((None, None, None, 1, nbp), lambda b, h, x: (b, h // g, x, 0, 0))
-
-
-def _group_sum(x, g, dtype):
-  """[B, H, ...] per-query-head partials -> [B, H / g, ...] summed over each group, in dtype."""
-  if g == 1:
-    return x.astype(dtype)
-  return x.reshape((x.shape[0], x.shape[1] // g, g) + x.shape[2:]).sum(2).astype(dtype)
 
 
 def _seg_specs(seg, blk, tp, q_tiled):
@@ -290,7 +217,7 @@ def _forward(cfg, q, k, v, st, seg):
   args = [q, k, v, krow, qcol]
   specs = [_tiled(blk, d), _whole(tp, d, g), _whole(tp, dv, g), _whole(nr, tp, g), _tiled(blk, nc, g)]
   if r is not None:
-    args.append(_r_rows(r, _nbp(cfg, nb)))
+    args.append(r_rows(r, _nbp(cfg, nb)))
     specs.append(_R_SPEC(_nbp(cfg, nb), g))
   if seg is not None:
     args += list(seg)
@@ -328,7 +255,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_shape.append(jax.ShapeDtypeStruct(krow.shape, F32))
   if has_r:
-    args.append(_r_rows(jnp.swapaxes(r, -1, -2), nbp))  # R^T: program J reads R[:, J] as a row
+    args.append(r_rows(jnp.swapaxes(r, -1, -2), nbp))  # R^T: program J reads R[:, J] as a row
     specs.append(_R_SPEC(nbp))
     out_specs.append(_R_SPEC(nbp))
     out_shape.append(jax.ShapeDtypeStruct(r.shape[:2] + (nb, 1, nbp), F32))
@@ -360,7 +287,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
     _tiled(blk, nc, g),
   ]
   if has_r:
-    args.append(_r_rows(r, nbp))
+    args.append(r_rows(r, nbp))
     specs.append(_R_SPEC(nbp, g))
   if has_seg:
     args += list(seg)
@@ -374,7 +301,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
     out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h) + qcol.shape[2:], F32)],
     name=f"{cfg.kind}_attention_dq",
   )(*args)
-  return dq, dk, dv, (dkrow, _group_sum(dqcol, g, F32), dr)
+  return dq, dk, dv, (dkrow, group_sum(dqcol, g, F32), dr)
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -408,28 +335,6 @@ _core.defvjp(_core_fwd, _core_bwd)
 # ----------------------------------------------------------------------------- entry point
 
 
-def _fit(blk, t, pow2):
-  """The tile used for length t: the requested size, shrunk for short sequences."""
-  if pow2:
-    return min(blk, max(16, pl.next_power_of_2(t)))
-  return min(blk, -(-t // 8) * 8)
-
-
-def _check_blocks(block_sizes, mode):
-  if block_sizes is None:
-    return BlockSizes.default(mode)
-  if isinstance(block_sizes, int):
-    block_sizes = BlockSizes(block_sizes)
-  if not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f"block sizes must be an int or a BlockSizes, got {block_sizes!r}")
-  for n in (block_sizes.fwd, block_sizes.backward):
-    if not isinstance(n, int) or n < 1:
-      raise ValueError(f"block sizes must be positive ints, got {block_sizes}")
-    if mode == "gpu" and (n < 16 or n & (n - 1)):
-      raise ValueError(f"Triton tiles must be powers of two >= 16, got {block_sizes}")
-  return block_sizes
-
-
 def pallas_attention(
   q, k, v, bias: Bias, *, scale, segment_ids=None, block_sizes=None, interpret=None, skip_tolerance=None
 ):
@@ -449,7 +354,9 @@ def pallas_attention(
     [B, T, H, Kv] in q's dtype.
   """
   if skip_tolerance is not None:
-    from fpa_jax.ops.pallas.block_sparse import block_sparse_attention  # which imports this module
+    from fpa_jax.ops.pallas.block_sparse import (
+      block_sparse_attention,
+    )  # a function-level import: block_sparse is the optional path
 
     return block_sparse_attention(
       q,
@@ -470,8 +377,8 @@ def pallas_attention(
   if interpret is None:
     interpret = backend not in ("tpu", "gpu")
   mode = "interpret" if interpret else backend
-  bs = _check_blocks(block_sizes, mode)
-  bf, bb = (_fit(n, t, mode == "gpu") for n in (bs.fwd, bs.backward))
+  bs = check_blocks(block_sizes, mode)
+  bf, bb = (fit(n, t, mode == "gpu") for n in (bs.fwd, bs.backward))
   tp = -(-t // math.lcm(bf, bb)) * math.lcm(bf, bb)
   if not isinstance(bias, (FPABias, FoXBias)):
     raise TypeError(f"bias must be an ops.bias.FPABias or FoXBias, got {type(bias).__name__}")
@@ -486,6 +393,6 @@ def pallas_attention(
   if segment_ids is not None:
     s = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, tp - t)], constant_values=-1)
     seg = (s[:, :, None], s[:, None, :])  # query column [B, Tp, 1], key row [B, 1, Tp]
-  cfg = _Cfg(kind, float(scale), bf, bb, bool(interpret), mode, h // k.shape[2])
+  cfg = Cfg(kind, float(scale), bf, bb, bool(interpret), mode, h // k.shape[2])
   o = _core(cfg, prep(q, dpad(d)), prep(k, dpad(d)), prep(v, dpad(dv)), fst, bst, seg)
   return jnp.swapaxes(o[:, :, :t, :dv], 1, 2)

@@ -1,0 +1,126 @@
+"""What the dense (`kernels`) and block-sparse (`block_sparse`) Pallas kernels share: the call
+configuration, the tile's bias / mask / logits, kernel-ref unpacking, the block-pair statistic's
+row layout, the group sum of per-query-head partials and the tile-size checks. Both kernel modules
+import this one and not each other at the top (`kernels.pallas_attention` hands skip_tolerance to
+`block_sparse` inside the function), so the package has no import circle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from fpa_jax.ops.bias import Kind
+from fpa_jax.ops.common import F32, BlockSizes
+from fpa_jax.ops.first_passage import n_levels
+from fpa_jax.ops.pallas.tile_bias import INF, tile_bias
+
+NEG = -1e30  # finite mask value: exp(NEG - m) == 0 without any inf - inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+  kind: Kind
+  scale: float
+  fwd: int
+  bwd: int
+  interpret: bool
+  backend: str  # "tpu" | "gpu" | "interpret"
+  group: int = 1  # G = H / KVH: query head h reads kv head h // G
+
+  def compiler_params(self):
+    if self.backend == "tpu":
+      from jax.experimental.pallas import tpu as pltpu
+
+      return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)  # every program writes its own blocks
+    if self.backend == "gpu":
+      from jax.experimental.pallas import triton as plgpu
+
+      return plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return None
+
+  def call(self, kernel, **kw):
+    return pl.pallas_call(kernel, interpret=self.interpret, compiler_params=self.compiler_params(), **kw)
+
+
+# ----------------------------------------------------------------------------- tile helpers
+
+
+def dot_nt(a, b):  # a [m, k], b [n, k] -> a @ b.T [m, n] fp32
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def dot(a, b):  # a [m, k], b [k, n] -> [m, n] fp32
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def pick(row, idx):
+  """row[0, idx] of a [1, n] vector as [1, 1] (a masked reduce: no dynamic lane indexing)."""
+  iota = jax.lax.broadcasted_iota(jnp.int32, row.shape, 1)
+  return jnp.min(jnp.where(iota == idx, row, INF), axis=1, keepdims=True)
+
+
+def tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag):
+  """A tile's (bias [bq, bk] fp32, mask [bq, bk] bool or None, bias pullback): one per kv head,
+  shared by the query heads of its group."""
+  dist = None
+  if diag:
+    dist = jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0) - jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1)
+  bias, pull = tile_bias(cfg.kind, n_levels(blk), kvec, qvec, r, dist)
+  mask = None if dist is None else dist >= 0
+  if qseg is not None:
+    same = qseg == kseg  # [bq, 1] == [1, bk]
+    mask = same if mask is None else mask & same
+  return bias, mask, pull
+
+
+def masked_logits(cfg, q, k, bias, mask):
+  """q [bq, K], k [bk, K] -> masked logits [bq, bk] fp32."""
+  s = dot_nt(q, k) * cfg.scale + bias
+  return s if mask is None else jnp.where(mask, s, NEG)
+
+
+def unpack(refs, n_in, has_r, has_seg):
+  """Kernel refs -> (fixed inputs, r, qseg, kseg, outputs)."""
+  refs = list(refs)
+  fixed, rest = refs[:n_in], refs[n_in:]
+  r = rest.pop(0) if has_r else None
+  qseg, kseg = (rest.pop(0), rest.pop(0)) if has_seg else (None, None)
+  return fixed, r, qseg, kseg, rest
+
+
+def r_rows(r, nbp):
+  """r [B, H, nb, nb] -> [B, H, nb, 1, nbp]: row x of a program's block is a [1, nbp] vector."""
+  r = jnp.pad(r, [(0, 0), (0, 0), (0, 0), (0, nbp - r.shape[-1])], constant_values=INF)
+  return r[:, :, :, None, :]
+
+
+def group_sum(x, g, dtype):
+  """[B, H, ...] per-query-head partials -> [B, H / g, ...] summed over each group, in dtype."""
+  if g == 1:
+    return x.astype(dtype)
+  return x.reshape((x.shape[0], x.shape[1] // g, g) + x.shape[2:]).sum(2).astype(dtype)
+
+
+def fit(blk, t, pow2):
+  """The tile used for length t: the requested size, shrunk for short sequences."""
+  if pow2:
+    return min(blk, max(16, pl.next_power_of_2(t)))
+  return min(blk, -(-t // 8) * 8)
+
+
+def check_blocks(block_sizes, mode):
+  if block_sizes is None:
+    return BlockSizes.default(mode)
+  if isinstance(block_sizes, int):
+    block_sizes = BlockSizes(block_sizes)
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block sizes must be an int or a BlockSizes, got {block_sizes!r}")
+  for n in (block_sizes.fwd, block_sizes.backward):
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"block sizes must be positive ints, got {block_sizes}")
+    if mode == "gpu" and (n < 16 or n & (n - 1)):
+      raise ValueError(f"Triton tiles must be powers of two >= 16, got {block_sizes}")
+  return block_sizes
