@@ -152,38 +152,34 @@ def fpa_attention(
 @functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance", "skip"))
 def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
   gates, bad = _v.sanitize_gates({"field": field, "level": level})
-  out = _fpa_impl(
-    q,
-    k,
-    v,
-    gates["field"],
-    gates["level"],
-    segment_ids,
-    impl=impl,
-    scale=scale,
-    block_size=block_size,
-    skip_tolerance=skip_tolerance,
-    skip=skip,
+  bias = _bias.FPABias(gates["field"], gates["level"])
+  out = _attend(
+    q, k, v, bias, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance, skip=skip
   )
   return _v.poison_rows(out, bad)
 
 
-def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
+def _attend(q, k, v, bias, segment_ids, *, impl, scale, block_size, skip_tolerance, skip):
+  """The one dispatch into attention for FPA and FoX, after validation: `bias` an `ops.bias.FPABias`
+  or `FoXBias`. The tiled kernels read the bias protocol; quadratic and recurrent take field and
+  level, FoX's as the FPA special case field = level = c (exact for a monotone c)."""
   if impl == "pallas":
     return _pallas.pallas_attention(
       q,
       k,
       v,
-      _bias.FPABias(field, level),
+      bias,
       scale=scale,
       segment_ids=segment_ids,
       block_sizes=block_size,
       skip_tolerance=skip_tolerance,
     )
-  if impl == "quadratic":
-    bias = -penalty_matrix(_bht(field), _bht(level))
-    return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)
-  if impl == "recurrent":
+  if impl in ("quadratic", "recurrent"):
+    field, level = (bias.field, bias.level) if isinstance(bias, _bias.FPABias) else (bias.c, bias.c)
+    if impl == "quadratic":
+      return masked_softmax_attention(
+        q, k, v, -penalty_matrix(_bht(field), _bht(level)), scale=scale, segment_ids=segment_ids
+      )
     return recurrent_attention(
       q, k, v, field.astype(_v.STATS_DTYPE), level.astype(_v.STATS_DTYPE), scale=scale, segment_ids=segment_ids
     )
@@ -192,7 +188,7 @@ def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
       q,
       k,
       v,
-      _bias.FPABias(field, level),
+      bias,
       scale=scale,
       segment_ids=segment_ids,
       block_size=block_size,
@@ -200,14 +196,7 @@ def _fpa_impl(q, k, v, field, level, segment_ids, *, impl, scale, block_size, sk
       reads=_READS[skip],
     )
   return _chunked.chunked_attention(
-    q,
-    k,
-    v,
-    _bias.FPABias(field, level),
-    scale=scale,
-    segment_ids=segment_ids,
-    block_size=block_size,
-    skip_tolerance=skip_tolerance,
+    q, k, v, bias, scale=scale, segment_ids=segment_ids, block_size=block_size, skip_tolerance=skip_tolerance
   )
 
 
@@ -274,48 +263,19 @@ def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_
   # case, which agree only for a monotone c. Non-finite entries: as in `_fpa_core`.
   gates, bad = _v.sanitize_gates({"log_fgate": log_fgate})
   c = jnp.cumsum(_v.clamp_log_fgate(gates["log_fgate"]), axis=1)
-  out = _fox_impl(
-    q, k, v, c, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance, skip=skip
+  out = _attend(
+    q,
+    k,
+    v,
+    _bias.FoXBias(c),
+    segment_ids,
+    impl=impl,
+    scale=scale,
+    block_size=block_size,
+    skip_tolerance=skip_tolerance,
+    skip=skip,
   )
   return _v.poison_rows(out, bad)
-
-
-def _fox_impl(q, k, v, c, segment_ids, *, impl, scale, block_size, skip_tolerance, skip):
-  if impl == "pallas":
-    return _pallas.pallas_attention(
-      q,
-      k,
-      v,
-      _bias.FoXBias(c),
-      scale=scale,
-      segment_ids=segment_ids,
-      block_sizes=block_size,
-      skip_tolerance=skip_tolerance,
-    )
-  if impl == "chunked" and skip in _READS:
-    return _sparse.key_sparse_attention(
-      q,
-      k,
-      v,
-      _bias.FoXBias(c),
-      scale=scale,
-      segment_ids=segment_ids,
-      block_size=block_size,
-      skip_tolerance=skip_tolerance,
-      reads=_READS[skip],
-    )
-  if impl == "chunked":
-    return _chunked.chunked_attention(
-      q,
-      k,
-      v,
-      _bias.FoXBias(c),
-      scale=scale,
-      segment_ids=segment_ids,
-      block_size=block_size,
-      skip_tolerance=skip_tolerance,
-    )
-  return _fpa_impl(q, k, v, c, c, segment_ids, impl=impl, scale=scale, block_size=None, skip_tolerance=None)
 
 
 def softmax_attention(
