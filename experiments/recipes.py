@@ -142,6 +142,51 @@ ONE_RECIPE: dict[str, dict[str, Any]] = {
 
 
 # ------------------------------------------------------------------------------------------------
+# The forgetting-by-content screen (`experiments.forget_screen`): retrofits of the recommended
+# recipe's trained checkpoint (RECOMMENDED, step 3000), each a row of one table.
+# ------------------------------------------------------------------------------------------------
+
+# What every retrofit row shares, the control included: a constant lr (the recipe ended its cosine at
+# 2e-4, and its read-outs at a tenth of that: too slow to reshape a gate in 600 steps) with the gate
+# read-outs at the full lr.
+RETROFIT_RUN: dict[str, Any] = {"lr": 5e-4, "min_lr_ratio": 1.0, "gate_lr_scale": 1.0}
+# the hinge as fpa_fox5_evict retrofitted it: target ramped from 1 to 0.1 of old keys over 300 steps
+_HINGE: dict[str, Any] = {"evict_weight": 1.0, "evict_target": 0.1, "evict_window": 16, "evict_ramp_steps": 300}
+# the upper layer's heads without a walk (no FoX term, no step): a bounded field that cannot drift,
+# so a penalty there can only come from content (a level above a later dip). The study writes it as
+# `head_gates` for its depth and heads (2 layers, 4 heads: "pppp,nnnn").
+_NOWALK_UPPER: dict[str, Any] = {"nowalk_upper": True}
+SCREEN: dict[str, dict[str, Any]] = {
+  "control": {"set": {}, "why": "the recipe continued as long with no mechanism: the paired control"},
+  "nowalk_hinge": {
+    "set": {**_NOWALK_UPPER, **_HINGE},
+    "why": "the upper layer's heads lose their walk (absolute + offset only) and the hinge presses every "
+    "layer to forget: the lower layer may forget by age, the upper one only by content",
+  },
+  "hinge": {
+    "set": dict(_HINGE),
+    "why": "the hinge alone, as fpa_fox5_evict retrofitted a passkey model (1.00 / 1.00 at 8x there): "
+    "is a drifting field what it finds on the recipe too?",
+  },
+  "nowalk": {
+    "set": dict(_NOWALK_UPPER),
+    "why": "the upper layer's heads lose their walk, no objective: does content forgetting come unasked?",
+  },
+  "nowalk_soft": {
+    "set": {
+      **_NOWALK_UPPER,
+      **_HINGE,
+      "evict_weight": 0.1,
+      "evict_target": 0.25,
+      "budget_loop_prob": 0.5,
+      "budget_loop_soft": 1.0,
+    },
+    "why": "no walk in the upper layer, the hinge at a tenth and half the steps through a soft-cut fpa_budget "
+    "cache (recipe_soft_fh0's objective, where a drift is no longer possible upstairs)",
+  },  # fmt: skip
+}
+
+# ------------------------------------------------------------------------------------------------
 # Each study's methods: method -> config overrides on top of the study's model and training settings
 # (the study module keeps its name for them, e.g. `experiments.passkey.METHODS`).
 # ------------------------------------------------------------------------------------------------

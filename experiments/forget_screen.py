@@ -1,0 +1,309 @@
+"""Forgetting by content: a screen of retrofit mechanisms on the recommended recipe's trained checkpoint.
+
+    python -m experiments.forget_screen --phase train eval report --mechanisms control nowalk_hinge --seeds 0
+    python -m experiments.forget_screen --phase report                                    # the table only
+
+Each mechanism (`experiments.recipes.SCREEN`) continues the recipe's final checkpoint (the one-recipe
+study's `recipe_fh0_no_objective`, step 3000, from `--source-dir` or else the committed copy in
+`experiments/assets/one_recipe`) for `--retrofit-steps` (600) more steps on the same data mix, with
+its own settings on top of the recipe's, as DMS retrofits a trained model. `control` is the same
+checkpoint continued as long with no mechanism: the paired control every row's text cost is read
+against. All rows share the retrofit's optimizer settings (`RETROFIT_RUN`: a constant lr, the gate
+read-outs at the full lr), so the control differs from a mechanism only in the mechanism.
+
+Each row is scored at 8x the training length (100 passkey prompts over 5 depths, parallel prefill)
+with the learned rules `fpa_budget` and `fpa_global` at 25% and 12.5% of the cache, with the full
+cache and with the tolerance policy (`fpa`, a bound: its accuracy and the mean share of keys it
+keeps), and on held-out bits per byte; and the per-head penalty on the needle (why a row holds or
+fails). Every part is a cell of `results/forget_screen/eval/<mechanism>_s<seed>.json`, kept across
+sessions (a rerun scores only what is missing; a retrained checkpoint is scored afresh); a run
+resumes from its own checkpoints under `--runs-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+from experiments import _common as U
+from experiments import one_recipe as R
+from experiments.recipes import RECOMMENDED, RETROFIT_RUN, SCREEN
+
+MODULE = "experiments.forget_screen"
+PHASES = ("train", "eval", "report")
+ASSETS = U.ROOT / "experiments" / "assets" / "one_recipe"
+# the targets of the forgetting-by-content work, judged per row: learned rule at 8x, text cost against the control
+TARGET_25, TARGET_125, TARGET_FULL, TARGET_BPB = 0.99, 0.95, 0.99, 0.005
+
+
+def source_checkpoint(args, seed: int) -> Path:
+  """The recipe's final checkpoint of `seed`: the one-recipe run's, else the committed copy."""
+  for root in (Path(args.source_dir) / f"{RECOMMENDED}_s{seed}", ASSETS / f"{RECOMMENDED}_s{seed}"):
+    step = root / "checkpoints" / str(args.source_step)
+    if step.is_dir():
+      return step
+  raise SystemExit(
+    f"no checkpoint of {RECOMMENDED} seed {seed} at step {args.source_step} under {args.source_dir} or {ASSETS}: "
+    f"train it (python -m experiments.one_recipe --phase train --methods {RECOMMENDED} --seeds {seed})"
+  )
+
+
+def config(mechanism: str, args, seed: int):
+  """The trainer config of (mechanism, seed): the recipe's, continued to source + retrofit steps."""
+  ns = argparse.Namespace(**{**vars(args), "seed": seed, "steps": args.source_step})
+  cfg = R.study_config(RECOMMENDED, ns, args.source_step)
+  from fpa_jax.configs import replace
+
+  over = {**RETROFIT_RUN, **SCREEN[mechanism]["set"]}
+  if over.pop("nowalk_upper", False):  # every layer's heads FPA, the upper layer's without a walk
+    over["head_gates"] = ",".join(["p" * cfg.kv_heads] * (cfg.n_layers - 1) + ["n" * cfg.kv_heads])
+  if "evict_weight" in over:  # the hinge's target ramps from where the retrofit starts (DMS)
+    over.setdefault("evict_ramp_start", args.source_step)
+  if "budget_loop_prob" in over:
+    over.setdefault("budget_loop_start", args.source_step)
+  return replace(cfg, steps=args.source_step + args.retrofit_steps, **over)
+
+
+def workdir(args, mechanism: str, seed: int) -> Path:
+  return Path(args.runs_dir) / f"{mechanism}_s{seed}"
+
+
+def train_one(mechanism: str, seed: int, args, argv, log) -> dict:
+  """Seed the workdir with the source checkpoint (once), then train to source + retrofit steps."""
+  from experiments.passkey import PasskeyTextMix
+
+  wd = workdir(args, mechanism, seed)
+  ckpt = wd / "checkpoints"
+  if not ckpt.exists():
+    src = source_checkpoint(args, seed)
+    ckpt.mkdir(parents=True)
+    shutil.copytree(src, ckpt / src.name)
+    log(f"[forget_screen] {mechanism} seed {seed}: seeded from {src}")
+  data = PasskeyTextMix(
+    data_dir=args.data_dir,
+    seq_len=args.train_len,
+    batch_size=args.batch_size,
+    n_passkey=args.passkey_rows,
+    answer_weight=args.answer_weight,
+    seed=seed,
+    small=args.small_data,
+  )
+  out = U.train_lm(config(mechanism, args, seed), str(wd), data, progress_bar=False)
+  hist = out["history"]
+  rec = {
+    "mechanism": mechanism,
+    "seed": seed,
+    "source": f"{RECOMMENDED}_s{seed}@{args.source_step}",
+    "steps": out["step"],
+    "retrofit_steps": args.retrofit_steps,
+    "settings": {**RETROFIT_RUN, **SCREEN[mechanism]["set"]},
+    "train_wall_s": out["train_wall_s"],
+    "last": {k: hist[-1][k] for k in hist[-1] if isinstance(hist[-1][k], (int, float))} if hist else {},
+    "workdir": str(wd),
+    "command": U.command(MODULE, argv),
+    "commit": U.git_commit(),
+    "machine": U.machine(),
+  }
+  U.write_json(Path(args.out_dir) / "train" / f"{mechanism}_s{seed}.json", rec)
+  log(f"[forget_screen] {mechanism} seed {seed}: step {out['step']}, train wall {out['train_wall_s']:.0f} s")
+  return rec
+
+
+def eval_one(mechanism: str, seed: int, args, argv, log) -> dict | None:
+  """Score (mechanism, seed)'s retrofitted checkpoint, cell by cell (resumable)."""
+  from experiments import perplexity
+  from experiments.needle_penalty import needle_stats
+  from experiments.passkey import DEPTHS
+  from fpa_jax import eval as ev
+  from fpa_jax.data import passkey_eval_examples
+  from fpa_jax.inference import load_model
+
+  tr = U.read_json(Path(args.out_dir) / "train" / f"{mechanism}_s{seed}.json")
+  if not tr or tr["steps"] < args.source_step + args.retrofit_steps:
+    log(f"[forget_screen] {mechanism} seed {seed}: not retrofitted to its steps yet, not scored")
+    return None
+  path = Path(args.out_dir) / "eval" / f"{mechanism}_s{seed}.json"
+  model, _ = load_model(tr["workdir"])
+  digest = U.params_digest(model)
+  res = U.read_json(path, {})
+  if res.get("params") != digest:  # another checkpoint (or none scored yet): score it afresh
+    res = {"mechanism": mechanism, "seed": seed, "step": tr["steps"], "params": digest}
+
+  def save(part: str, value) -> None:
+    res[part] = value
+    res.update(command=U.command(MODULE, argv), commit=U.git_commit(), machine=U.machine())
+    U.write_json(path, res)
+
+  L, M = args.train_len, args.cache_multiple
+  if "text" not in res:
+    ns = argparse.Namespace(**{**vars(args), "eval_batch": 16})
+    held, coverage = perplexity.heldout_batches(ns)
+    save("text", {"bpb": perplexity.bits_per_byte(perplexity.nll_fn(model), held), "heldout": coverage})
+    log(f"[forget_screen] {mechanism} seed {seed}: held-out bpb {res['text']['bpb']:.4f}")
+  exs = [e for d in DEPTHS for e in passkey_eval_examples(L, M, d, n=args.n // len(DEPTHS), seed=0)]
+  if "passkey_full" not in res:  # teacher-forced, the full cache
+    c = ev.passkey_cell(model, exs, length=M * L, batch_size=ev.eval_batch(M * L, len(exs)))
+    save("passkey_full", {k: c[k] for k in ("n", "correct", "accuracy", "ci95")})
+    log(f"[forget_screen] {mechanism} seed {seed}: passkey {M}x full {c['accuracy']:.2f}")
+  cache = res.get("cache", {})
+  cells = [("fpa", "tol", {"tolerance": args.tolerance})]
+  cells += [(p, f"{b:g}", {"budget": b}) for b in args.budgets for p in ("fpa_budget", "fpa_global")]
+  for pol, lab, kw in cells:
+    key = f"{pol}/{lab}"
+    if key not in cache:
+      t = time.perf_counter()
+      c = ev.passkey_cell(model, exs, policy=pol, prefill="parallel", batch_size=args.cache_batch, **kw)
+      keep = ("n", "correct", "accuracy", "ci95", "cache_fraction", "kept_fraction_mean", "overflow")
+      cache[key] = {k: c.get(k) for k in keep} | {"wall_s": round(time.perf_counter() - t, 1)}
+      save("cache", cache)
+      log(f"[forget_screen] {mechanism} seed {seed}: {M}x {key} {c['accuracy']:.2f}")
+  if args.needle_prompts and "needle" not in res:  # the gate's penalty on the needle, per head
+    per = max(1, args.needle_prompts // len(DEPTHS))
+    save("needle", needle_stats(model, [e for d in DEPTHS for e in passkey_eval_examples(L, M, d, n=per, seed=0)]))
+  return res
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+
+
+def load(out_dir: Path) -> dict[tuple[str, int], dict]:
+  return {(r["mechanism"], int(r["seed"])): r for r in map(U.read_json, sorted((out_dir / "eval").glob("*.json")))}
+
+
+def verdict(row: dict, control: dict | None) -> tuple[str, list[str]]:
+  """('holds' | 'fails', what fails) for one scored row against the screen's targets."""
+  c = row.get("cache", {})
+  acc = lambda k: c.get(k, {}).get("accuracy")
+  best = lambda b: max((x for x in (acc(f"fpa_budget/{b}"), acc(f"fpa_global/{b}")) if x is not None), default=None)
+  fails = []
+  if best("0.25") is None or best("0.25") < TARGET_25:
+    fails.append("25%")
+  if best("0.125") is None or best("0.125") < TARGET_125:
+    fails.append("12.5%")
+  if row.get("passkey_full", {}).get("accuracy", 0) < TARGET_FULL:
+    fails.append("full cache")
+  if control and "text" in control and "text" in row:
+    if row["text"]["bpb"] / control["text"]["bpb"] - 1 > TARGET_BPB:
+      fails.append("text")
+  return ("holds" if not fails else "fails"), fails
+
+
+def needle_words(needle: list[dict] | None) -> str:
+  """The upper layer's heads: needle penalty / median penalty, per head."""
+  if not needle:
+    return "—"
+  top = max(r["layer"] for r in needle)
+  return " ".join(
+    f"h{r['head']} {r['needle_penalty']:.1f}/{r['median_penalty']:.1f}" for r in needle if r["layer"] == top
+  )
+
+
+def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
+  if not rows:
+    return "No mechanism scored yet (`python -m experiments.forget_screen --phase train eval`).\n"
+  order = [m for m in SCREEN if any(k[0] == m for k in rows)]
+  seeds = sorted({s for _, s in rows})
+  body = []
+  for m in order:
+    for s in seeds:
+      r = rows.get((m, s))
+      if r is None:
+        continue
+      ctl = rows.get(("control", s))
+      c = r.get("cache", {})
+      a = lambda k: "—" if k not in c else f"{c[k]['accuracy']:.2f}"
+      bpb = r.get("text", {}).get("bpb")
+      d = "—" if bpb is None or not ctl or "text" not in ctl else f"{100 * (bpb / ctl['text']['bpb'] - 1):+.2f}%"
+      tol = c.get("fpa/tol", {})
+      v, why = verdict(r, ctl)
+      body.append(
+        [
+          f"`{m}`",
+          s,
+          a("fpa_budget/0.25"),
+          a("fpa_budget/0.125"),
+          a("fpa_global/0.25"),
+          a("fpa_global/0.125"),
+          "—" if "passkey_full" not in r else f"{r['passkey_full']['accuracy']:.2f}",
+          "—" if not tol else f"{tol['accuracy']:.2f} / {tol.get('kept_fraction_mean') or 0:.3f}",
+          "—" if bpb is None else f"{bpb:.4f}",
+          d,
+          needle_words(r.get("needle")),
+          v + (f" ({', '.join(why)})" if why else ""),
+        ]
+      )
+  head = [
+    "mechanism", "seed", "fpa_budget 25%", "fpa_budget 12.5%", "fpa_global 25%", "fpa_global 12.5%", "full 8x",
+    "tolerance: acc / mean kept", "bpb", "bpb vs control", "upper layer: needle / median penalty", "verdict",
+  ]  # fmt: skip
+  what = "\n".join(f"- `{m}`: {SCREEN[m]['why']}" for m in order)
+  return (
+    f"# Forgetting by content: the retrofit screen\n\n`{U.command(MODULE, argv)}`\n\n"
+    f"Passkey at 8x the training length (100 prompts, parallel prefill) with the learned rules at 25% / 12.5% of "
+    f"the cache; the targets: >= {TARGET_25} / >= {TARGET_125}, the full cache >= {TARGET_FULL}, bits per byte "
+    f"<= +{100 * TARGET_BPB:g}% against `control` of the same seed. 'needle / median penalty': the upper layer's "
+    f"heads at 8x (`experiments.needle_penalty`).\n\n" + U.md_table(head, body) + "\n\n" + what + "\n"
+  )
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--phase", choices=PHASES, nargs="+", default=list(PHASES))
+  ap.add_argument("--mechanisms", nargs="+", choices=list(SCREEN), default=list(SCREEN))
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+  ap.add_argument("--retrofit-steps", type=int, default=600)
+  ap.add_argument("--source-step", type=int, default=3000, help="the recipe checkpoint's step (its whole budget)")
+  ap.add_argument("--source-dir", default="runs/one_recipe", help="the one-recipe study's runs")
+  ap.add_argument("--tolerance", type=float, default=1e-3, help="the `fpa` policy's per-row bound")
+  ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.125])
+  ap.add_argument("--cache-multiple", type=int, default=8)
+  ap.add_argument("--cache-batch", type=int, default=10)
+  ap.add_argument("--n", type=int, default=100, help="passkey prompts per cell (5 depths)")
+  ap.add_argument("--needle-prompts", type=int, default=10)
+  ap.add_argument("--heldout-windows", type=int, default=512)
+  ap.add_argument("--runs-dir", default="runs/forget_screen")
+  ap.add_argument("--out-dir", default="results/forget_screen")
+  # the recipe's own settings (the one-recipe study's defaults; a retrofit keeps them)
+  for flag, kind, default in (
+    ("--train-len", int, 512), ("--layers", int, 2), ("--d-model", int, 128), ("--heads", int, 4),
+    ("--block-size", int, 64), ("--batch-size", int, 8), ("--passkey-rows", int, 6),
+    ("--answer-weight", float, 100.0), ("--lr", float, 2e-3), ("--min-lr-ratio", float, 0.1),
+    ("--warmup", int, 50), ("--ckpt-every", int, 100),
+  ):  # fmt: skip
+    ap.add_argument(flag, type=kind, default=default)
+  ap.add_argument("--data-dir", default="data")
+  ap.add_argument("--small-data", action="store_true", help="small fpa_text build (smoke tests)")
+  return ap.parse_args(argv)
+
+
+def main(argv=None) -> str:
+  args = parse_args(argv)
+  out_dir = Path(args.out_dir)
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+  for seed in args.seeds:
+    for m in args.mechanisms:
+      if "train" in args.phase:
+        train_one(m, seed, args, argv, log)
+      if "eval" in args.phase:
+        eval_one(m, seed, args, argv, log)
+  md = markdown(load(out_dir), argv)
+  if "report" in args.phase:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "forget_screen.md").write_text(md)
+  print(md)
+  return md
+
+
+if __name__ == "__main__":
+  main()

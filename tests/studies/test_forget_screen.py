@@ -1,0 +1,63 @@
+"""The forgetting-by-content screen (`experiments.forget_screen`): a retrofit starts from the recipe's
+checkpoint, keeps its own settings, scores every cell, resumes, and the table judges each row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import forget_screen as F
+from experiments import one_recipe as O
+from experiments.recipes import RECOMMENDED, SCREEN
+
+TINY = [
+  "--layers", "2", "--d-model", "16", "--heads", "2", "--block-size", "32", "--batch-size", "8", "--warmup", "1",
+  "--train-len", "288", "--passkey-rows", "4", "--small-data",
+]  # fmt: skip
+
+
+def test_nowalk_rows_hold_the_upper_layer_only():
+  args = F.parse_args(TINY)
+  cfg = F.config("nowalk_hinge", args, 0)
+  assert cfg.head_gates == "pp,nn" and cfg.evict_weight == 1.0 and cfg.evict_ramp_start == args.source_step
+  assert cfg.steps == args.source_step + args.retrofit_steps and cfg.lr == 5e-4 and cfg.gate_lr_scale == 1.0
+  ctl = F.config("control", args, 0)  # the paired control: the same run settings, no mechanism
+  assert ctl.head_gates == "" and ctl.evict_weight == 0.0 and ctl.lr == cfg.lr and ctl.seed == cfg.seed == 0
+  assert set(SCREEN) >= {"control", "nowalk_hinge", "hinge", "nowalk"}
+
+
+def test_verdict_reads_the_targets():
+  cell = lambda a: {"accuracy": a}
+  row = {
+    "cache": {"fpa_budget/0.25": cell(1.0), "fpa_global/0.125": cell(0.96), "fpa_budget/0.125": cell(0.2)},
+    "passkey_full": cell(1.0),
+    "text": {"bpb": 2.010},
+  }
+  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
+  assert F.verdict(row, {"text": {"bpb": 1.99}}) == ("fails", ["text"])  # +1.0% against the control
+  row["cache"]["fpa_global/0.125"] = cell(0.94)
+  assert F.verdict(row, None) == ("fails", ["12.5%"])
+
+
+@pytest.mark.slow
+def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
+  common = TINY + ["--data-dir", str(tmp_path / "data")]
+  src = ["--methods", RECOMMENDED, "--seeds", "0", "--steps", "2", "--stage-steps", "2", "--n-val", "5"]
+  O.main(common + src + ["--phase", "train", "--runs-dir", str(tmp_path / "src"), "--out-dir", str(tmp_path / "o")])
+  argv = common + [
+    "--mechanisms", "control", "nowalk_hinge", "--source-step", "2", "--retrofit-steps", "2",
+    "--source-dir", str(tmp_path / "src"), "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path / "out"),
+    "--n", "5", "--cache-multiple", "2", "--heldout-windows", "8", "--needle-prompts", "5",
+  ]  # fmt: skip
+  md = F.main(argv)
+  row = json.loads((tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text())
+  assert set(row["cache"]) == {"fpa/tol", "fpa_budget/0.25", "fpa_budget/0.125", "fpa_global/0.25", "fpa_global/0.125"}
+  assert row["step"] == 4 and "bpb" in row["text"] and row["passkey_full"]["n"] == 5 and row["needle"]
+  cfg = json.loads((tmp_path / "runs" / "nowalk_hinge_s0" / "config.json").read_text())
+  assert cfg["head_gates"] == "pp,nn" and cfg["evict_weight"] == 1.0
+  assert "`nowalk_hinge` | 0 |" in md and "`control` | 0 |" in md and "+0.00%" in md  # the control against itself
+  before = (tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text()
+  F.main(argv)  # all done: nothing retrained or rescored
+  assert (tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text() == before
+  assert (tmp_path / "out" / "forget_screen.md").exists()
