@@ -74,8 +74,6 @@ def workdir(args, mechanism: str, seed: int) -> Path:
 
 def train_one(mechanism: str, seed: int, args, argv, log) -> dict:
   """Seed the workdir with the source checkpoint (once), then train to source + retrofit steps."""
-  from experiments.passkey import PasskeyTextMix
-
   wd = workdir(args, mechanism, seed)
   ckpt = wd / "checkpoints"
   if not ckpt.exists():
@@ -83,16 +81,7 @@ def train_one(mechanism: str, seed: int, args, argv, log) -> dict:
     ckpt.mkdir(parents=True)
     shutil.copytree(src, ckpt / src.name)
     log(f"[forget_screen] {mechanism} seed {seed}: seeded from {src}")
-  data = PasskeyTextMix(
-    data_dir=args.data_dir,
-    seq_len=args.train_len,
-    batch_size=args.batch_size,
-    n_passkey=args.passkey_rows,
-    answer_weight=args.answer_weight,
-    seed=seed,
-    small=args.small_data,
-  )
-  out = U.train_lm(config(mechanism, args, seed), str(wd), data, progress_bar=False)
+  out = U.train_lm(config(mechanism, args, seed), str(wd), R.train_data(args, seed), progress_bar=False)
   hist = out["history"]
   rec = {
     "mechanism": mechanism,

@@ -84,7 +84,7 @@ def train_path(args, method: str, seed: int) -> Path:
 
 def train_one(method: str, seed: int, args, argv, log) -> dict:
   """Train (method, seed) in stages of `--stage-steps` to `--steps`, validating at 1x after each."""
-  from experiments.passkey import DEPTHS, PasskeyTextMix, eval_batch
+  from experiments.passkey import DEPTHS, eval_batch
   from fpa_jax.data import passkey_eval_examples
   from fpa_jax.eval import passkey_cell
 
@@ -99,16 +99,7 @@ def train_one(method: str, seed: int, args, argv, log) -> dict:
     steps = min(steps + args.stage_steps, args.steps)
     if str(steps) in val and steps < args.steps and (wd / "checkpoints").exists():
       continue  # scored by an earlier session: the trainer resumes from the last checkpoint
-    data = PasskeyTextMix(
-      data_dir=args.data_dir,
-      seq_len=args.train_len,
-      batch_size=args.batch_size,
-      n_passkey=args.passkey_rows,
-      answer_weight=args.answer_weight,
-      seed=seed,
-      small=args.small_data,
-    )
-    out = U.train_lm(study_config(method, args, steps), str(wd), data, progress_bar=False)
+    out = U.train_lm(study_config(method, args, steps), str(wd), train_data(args, seed), progress_bar=False)
     if str(steps) not in val:
       c = passkey_cell(out["model"], val_exs, length=args.train_len, batch_size=eval_batch(args.train_len, args.n_val))
       val[str(steps)] = {"exact": float(c["accuracy"]), "digit": float(c["digit_accuracy"])}
@@ -138,6 +129,21 @@ def train_one(method: str, seed: int, args, argv, log) -> dict:
     }
     U.write_json(train_path(args, method, seed), rec)
   return U.read_json(train_path(args, method, seed))
+
+
+def train_data(args, seed: int):
+  """The study's training mix (passkey rows + text rows, answer tokens weighted) for `seed`."""
+  from experiments.passkey import PasskeyTextMix
+
+  return PasskeyTextMix(
+    data_dir=args.data_dir,
+    seq_len=args.train_len,
+    batch_size=args.batch_size,
+    n_passkey=args.passkey_rows,
+    answer_weight=args.answer_weight,
+    seed=seed,
+    small=args.small_data,
+  )
 
 
 def first_competent(val: dict, competence: float) -> int | None:
