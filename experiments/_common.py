@@ -154,6 +154,51 @@ def mean_std(xs: list[float]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
+# Configs: the model apart from the run, the method's recipe over both
+# ------------------------------------------------------------------------------------------------
+
+
+def study_model(args, **over) -> dict[str, Any]:
+  """The studies' byte LM, architecture only, from their flags --layers, --d-model, --heads and (where
+  the study has it) --block-size: d_ff = 0 (SwiGLU's width from d_model), the byte vocabulary (259);
+  `over` replaces or adds fields (a vocabulary of the study's own, the attention kernel)."""
+  model = {"n_layers": args.layers, "d_model": args.d_model, "n_heads": args.heads, "d_ff": 0, "vocab_size": 259}
+  if hasattr(args, "block_size"):
+    model["block_size"] = args.block_size
+  return {**model, **over}
+
+
+def study_run(args, *, task: str, steps: int, seed: int, **over) -> dict[str, Any]:
+  """The run the byte-LM studies share: `task` rows of --train-len bytes (--data-dir, --small-data),
+  --batch-size, --lr after --warmup steps, to `steps`; a log line every 10 steps, a checkpoint every
+  --ckpt-every; `over` adds the study's own (its cosine horizon, its cooldown)."""
+  run = {
+    "task": task,
+    "data_dir": args.data_dir,
+    "small_data": args.small_data,
+    "tokenizer": "bytes",
+    "seq_len": args.train_len,
+    "batch_size": args.batch_size,
+    "steps": steps,
+    "lr": args.lr,
+    "warmup_steps": args.warmup,
+    "seed": seed,
+    "log_every": 10,
+    "ckpt_every": args.ckpt_every,
+  }
+  return {**run, **over}
+
+
+def study_config(model: dict, run: dict, recipe: dict):
+  """A study's trainer config (the `small` preset's fields replaced): `model` (the architecture,
+  `study_model`), `run` (data, schedule, seed, logging: `study_run`) and the method's `recipe` (gate,
+  objective, skipping: `experiments.recipes`), the recipe last, so that a method may set any field."""
+  from fpa_jax.configs import get_config
+
+  return get_config("small", **{**model, **run, **recipe})
+
+
+# ------------------------------------------------------------------------------------------------
 # Training and evaluation
 # ------------------------------------------------------------------------------------------------
 

@@ -50,27 +50,19 @@ def policies(method: str, budgets: list[float]) -> list[tuple[str, dict]]:
 
 
 def study_config(method: str, args, seed: int, vocab: int):
-  from fpa_jax.configs import get_config
-
-  return get_config(
-    "small",
-    **METHODS[method],
-    task="synthetic",
-    n_layers=args.layers,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=0,
-    vocab_size=vocab,
-    seq_len=args.train_len,
-    batch_size=args.batch_size,
-    block_size=32,
-    steps=args.steps,
-    warmup_steps=min(50, args.steps),
-    lr=args.lr,
-    seed=seed,
-    log_every=50,
-    ckpt_every=args.ckpt_every,
-  )
+  """The trainer config of (`method`, `seed`) on the generator's programs (`vocab` tokens)."""
+  run = {
+    "task": "synthetic",
+    "seq_len": args.train_len,
+    "batch_size": args.batch_size,
+    "steps": args.steps,
+    "warmup_steps": min(50, args.steps),
+    "lr": args.lr,
+    "seed": seed,
+    "log_every": 50,
+    "ckpt_every": args.ckpt_every,
+  }
+  return U.study_config(U.study_model(args, vocab_size=vocab, block_size=32), run, METHODS[method])
 
 
 def eval_programs(length: int, n: int, seed: int = 123) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

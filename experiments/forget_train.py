@@ -42,37 +42,31 @@ RESULTS = "results/forget_train"
 
 
 def study_config(args, variant: str):
+  """The trainer config of `variant` (exact, or key-sparse at --eps): the recipe with its ramp from the
+  flags, the chunked kernel both ways, the preset's logging and checkpoints (the runs checkpoint on
+  their own schedule)."""
   from experiments.recipes import ONE_RECIPE
-  from fpa_jax.configs import get_config
 
   recipe = {
     **ONE_RECIPE["recipe_t25_fh0"],
     "evict_ramp_start": args.ramp_start,
     "evict_ramp_steps": args.ramp_steps,
   }
-  skip = {"skip_tolerance": args.eps, "skip": "keys"} if variant == "keys" else {}
-  return get_config(
-    "small",
-    n_layers=args.layers,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=0,
-    seq_len=args.seq_len,
-    batch_size=args.batch_size,
-    block_size=args.block_size,
-    steps=args.steps,
-    lr=args.lr,
-    warmup_steps=args.warmup,
-    task="text",
-    data_dir=args.data_dir,
-    seed=args.seed,
-    small_data=args.small_data,
-    tokenizer="bytes",
-    vocab_size=259,
-    attn_impl="chunked",
-    **recipe,
-    **skip,
-  )
+  if variant == "keys":
+    recipe |= {"skip_tolerance": args.eps, "skip": "keys"}
+  run = {
+    "task": "text",
+    "data_dir": args.data_dir,
+    "small_data": args.small_data,
+    "tokenizer": "bytes",
+    "seq_len": args.seq_len,
+    "batch_size": args.batch_size,
+    "steps": args.steps,
+    "lr": args.lr,
+    "warmup_steps": args.warmup,
+    "seed": args.seed,
+  }
+  return U.study_config(U.study_model(args, attn_impl="chunked"), run, recipe)
 
 
 class _Run:

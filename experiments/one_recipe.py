@@ -46,32 +46,10 @@ NOT_IN = {"parallel": ("h2o",), "decode": ("snapkv",)}
 def study_config(method: str, args, steps: int):
   """The trainer config of `method` trained to `steps` of the `--steps` budget (one schedule whatever
   the stage: the cosine horizon is the budget)."""
-  from fpa_jax.configs import get_config
-
-  return get_config(
-    "small",
-    n_layers=args.layers,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=0,
-    seq_len=args.train_len,
-    batch_size=args.batch_size,
-    block_size=args.block_size,
-    steps=steps,
-    lr=args.lr,
-    lr_decay_steps=args.steps,
-    min_lr_ratio=args.min_lr_ratio,
-    warmup_steps=args.warmup,
-    task="passkey",
-    data_dir=args.data_dir,
-    seed=args.seed,
-    log_every=10,
-    ckpt_every=args.ckpt_every,
-    small_data=args.small_data,
-    tokenizer="bytes",
-    vocab_size=259,
-    **METHODS[method],
+  run = U.study_run(
+    args, task="passkey", steps=steps, seed=args.seed, lr_decay_steps=args.steps, min_lr_ratio=args.min_lr_ratio
   )
+  return U.study_config(U.study_model(args), run, METHODS[method])
 
 
 def workdir(args, method: str, seed: int) -> Path:

@@ -207,35 +207,21 @@ def evaluate(
 
 
 def study_config(method: str, args, steps: int, cooldown: int = 0, ramp_start: int = 0):
-  from fpa_jax.configs import get_config
-
-  over = dict(
-    n_layers=args.layers,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=0,
-    seq_len=args.train_len,
-    batch_size=args.batch_size,
-    block_size=args.block_size,
+  """The trainer config of `method` trained to `steps` (the cosine horizon: --max-steps), the last
+  `cooldown` of them cooling down; an objective's ramp starts at `ramp_start`."""
+  run = U.study_run(
+    args,
+    task="passkey",
     steps=steps,
-    lr=args.lr,
+    seed=args.seed,
     lr_decay_steps=args.max_steps,
     min_lr_ratio=args.min_lr_ratio,
-    warmup_steps=args.warmup,
-    task="passkey",
-    data_dir=args.data_dir,
-    seed=args.seed,
-    log_every=10,
-    ckpt_every=args.ckpt_every,
-    small_data=args.small_data,
-    tokenizer="bytes",
-    vocab_size=259,
     cooldown_steps=cooldown,
   )
-  over.update(METHODS[method])
-  if "evict_weight" in over:
-    over["evict_ramp_start"] = ramp_start
-  return get_config("small", **over)
+  recipe = METHODS[method]
+  if "evict_weight" in recipe:
+    recipe = {**recipe, "evict_ramp_start": ramp_start}
+  return U.study_config(U.study_model(args), run, recipe)
 
 
 def recipe(args) -> dict:

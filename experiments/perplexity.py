@@ -40,31 +40,8 @@ LN2 = math.log(2.0)
 
 def study_config(method: str, args, seed: int, overrides: dict | None = None):
   """The study's run config of `method` (or of explicit `overrides` of the same recipe)."""
-  from fpa_jax.configs import get_config
-
-  return get_config(
-    "small",
-    n_layers=args.layers,
-    d_model=args.d_model,
-    n_heads=args.heads,
-    d_ff=0,
-    seq_len=args.train_len,
-    batch_size=args.batch_size,
-    block_size=args.block_size,
-    steps=args.steps,
-    lr=args.lr,
-    warmup_steps=args.warmup,
-    min_lr_ratio=0.1,
-    task="text",
-    data_dir=args.data_dir,
-    small_data=args.small_data,
-    tokenizer="bytes",
-    vocab_size=259,
-    seed=seed,
-    log_every=10,
-    ckpt_every=args.ckpt_every,
-    **(METHODS[method] if overrides is None else overrides),
-  )
+  run = U.study_run(args, task="text", steps=args.steps, seed=seed, min_lr_ratio=0.1)
+  return U.study_config(U.study_model(args), run, METHODS[method] if overrides is None else overrides)
 
 
 def recipe_of(args, tag: str) -> dict:
