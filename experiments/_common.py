@@ -146,6 +146,18 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
   return json.loads(path.read_text()) if path.exists() else default
 
 
+def seed_verdict(ok: list[bool]) -> str:
+  """A claim's verdict from one bool per seed (each paired with FoX of the same seed where the claim
+  compares with FoX): it holds only when it holds on every seed; else it is met on k of n seeds, or
+  not met; "not run" without a seed."""
+  n, k = len(ok), sum(bool(x) for x in ok)
+  if n == 0:
+    return "not run"
+  if k == n:
+    return f"holds ({n} of {n} seed{'s' * (n != 1)})"
+  return f"{k} of {n} seeds" if k else f"not met (0 of {n} seeds)"
+
+
 def mean_std(xs: list[float]) -> str:
   """'m ± s' (sample std over seeds; '± 0' for one seed)."""
   xs = np.asarray(xs, float)

@@ -423,9 +423,7 @@ def bindings_verdict(res: dict) -> dict:
     full, rule, h2o = (c[k]["acc"] for k in ("full", "fpa_budget 12.5%", "h2o 12.5%"))
     ok.append(full - rule <= 0.01 and rule - h2o >= 0.10)
     ev.append(f"seed {seed}: rule {100 * rule:.1f} vs full {100 * full:.1f}, h2o {100 * h2o:.1f}")
-  n, k = len(ok), sum(ok)
-  verdict = "not run" if not n else f"holds ({n} of {n} seeds)" if k == n else f"{k} of {n} seeds"
-  return {**claim, "verdict": verdict, "evidence": ", ".join(ev)}
+  return {**claim, "verdict": U.seed_verdict(ok), "evidence": ", ".join(ev)}
 
 
 def objective_verdict(evals: dict, recipe_m: str, objective_ms: tuple[str, ...]) -> dict:
@@ -474,12 +472,7 @@ def verdicts(
   out = []
 
   def claim(name: str, target: str, per_seed: dict[int, bool | None], evidence: str) -> None:
-    done = {s: v for s, v in per_seed.items() if v is not None}
-    if not done:
-      verdict = "not run"
-    else:
-      k = sum(done.values())
-      verdict = f"holds ({k} of {k} seeds)" if k == len(done) else f"{k} of {len(done)} seeds"
+    verdict = U.seed_verdict([v for v in per_seed.values() if v is not None])
     out.append({"claim": name, "target": target, "verdict": verdict, "evidence": evidence, "link": link})
 
   ev = {s: (evals[(recipe_m, s)], evals[("fox", s)]) for s in seeds}

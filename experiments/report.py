@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments._common import seed_verdict
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- (results/[\w./-]+\.md) -->\n)(.*?)(<!-- end \2 -->)", re.S)
 FAMILIES = ("fpa", "stack", "fox", "softmax")
@@ -550,17 +552,6 @@ def claims_detail(root: Path = ROOT) -> str:
 # ---- the README's claims table: one line per claim, a verdict judged seed by seed ----------------
 
 
-def verdict(ok: list[bool]) -> str:
-  """A claim holds only when it holds on every seed (each paired with FoX of the same seed where the
-  claim compares with FoX); else it is met on k of n seeds, or not met."""
-  n, k = len(ok), sum(bool(x) for x in ok)
-  if n == 0:
-    return "not run"
-  if k == n:
-    return f"holds ({n} of {n} seed{'s' * (n != 1)})"
-  return f"{k} of {n} seeds" if k else f"not met (0 of {n} seeds)"
-
-
 LIVE_KEYS = ("target_mass_1x", "target_mass_2x", "coverage_1x", "coverage_2x")
 
 
@@ -578,7 +569,7 @@ def _live_row(doc, task: str, variants: str = "") -> tuple[str, str]:
   rivals = [live_set_seeds(doc, m) for m in ("fox", "softmax") if m in doc]
   ok = [fpa[s] and not any(r.get(s) for r in rivals) for s in fpa]
   counts = ", ".join(f"{m} {sum(live_set_seeds(doc, m).values())}/{doc[m]['seeds']}" for m in FAMILIES if m in doc)
-  return verdict(ok), f"seeds succeeding: {counts}{variants}"
+  return seed_verdict(ok), f"seeds succeeding: {counts}{variants}"
 
 
 def _dips_variant_short(root: Path) -> str:
@@ -615,7 +606,7 @@ def _passkey_row(root: Path) -> tuple[str, str]:
     return "not run", "`python -m experiments.passkey`"
   step = lambda m, s: str(runs[m][s][0] or "no")  # noqa: E731
   seeds = sorted(ok)
-  return verdict(list(ok.values())), (
+  return seed_verdict(list(ok.values())), (
     f"steps to 1x competence by seed {'/'.join(map(str, seeds))}: `{method}` (the LM default) "
     f"{'/'.join(step(method, s) for s in seeds)}, FoX {'/'.join(step(PACE_FOX, s) for s in seeds)}"
   )
@@ -634,7 +625,7 @@ def _kv_row(root: Path) -> tuple[str, str]:
   a25, a12 = acc(best, "fpa_budget", "0.25"), acc(best, "fpa_budget", "0.125")
   fox = [acc(m, p, "0.25") for m in models if m.startswith("fox") for p in KV_POLICIES]
   fox = [x for x in fox if x is not None]
-  return verdict([a25 >= 0.99]), (
+  return seed_verdict([a25 >= 0.99]), (
     f"`{best}` (one seed) at {doc['multiple']}x, {doc['n_prompts']} prompts: {a25:.2f} at 25% of the cache, "
     + (f"{a12:.2f} at 12.5%" if a12 is not None else "12.5% not run")
     + (f"; FoX's best policy at 25%: {max(fox):.2f}" if fox else "")
@@ -657,7 +648,7 @@ def _ppl_row(root: Path) -> tuple[str, str]:
   if doc is None or m is None or "fox" not in doc:
     return "not run", "`python -m experiments.perplexity`"
   pair = _paired(doc, m, "fox")
-  return verdict([x <= 0.02 for x in pair]), (
+  return seed_verdict([x <= 0.02 for x in pair]), (
     f"`{m}` / FoX bits per byte after {doc['recipe']['steps']} steps, by seed: "
     + ", ".join(f"{100 * x:+.1f}%" for x in pair)
   )
@@ -681,7 +672,7 @@ def _bindings_row(root: Path) -> tuple[str, str]:
     ok.append(a["full"] - rule <= 0.01 and rule - a["window 12.5%"] >= 0.10 and rule - a["h2o 12.5%"] >= 0.10)
     gaps.append((100 * (rule - a["full"]), 100 * (rule - a["h2o 12.5%"])))
   pts = lambda xs: "/".join(f"{x:+.1f}" for x in xs)  # noqa: E731
-  return verdict(ok), (
+  return seed_verdict(ok), (
     f"`{BINDINGS_RECIPE}` at {k}x, learned rule at 12.5% of the cache, by seed: {pts(g for g, _ in gaps)} "
     f"points vs the full cache, {pts(h for _, h in gaps)} over h2o (target: within 1; >= 10 over window and h2o)"
   )
@@ -692,7 +683,7 @@ def _evict_cost_row(root: Path) -> tuple[str, str]:
   if doc is None or not all("bpb" in doc.get(m, {}) for m in ("fpa_lm", "fpa_lm_evict")):
     return "not run", "`python -m experiments.perplexity --methods fpa_lm fpa_lm_evict --steps 3000`"
   pair = _paired(doc, "fpa_lm_evict", "fpa_lm")
-  return verdict([x <= 0.01 for x in pair]), (
+  return seed_verdict([x <= 0.01 for x in pair]), (
     "`fpa_lm_evict` / `fpa_lm` bits per byte, by seed: " + ", ".join(f"{100 * x:+.2f}%" for x in pair)
   )
 
@@ -710,7 +701,7 @@ def _text_cache_row(root: Path, meth: str = "fpa_lm_evict") -> tuple[str, str]:
     ok.append(all(r is not None and (w is None or r < w) for r, w in pair))
     pct = lambda xs: "/".join(f"{100 * x:g}%" if x else "none" for x in xs)  # noqa: E731
     parts.append(f"{pct(r for r, _ in pair)} (window {pct(w for _, w in pair)})")
-  return verdict(ok), (
+  return seed_verdict(ok), (
     f"`{meth}`: smallest cache within 1% of the full cache's bits per byte at {'x / '.join(run)}x, by seed: "
     + ", ".join(parts)
   )
@@ -727,7 +718,7 @@ def _speed_row(root: Path) -> tuple[str, str]:
 
   m = max(doc["rows"], key=lambda m: gain(doc["rows"][m])[0])
   att, train = gain(doc["rows"][m])
-  return verdict([att >= 2.0]), (
+  return seed_verdict([att >= 2.0]), (
     f"`{m}` (one seed), skip='keys' at {doc['multiple']}x: attention {att:.2f}x; training (tile skipping) {train:.2f}x"
   )
 
@@ -746,7 +737,7 @@ def _train_speed_row(root: Path) -> tuple[str, str]:
   if not steps or not att:
     return "not run", f"the run ended before its objective's ramp (step {ramped})"
   ok = min(steps) >= 1.3 and min(att) >= 2.0 and s["loss_gap_max_abs"] < s["loss_step_noise"]
-  return verdict([ok]), (
+  return seed_verdict([ok]), (
     f"T={cfg['seq_len']}, one run, after the ramp (step {ramped}): whole step {min(steps):.2f}-{max(steps):.2f}x, "
     f"attention fwd+bwd {min(att):.2f}-{max(att):.2f}x; loss gap <= {s['loss_gap_max_abs']:.4f} "
     f"(step-to-step noise {s['loss_step_noise']:.3f})"

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from experiments import _common as U
 from experiments import bench_attention, report
 
 
@@ -348,7 +349,7 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
   shared0, seed1 = "passkey_shared_init/passkey", "passkey_shared_init_seed1/passkey"
   write(**{shared0: {"fpa_lm5": {"8": 1.0}}})
   assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: False}
-  assert report.verdict(list(report.passkey_seeds(tmp_path, "fpa_lm5").values())) == "1 of 2 seeds"
+  assert U.seed_verdict(list(report.passkey_seeds(tmp_path, "fpa_lm5").values())) == "1 of 2 seeds"
   write(**{seed1: {"fpa_lm5": {"val_history": hist(0.9, 0.95, 0.99), "8": 1.0}}})  # at 900: FoX's 900 steps
   assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: True}
   write(**{shared0: {"fpa_lm5": {"8": 0.95}}})  # competent in time, but not at 8x
@@ -360,8 +361,6 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
 def test_write_prefixed_and_write_study_write_every_file(tmp_path, capsys):
   """`--out results/x` studies write x.json and x.md (one trailing newline) and print the markdown;
   `write_study` writes name.json, name.md and name.png under a folder."""
-  from experiments import _common as U
-
   U.write_prefixed(tmp_path / "x", {"a": 1.5}, "| t |")
   assert json.loads((tmp_path / "x.json").read_text()) == {"a": 1.5}
   assert (tmp_path / "x.md").read_text() == "| t |\n" and "| t |" in capsys.readouterr().out
@@ -372,12 +371,13 @@ def test_write_prefixed_and_write_study_write_every_file(tmp_path, capsys):
   assert (tmp_path / "s.md").read_text() == "v=[1]\n" and (tmp_path / "s.png").read_bytes() == b"png"
 
 
-def test_report_verdicts_count_seeds():
-  assert report.verdict([True, True, True]) == "holds (3 of 3 seeds)"
-  assert report.verdict([True]) == "holds (1 of 1 seed)"
-  assert report.verdict([True, False, True]) == "2 of 3 seeds"
-  assert report.verdict([False, False]) == "not met (0 of 2 seeds)"
-  assert report.verdict([]) == "not run"
+def test_seed_verdicts_count_seeds():
+  """The one wording of a verdict, which report.py and one_recipe.py both call."""
+  assert U.seed_verdict([True, True, True]) == "holds (3 of 3 seeds)"
+  assert U.seed_verdict([True]) == "holds (1 of 1 seed)"
+  assert U.seed_verdict([True, False, True]) == "2 of 3 seeds"
+  assert U.seed_verdict([False, False]) == "not met (0 of 2 seeds)"
+  assert U.seed_verdict([]) == "not run"
 
 
 def test_report_claims_table_one_line_per_claim(tmp_path):
