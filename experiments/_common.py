@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -144,6 +144,32 @@ def study_parser(module: str, doc: str):
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:
   path = Path(path)
   return json.loads(path.read_text()) if path.exists() else default
+
+
+def load_result(root: Path, name: str) -> Any:
+  """results/NAME.json under `root` (a repository, or a test's folder), None before its study has run."""
+  return read_json(Path(root) / "results" / f"{name}.json")
+
+
+def result_methods(doc: dict) -> list[str]:
+  """The methods of a study's results file: its entries that are dicts, less `meta` and `cells`."""
+  return [k for k, v in doc.items() if isinstance(v, dict) and k not in ("meta", "cells")]
+
+
+# The label of rows from models trained before the text-pipeline fix (text rows drawn one file at a time).
+STALE_TEXT = " *(models trained before the text-pipeline fix: their fpa_text rows came one file at a time)*"
+
+
+class ClaimRow(NamedTuple):
+  """One claim of the README's claims table, as the study that measured it states it: the claim, its
+  verdict (`seed_verdict`), a short line of evidence and the page that shows it; `detail` = (the claim
+  as the paper words it, everything the study measured for it) for the long table in docs/results.md."""
+
+  claim: str
+  verdict: str
+  evidence: str
+  link: str
+  detail: tuple[str, str] | None = None
 
 
 def seed_verdict(ok: list[bool]) -> str:

@@ -215,10 +215,10 @@ def markdown(res: dict) -> str:
     rows,
   )
   claim = "".join(_claim(res, m) for m in (DEFAULT_ROW, "fpa_lm_warmc10", "fpa_lm", "fpa") if m in s and "fox" in s)
-  return head + table + claim + _evict_cost(res)
+  return head + table + claim + evict_cost_claim(res)
 
 
-def _evict_cost(res: dict) -> str:
+def evict_cost_claim(res: dict) -> str:
   """The evictability objective's target text cost: fpa_lm_evict vs fpa_lm, paired by seed, <= +1%."""
   if "fpa_lm_evict" not in res or "fpa_lm" not in res:
     return ""
@@ -326,6 +326,87 @@ command  : python -m fpa_jax.train --config base110m --attention {{fpa,stack,fox
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
+
+
+# ------------------------------------------------------------------------------------------------
+# Claims: this study's rows of the README's claims table (`experiments.report` collects them)
+# ------------------------------------------------------------------------------------------------
+
+
+def _ppl(doc, long=None, old=(None, None)) -> str:
+  """The perplexity claim; `old` = the (short, long) runs trained on correlated batches (each batch
+  from one file, before the text-pipeline fix), kept beside the current runs and labelled."""
+  text = "not run yet on the fixed pipeline (`python -m experiments.perplexity`)" if doc is None else _ppl_one(doc)
+  if long is not None:
+    text += "; trained longer: " + _ppl_one(long)
+  stale = [_ppl_one(d) for d in old if d is not None]
+  if stale:
+    text += "; *trained on correlated batches (before the text-pipeline fix)*: " + "; ".join(stale)
+  return text
+
+
+def _ppl_one(doc) -> str:
+  bpb = {m: float(np.mean(doc[m]["bpb"])) for m in U.result_methods(doc) if "bpb" in doc[m]}
+  n = {m: len(doc[m]["bpb"]) for m in bpb}
+  parts = [f"{m} {v:.3f} ({n[m]} seed{'s' * (n[m] != 1)})" for m, v in bpb.items()]
+  ratios = [f"{m} / fox = {bpb[m] / bpb['fox']:.3f}" for m in bpb if m.startswith("fpa") and "fox" in bpb]
+  return (
+    f"held-out bits per byte after {doc['recipe']['steps']} steps: "
+    + ", ".join(parts)
+    + (f" ({', '.join(ratios)})" if ratios else "")
+  )
+
+
+PPL_DEFAULT = ("fpa_lm_warmc10_fh1", "fpa_lm", "fpa")  # the LM default's row, else the earliest FPA row
+
+
+def _paired(doc: dict, m: str, base: str) -> list[float]:
+  """bpb(m) / bpb(base) - 1 per seed both ran."""
+  b = dict(zip(doc[base].get("seeds", range(len(doc[base]["bpb"]))), doc[base]["bpb"]))
+  mine = zip(doc[m].get("seeds", range(len(doc[m]["bpb"]))), doc[m]["bpb"])
+  return [x / b[s] - 1 for s, x in mine if s in b]
+
+
+def _ppl_row(root: Path) -> tuple[str, str]:
+  doc = U.load_result(root, "perplexity_T3000") or U.load_result(root, "perplexity")
+  m = next((m for m in PPL_DEFAULT if doc is not None and "bpb" in doc.get(m, {})), None)
+  if doc is None or m is None or "fox" not in doc:
+    return "not run", "`python -m experiments.perplexity`"
+  pair = _paired(doc, m, "fox")
+  return U.seed_verdict([x <= 0.02 for x in pair]), (
+    f"`{m}` / FoX bits per byte after {doc['recipe']['steps']} steps, by seed: "
+    + ", ".join(f"{100 * x:+.1f}%" for x in pair)
+  )
+
+
+def _evict_cost_row(root: Path) -> tuple[str, str]:
+  doc = U.load_result(root, "perplexity_T3000")
+  if doc is None or not all("bpb" in doc.get(m, {}) for m in ("fpa_lm", "fpa_lm_evict")):
+    return "not run", "`python -m experiments.perplexity --methods fpa_lm fpa_lm_evict --steps 3000`"
+  pair = _paired(doc, "fpa_lm_evict", "fpa_lm")
+  return U.seed_verdict([x <= 0.01 for x in pair]), (
+    "`fpa_lm_evict` / `fpa_lm` bits per byte, by seed: " + ", ".join(f"{100 * x:+.2f}%" for x in pair)
+  )
+
+
+def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
+  """The perplexity claim (the LM default against FoX) and the objective's text cost, judged seed by seed;
+  the first with everything the runs measured (the longer run, the runs on correlated batches)."""
+  detail = _ppl(
+    U.load_result(root, "perplexity"),
+    U.load_result(root, "perplexity_T3000"),
+    (
+      U.load_result(root, "correlated_batches/perplexity"),
+      U.load_result(root, "correlated_batches/perplexity_long/perplexity"),
+    ),
+  )
+  par = "Perplexity on par with FoX (within 2%)"
+  return [
+    U.ClaimRow(par, *_ppl_row(root), "docs/results/perplexity.md", (par, detail)),
+    U.ClaimRow(
+      "Training to forget costs <= 1% bits per byte on text", *_evict_cost_row(root), "docs/results/perplexity.md"
+    ),
+  ]
 
 
 def parse_args(argv=None):

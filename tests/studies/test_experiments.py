@@ -8,7 +8,7 @@ import re
 import pytest
 
 from experiments import _common as U
-from experiments import bench_attention, report
+from experiments import bench_attention, passkey, perplexity, report
 
 
 @pytest.mark.slow
@@ -265,13 +265,13 @@ def test_dips_limits_table_collects_the_variant_runs(tmp_path):
 
 
 def test_perplexity_evict_cost_claim_is_paired_by_seed():
-  from experiments.perplexity import _evict_cost
-
   res = {"fpa_lm": {"seeds": [0, 1, 2], "bpb": [2.0, 2.0, 1.0]}, "fpa_lm_evict": {"seeds": [2, 0], "bpb": [1.01, 2.0]}}
-  assert "+0.50% (+1.00%, +0.00%; holds)" in _evict_cost(res)  # seed 2 against seed 2, seed 0 against seed 0
+  assert "+0.50% (+1.00%, +0.00%; holds)" in perplexity.evict_cost_claim(
+    res
+  )  # seed 2 against seed 2, seed 0 against seed 0
   res["fpa_lm_evict"]["bpb"] = [1.03, 2.02]
-  assert "+2.00% (+3.00%, +1.00%; NOT met)" in _evict_cost(res)
-  assert _evict_cost({"fpa_lm": res["fpa_lm"]}) == ""
+  assert "+2.00% (+3.00%, +1.00%; NOT met)" in perplexity.evict_cost_claim(res)
+  assert perplexity.evict_cost_claim({"fpa_lm": res["fpa_lm"]}) == ""
 
 
 @pytest.mark.parametrize("att", ["fpa", pytest.param("fox", marks=pytest.mark.slow)])
@@ -307,7 +307,7 @@ def test_kept_rank_keeps_a_whole_copy_smallest_penalty_first():
   assert [list(x) for x in passkey_copies(e, qpos=7)] == [[2, 3], [5, 6]]
 
 
-def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
+def test_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
   """results/passkey_pace.md: each method's first competent stage per seed; FPA rows only from the
   shared-init runs, FoX from any run of the recipe; a seed counts when FPA is no later than FoX."""
   tag = lambda s: {"tag": f"L512_l2d128_b8p6_w100_pw1_lr0.002_m1_s{s}", "seed": s, "competence": 0.99}  # noqa: E731
@@ -323,11 +323,11 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
     "passkey_other/passkey": {"recipe": {**tag(0), "tag": "L64_other_s0"}, "fox_b5": {"val_history": hist(1.0)}},
   }
   (tmp_path / "results").mkdir()
-  assert report.passkey_pace_table(tmp_path) is None
+  assert passkey.passkey_pace_table(tmp_path) is None
   for name, doc in docs.items():
     (tmp_path / "results" / f"{name}.json").parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / "results" / f"{name}.json").write_text(json.dumps(doc))
-  md = report.passkey_pace_table(tmp_path)
+  md = passkey.passkey_pace_table(tmp_path)
   # fpa_lm5 of results/passkey (before the side stream) is left out; the other recipe's run too
   # the last column: stages 300..900 (FoX's longest run), a run stopped at competence keeps its last
   # value: FoX (.5, 1, 1) and (.1, .5, .98); fpa_lm5 (.2, .99, .99) and (.9, .95, .9)
@@ -338,7 +338,7 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
   assert f"| `fpa_lm5` | 600 | not in 900 (best 0.950 at 600) | 1/2 | {(fpa0 + fpa1) / 2:.3f} ({gap:+.3f}) |" in md
   # the verdict, seed by seed: competent no later than FoX of the same seed (within FoX's steps where
   # FoX never was) and >= 0.99 at 8x; no best seed against best seed
-  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: False, 1: False}  # no 8x score yet
+  assert passkey.passkey_seeds(tmp_path, "fpa_lm5") == {0: False, 1: False}  # no 8x score yet
 
   def write(**changes):
     for name, kw in changes.items():
@@ -348,13 +348,13 @@ def test_report_passkey_pace_pairs_fpa_with_fox_by_seed(tmp_path):
 
   shared0, seed1 = "passkey_shared_init/passkey", "passkey_shared_init_seed1/passkey"
   write(**{shared0: {"fpa_lm5": {"8": 1.0}}})
-  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: False}
-  assert U.seed_verdict(list(report.passkey_seeds(tmp_path, "fpa_lm5").values())) == "1 of 2 seeds"
+  assert passkey.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: False}
+  assert U.seed_verdict(list(passkey.passkey_seeds(tmp_path, "fpa_lm5").values())) == "1 of 2 seeds"
   write(**{seed1: {"fpa_lm5": {"val_history": hist(0.9, 0.95, 0.99), "8": 1.0}}})  # at 900: FoX's 900 steps
-  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: True}
+  assert passkey.passkey_seeds(tmp_path, "fpa_lm5") == {0: True, 1: True}
   write(**{shared0: {"fpa_lm5": {"8": 0.95}}})  # competent in time, but not at 8x
-  assert report.passkey_seeds(tmp_path, "fpa_lm5") == {0: False, 1: True}
-  report.pace_plot(tmp_path / "results" / "passkey_pace.png", tmp_path)
+  assert passkey.passkey_seeds(tmp_path, "fpa_lm5") == {0: False, 1: True}
+  passkey.pace_plot(tmp_path / "results" / "passkey_pace.png", tmp_path)
   assert (tmp_path / "results" / "passkey_pace.png").stat().st_size > 0
 
 
@@ -418,6 +418,25 @@ def test_report_claims_table_one_line_per_claim(tmp_path):
   assert report.claims_table(tmp_path, studies=True) != md
   for text in (md, report.claims_table(tmp_path, studies=True), report.claims_detail(tmp_path)):
     assert not re.search(r"\bissues?[\s_-]*#?\d+", text, re.I), text
+
+
+def test_report_collects_the_claim_rows_each_study_exports(tmp_path):
+  """report.py reads no study's results schema of its own where the study exports its rows
+  (`claim_rows`): it collects them, in the README's order; with nothing run every row says so."""
+  from experiments import bindings_lm, forget_speed, forget_train
+
+  rows = report.claims_rows(tmp_path)
+  exported = [
+    *passkey.claim_rows(tmp_path),
+    *perplexity.claim_rows(tmp_path),
+    *bindings_lm.claim_rows(tmp_path),
+    *forget_speed.claim_rows(tmp_path),
+    *forget_train.claim_rows(tmp_path),
+  ]
+  assert len(rows) == 10 and all(r in rows for r in exported)
+  assert all(r.verdict == "not run" for r in rows) and all(r.link.startswith("docs/results/") for r in rows)
+  detail = report.claims_detail(tmp_path).splitlines()[2:]
+  assert [ln.split(" | ")[0][2:] for ln in detail] == [r.detail[0] for r in rows if r.detail]
 
 
 def test_report_renders_readme_and_docs(tmp_path):
