@@ -44,37 +44,40 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
+from fpa_jax.layers import FirstPassageAttention
 
 MODULE = "experiments.forget_speed"
 
 
 def record_attention_inputs(model, tokens):
-  """[(q, k, v, gates, layer cfg)] of every attention layer, from one jitted forward pass over tokens [B, T]."""
+  """[(q, k, v, gates, layer cfg)] of every attention layer in path order, from one jitted forward pass
+  over tokens [B, T] (what the layers sow: `fpa_jax.layers.attention_inputs`). gates are the kernel's
+  arguments: (field, level) for FPA, (log forget,) for FoX, softmax and nope (the layer sows their
+  running sum, its field, so they come back as its differences: equal up to float rounding)."""
   import jax
+  import jax.numpy as jnp
   from flax import nnx
 
-  from fpa_jax import layers
-
-  seen, cfgs, orig = [], [], layers.FirstPassageAttention.parallel_attention
-
-  def rec(self, op, q, k, v, gates, segment_ids):
-    seen.append((q, k, v, tuple(gates)))
-    cfgs.append(self.cfg)
-    return orig(self, op, q, k, v, gates, segment_ids)
+  from fpa_jax.layers import attention_inputs
 
   graphdef, state = nnx.split(model)
+  paths = []
 
-  def forward(state, tokens):  # returns what the layers saw (traced once: one compile)
-    seen.clear()
-    nnx.merge(graphdef, state)(tokens)
-    return list(seen)
+  @jax.jit
+  def forward(state, tokens):  # paths are static: kept from the trace, arrays returned
+    _, found = attention_inputs(nnx.merge(graphdef, state), tokens)
+    paths[:] = [path for path, _ in found]
+    return [calls for _, calls in found]
 
-  layers.FirstPassageAttention.parallel_attention = rec
-  try:
-    out = jax.jit(forward)(state, tokens)
-  finally:
-    layers.FirstPassageAttention.parallel_attention = orig
-  return [(q, k, v, g, c) for (q, k, v, g), c in zip(out, cfgs)]
+  found = forward(state, tokens)
+  nodes = dict(nnx.iter_graph(model))
+  out = []
+  for path, calls in zip(paths, found):
+    layer = nodes[path]
+    for q, k, v, field, level in calls:  # one call per layer (a scanned stack would need a layer axis)
+      gates = (field, level) if layer.spec.kind == "fpa" else (jnp.diff(field, axis=1, prepend=0.0),)
+      out.append((q, k, v, gates, layer.cfg))
+  return out
 
 
 def _bias(gates):
@@ -239,24 +242,25 @@ def reads_cell(model, recorded, tokens, eps: float, repeats: int) -> dict:
 
 def without_attention(model):
   """The jitted prefill with every layer's attention op replaced by a copy of its values (the
-  projections, gates, norms and logits stay): what the prefill costs besides attention."""
-  import jax.numpy as jnp
+  projections, gates, norms and logits stay): what the prefill costs besides attention. The layers
+  of a copy of `model` become `_ValuesCopied` (the layer's own hook, `parallel_attention`), so the
+  model itself and every other model keep their attention."""
+  from flax import nnx
 
-  from fpa_jax import layers
+  copy = nnx.clone(model)  # the same parameters in modules of our own
+  for _, node in nnx.iter_graph(copy):
+    if type(node) is FirstPassageAttention:
+      node.__class__ = _ValuesCopied
+  return U.forward_fn(copy)
 
-  fwd, orig = U.forward_fn(model), layers.FirstPassageAttention.parallel_attention
 
-  def copy_v(self, op, q, k, v, gates, segment_ids):
+class _ValuesCopied(FirstPassageAttention):
+  """The layer with its attention op a copy of its values (each kv head to its query heads)."""
+
+  def parallel_attention(self, op, q, k, v, gates, segment_ids):
+    import jax.numpy as jnp
+
     return jnp.repeat(v, q.shape[2] // v.shape[2], axis=2).astype(q.dtype)
-
-  def run(tokens):
-    layers.FirstPassageAttention.parallel_attention = copy_v  # read when the first call traces
-    try:
-      return fwd(tokens)
-    finally:
-      layers.FirstPassageAttention.parallel_attention = orig
-
-  return run
 
 
 READS_COLUMNS = [

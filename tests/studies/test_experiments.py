@@ -223,8 +223,11 @@ def test_kv_compression_tiny_run(tmp_path, monkeypatch):
 def test_forget_speed_records_every_layer_and_rebuilds_with_skipping():
   import jax
 
+  import numpy as np
+
   from experiments import forget_speed as F
   from fpa_jax import configs as C
+  from fpa_jax.layers import FirstPassageAttention, with_gates
   from fpa_jax.models import build_model
 
   from _fwd import forward
@@ -235,11 +238,17 @@ def test_forget_speed_records_every_layer_and_rebuilds_with_skipping():
   tok = jax.random.randint(jax.random.key(0), (2, 24), 0, m.cfg.vocab_size)
   rec = F.record_attention_inputs(m, tok)
   assert len(rec) == m.cfg.n_layers and rec[0][0].shape == (2, 24, m.cfg.n_heads, m.cfg.head_dim)
+  _, (field, level) = with_gates(m, tok)  # what the layers sow: the gates the kernel read
+  assert_close(rec[0][3][0], field[0])
+  assert_close(rec[0][3][1], level[0])
   per, every = F.tiles_dropped(rec, 0.9)
   assert 0.0 <= every <= per <= 1.0
   exact, skipping = F.with_skip(m, None), F.with_skip(m, 1e-3)
   assert skipping.cfg.skip_tolerance == 1e-3 and exact.cfg.skip_tolerance is None
   assert_close(forward(exact, tok), forward(m, tok), n=m.cfg.d_model * m.cfg.n_layers)  # the same parameters
+  # the prefill without attention runs on a copy: the model keeps its layers
+  bare = F.without_attention(exact)(tok)
+  assert type(exact.blocks[0].attn) is FirstPassageAttention and not np.allclose(bare, forward(exact, tok))
 
 
 def test_dips_limits_table_collects_the_variant_runs(tmp_path):
