@@ -11,7 +11,7 @@ block_until_ready per step. Reports median tokens/s and the FPA/FoX ratio (targe
     python -m experiments.bench_train --evict         # + each gated attention with the evictability objective
 
 --evict adds a row "<attention>+evict" per gated attention, the same step with `evict_weight`
-(--evict_weight, default 1; the other evict_* fields from the config or --set), and reports its
+(--evict-weight, default 1; the other evict_* fields from the config or --set), and reports its
 step time over the plain step's (the objective's cost: the per-layer gates returned from the same
 forward pass, the reverse running min on `evict_queries` sampled queries, and their backward).
 
@@ -55,7 +55,7 @@ from fpa_jax import configs as C
 from fpa_jax import sharding as S
 from fpa_jax.checkpoint import abstract_with_shardings
 from fpa_jax.data import SyntheticPipeline
-from fpa_jax.train import TrainStep, _init_fn, create_state, make_optimizer
+from fpa_jax.train import TrainStep, abstract_state, create_state, make_optimizer
 
 MEMORY_MESHES = ("single", "data=8", "data=4,model=2")  # "single": one device (data=1, model=1)
 MEMORY_DEFAULTS = {"n_layers": 2, "seq_len": 2048, "batch_size": 8}
@@ -104,10 +104,8 @@ def compile_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
 
 def lower_train_step(cfg: C.Config, mesh, *, constrained: bool = True):
   """`compile_train_step` before XLA: the traced and lowered step."""
-  from flax import nnx
-
   tx = make_optimizer(cfg)
-  graphdef, abstract = nnx.split(nnx.eval_shape(_init_fn(cfg, tx)))
+  graphdef, abstract = abstract_state(cfg, tx)
   shardings = S.state_shardings(abstract, mesh)
   step = TrainStep(cfg, graphdef, shardings, mesh, tx)
   state = abstract_with_shardings(abstract, shardings)
@@ -359,7 +357,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
   ap.add_argument("--out", default="results/bench_train.json")
   ap.add_argument("--evict", action="store_true", help="also time each gated attention with the evictability objective")
-  ap.add_argument("--evict_weight", type=float, default=1.0, help="--evict: the objective's weight")
+  ap.add_argument("--evict-weight", type=float, default=1.0, help="--evict: the objective's weight")
   ap.add_argument("--budget-loop", action="store_true", help="also time each gated attention with budget in the loop")
   ap.add_argument(
     "--memory",

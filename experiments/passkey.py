@@ -114,9 +114,9 @@ class PasskeyTextMix:
   def prompt_row(self, index: int) -> dict[str, np.ndarray]:
     """Train prompt `index` as one padded row (the fpa_passkey train split's generator, any index)."""
     from fpa_jax.data import passkey
-    from fpa_jax.data.builders import _rng
+    from fpa_jax.data.builders import example_rng
 
-    rng = _rng(self.seed, "train", index)
+    rng = example_rng(self.seed, "train", index)
     depth = int(rng.integers(0, 101))
     ex = passkey.make_prompt(self.tok, self.seq_len, depth / 100, passkey.random_key(rng))
     toks, n = ex["tokens"], len(ex["tokens"]) - 1

@@ -124,11 +124,19 @@ def _init_fn(cfg: C.Config, tx) -> Callable[[], tuple]:
   return init
 
 
+def abstract_state(cfg: C.Config, tx=None):
+  """-> (graphdef, abstract state) of the trainer's (model, optimizer) for `cfg` and `tx` (default
+  `make_optimizer(cfg)`): shapes and dtypes only (`nnx.eval_shape`: no memory, no FLOPs), the layout
+  `create_state` fills; a step can be lowered and compiled on it."""
+  tx = make_optimizer(cfg) if tx is None else tx
+  return nnx.split(nnx.eval_shape(_init_fn(cfg, tx)))
+
+
 def create_state(cfg: C.Config, mesh: jax.sharding.Mesh, tx=None):
   """-> (graphdef, sharded state, state shardings). Params are created shard-by-shard in a jit."""
   tx = make_optimizer(cfg) if tx is None else tx
   init = _init_fn(cfg, tx)
-  graphdef, abstract = nnx.split(nnx.eval_shape(init))
+  graphdef, abstract = abstract_state(cfg, tx)
   shardings = S.state_shardings(abstract, mesh)
   state = jax.jit(lambda: nnx.state(init()), out_shardings=shardings)()
   return graphdef, state, shardings, abstract

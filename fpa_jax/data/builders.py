@@ -28,7 +28,9 @@ _I32_SEQ = lambda: tfds.features.Tensor(shape=(None,), dtype=np.int32)  # noqa: 
 _SPLIT_IDS = {"train": 0, "validation": 1, "test": 2}
 
 
-def _rng(seed: int, split: str, index: int) -> np.random.Generator:
+def example_rng(seed: int, split: str, index: int) -> np.random.Generator:
+  """The generator of example `index` of `split`: a stream of its own, so an example does not depend on
+  the others or their order (a study can draw any train example alone, `experiments.passkey`)."""
   sid = _SPLIT_IDS.get(split, 3 + sum(map(ord, split)))
   return np.random.default_rng([seed, sid, index])
 
@@ -65,7 +67,7 @@ class _SyntheticBuilder(_FpaBuilder, skip_registration=True):
   def _generate_examples(self, split, n):
     c = self.builder_config
     for i in range(n):
-      yield i, self._module.generate(_rng(c.seed, split, i), c.task)
+      yield i, self._module.generate(example_rng(c.seed, split, i), c.task)
 
 
 class FpaScopes(_SyntheticBuilder):
@@ -169,7 +171,7 @@ class FpaPasskey(_FpaBuilder):
   def _train(self, c):
     tok = ByteTokenizer()
     for i in range(c.n_train):
-      rng = _rng(c.seed, "train", i)
+      rng = example_rng(c.seed, "train", i)
       depth = int(rng.integers(0, 101))
       yield (
         i,
