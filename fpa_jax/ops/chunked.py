@@ -171,6 +171,37 @@ def _core_fwd(bias, scale, blk, q, k, v, kst, qst, pst, seg, dead):
   return o, (q, k, v, kst, qst, pst, seg, dead, o, lse)
 
 
+def _tile_grads(bias, scale, seg, i, j, diag, keep, ops, rows, stats):
+  """One tile's backward: the body of this kernel's backward loop and of `sparse`'s diagonal tiles.
+
+  ops = (qi [B, bq, KVH, G, K], kj [B, bk, KVH, K], vj [B, bk, KVH, Kv], doi [B, bq, KVH, G, Kv]);
+  rows = (lse_i, delta_i), [B, KVH, G, bq] each: the forward's logsumexp and do_i . o_i;
+  stats = (kst_j, qst_i, pst_ij): the tile's bias statistics (pst_ij unused on the diagonal tile,
+  diag: i == j); keep as in `_logits`. -> (dq [B, bq, KVH, G, K], dk [B, bk, KVH, K], dv [B, bk,
+  KVH, Kv], all fp32; the cotangents of stats, () for pst_ij on the diagonal).
+  """
+  qi, kj, vj, doi = ops
+  lse_i, delta_i = rows
+  kst_j, qst_i, pst_ij = stats
+  if diag:
+    tb, pull = jax.vjp(bias.diag_bias, kst_j, qst_i)
+  else:
+    tb, pull = jax.vjp(bias.off_bias, kst_j, qst_i, pst_ij)
+  s = _logits(qi, kj, tb, scale, seg, i, j, diag, keep)
+  p = jnp.exp(s - lse_i[..., None])  # masked entries: exactly 0
+  # dK / dV (and the bias cotangent below) sum over the group: k, v, bias are shared by it.
+  dv = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(doi.dtype), doi, preferred_element_type=F32)
+  dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vj, preferred_element_type=F32)
+  ds = p * (dp - delta_i[..., None])  # d loss / d logit (= d loss / d bias)
+  # Stored once: else XLA re-derives ds from p and dp inside each of its four consumers (the dQ /
+  # dK matmuls, the bias pullback's passes), FPA's main extra backward cost over FoX's in the profile.
+  ds = jax.lax.optimization_barrier(ds)
+  dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=F32) * scale
+  dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, preferred_element_type=F32) * scale
+  g = pull(ds.sum(2))
+  return dq, dk, dv, (g[0], g[1], () if diag else g[2])
+
+
 def _core_bwd(bias, scale, blk, res, do):
   q, k, v, kst, qst, pst, seg, dead, o, lse = res
   b, tp, kvh, grp, _ = q.shape
@@ -189,26 +220,10 @@ def _core_bwd(bias, scale, blk, res, do):
 
       def body(keep, dq_i, dkj, dvj, dkstj):
         # Tile-sized operands and results only: a cond carrying the full dQ buffer would copy it.
-        qi, doi = _tile(q, i, blk), _tile(do, i, blk)
-        if diag:
-          tb, pull = jax.vjp(bias.diag_bias, kstj, qsti)
-        else:
-          tb, pull = jax.vjp(bias.off_bias, kstj, qsti, pij)
-        s = _logits(qi, kj, tb, scale, seg, i, j, diag, keep)
-        p = jnp.exp(s - _take(lse, i, 3)[..., None])  # masked entries: exactly 0
-        # dK / dV (and the bias cotangent below) sum over the group: k, v, bias are shared by it.
-        dvj = dvj + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
-        dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vj, preferred_element_type=F32)
-        ds = p * (dp - _take(delta, i, 3)[..., None])  # d loss / d logit (= d loss / d bias)
-        # Stored once: else XLA re-derives ds from p and dp inside each of its four consumers
-        # (the dQ / dK matmuls, the bias pullback's passes), FPA's main extra backward cost
-        # over FoX's in the profile.
-        ds = jax.lax.optimization_barrier(ds)
-        dq_i = dq_i + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=F32) * scale
-        dkj = dkj + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, preferred_element_type=F32) * scale
-        g = pull(ds.sum(2))
-        dkstj = jax.tree.map(jnp.add, dkstj, g[0])
-        return dq_i, dkj, dvj, dkstj, g[1], (() if diag else g[2])
+        ops = (_tile(q, i, blk), kj, vj, _tile(do, i, blk))
+        rows = (_take(lse, i, 3), _take(delta, i, 3))
+        dqt, dkt, dvt, (gk, gq, gp) = _tile_grads(bias, scale, seg, i, j, diag, keep, ops, rows, (kstj, qsti, pij))
+        return dq_i + dqt, dkj + dkt, dvj + dvt, jax.tree.map(jnp.add, dkstj, gk), gq, gp
 
       skip = lambda dq_i, dkj, dvj, dkstj: (dq_i, dkj, dvj, dkstj, zeros(qsti), zeros(pij))
       dq_i, dkj, dvj, dkstj, gq, gp = _visit(

@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax.ops.bias import Bias, blocks
-from fpa_jax.ops.chunked import F32, NEG, _diag_start, _logits, _take, _takes, _tile, block_for
+from fpa_jax.ops.chunked import F32, NEG, _diag_start, _take, _takes, _tile, _tile_grads, block_for
 
 # How the gathered chunks are scheduled ("reads"): "shared" (one loop for every (row, kv head),
 # as long as the densest one needs), "per_head" (each (row, kv head) its own chunks, packed N per
@@ -294,19 +294,14 @@ def _core_bwd(bias, scale, blk, eps, t, reads, chunk, res, do):
     dq, dk, dv, dkst, dqst, dpst = carry
     lse_i = lse[i]  # [N, G, bq]
     delta_i = jax.lax.dynamic_slice_in_dim(delta, i * blk, blk, axis=-1)
-    # The diagonal tile: `chunked`'s backward body, in its layout.
-    qi, doi, ki, vi = _tile(q, i, blk), _tile(do, i, blk), _tile(k, i, blk), _tile(v, i, blk)
-    kst_i, qst_i = _takes(kst, i), _takes(qst, i)
-    tb, pull = jax.vjp(bias.diag_bias, kst_i, qst_i)
-    s = _logits(qi, ki, tb, scale, seg, i, i, True)
+    # The diagonal tile: `chunked`'s tile backward, in its layout.
+    doi = _tile(do, i, blk)
     unf = lambda x: x.reshape((b, kvh) + x.shape[1:])  # [N, ...] -> [B, KVH, ...]
-    p = jnp.exp(s - unf(lse_i)[..., None])
-    dv_i = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, preferred_element_type=F32)
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vi, preferred_element_type=F32)
-    ds = jax.lax.optimization_barrier(p * (dp - unf(delta_i)[..., None]))
-    dq_i = jnp.einsum("bhgqk,bkhd->bqhgd", ds, ki, preferred_element_type=F32) * scale
-    dk_i = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qi, preferred_element_type=F32) * scale
-    g_kst, g_qst = pull(ds.sum(2))
+    ops = (_tile(q, i, blk), _tile(k, i, blk), _tile(v, i, blk), doi)
+    stats = (_takes(kst, i), _takes(qst, i), ())
+    dq_i, dk_i, dv_i, (g_kst, g_qst, _) = _tile_grads(
+      bias, scale, seg, i, i, True, None, ops, (unf(lse_i), unf(delta_i)), stats
+    )
     rows = i * blk + jnp.arange(blk)
     dk = dk.at[:, rows].add(_heads_first(dk_i))
     dv = dv.at[:, rows].add(_heads_first(dv_i))

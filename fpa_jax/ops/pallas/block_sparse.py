@@ -25,10 +25,11 @@ whole-T block: every block is one tile, so VMEM use does not grow with T.
 Gradients: the same tiles are dropped in the forward and both backward kernels (the lists come
 from one `dead` array), which are the gradients of the chunked kernel with the same
 skip_tolerance; dK / dV walk each key block's live query blocks and dQ each query block's live key
-blocks, one writer per output block as in `kernels.py`. The tile bias, its pullback and the GQA
-layout (forward / dQ over query heads reading kv head h // G, dK / dV over kv heads looping over
-the group) are those of `kernels.py`; so is the custom VJP around stats built outside by
-differentiable JAX. skip_tolerance=None walks every causal tile: the exact kernels in this form.
+blocks, one writer per output block as in `kernels.py`. The tile bodies (`common.py`: the online
+softmax step, the dK / dV tile looping over the group, the dQ tile, the tile bias and its pullback)
+and the GQA layout (forward / dQ over query heads reading kv head h // G, dK / dV over kv heads) are
+those of `kernels.py`; so is the custom VJP around stats built outside by differentiable JAX.
+skip_tolerance=None walks every causal tile: the exact kernels in this form.
 
 Status: the grid, BlockSpecs and scalar prefetch are Mosaic TPU's form (tiles of 128 tokens
 there, `BlockSizes.default("tpu")`; m / l scratch [blk, 1]); only the interpreter on CPU has run
@@ -52,19 +53,7 @@ from fpa_jax.ops import chunked as _chunked
 from fpa_jax.ops.bias import Bias, FoXBias, FPABias
 from fpa_jax.ops.common import F32
 from fpa_jax.ops.validate import PALLAS_SKIP_GPU
-from fpa_jax.ops.pallas.common import (
-  Cfg,
-  check_blocks,
-  dot,
-  dot_nt,
-  fit,
-  group_sum,
-  masked_logits,
-  pick,
-  r_rows,
-  tile_terms,
-  unpack,
-)
+from fpa_jax.ops.pallas import common as pc
 
 
 def live_lists(live):
@@ -97,7 +86,7 @@ def tile_lists(dead, shape):
 
 
 @dataclasses.dataclass(frozen=True)
-class _SparseCfg(Cfg):
+class _SparseCfg(pc.Cfg):
   kvh: int = 1
   nb: int = 1
 
@@ -115,123 +104,108 @@ def _entry(cfg, cnt_ref, idx_ref, hk):
   return n, idx_ref[cfg.idx_at(b, hk, x, n)], n < cnt_ref[cfg.count_at(b, hk, x)]
 
 
-def _fwd_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
-  # q, qcol, qseg, r: query block I; k, v, krow, kseg: key block J = idx[b, h // G, I, n].
-  (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, rest = unpack(refs, 5, has_r, has_seg)
-  o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
-  n, j, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
+def _terms(cfg, blk, krow_ref, qcol_ref, r_ref, qseg_ref, kseg_ref, x, diag):
+  """The tile's `tile_terms` (bias, mask, pull): every stat and segment ref is one tile here; the
+  walked block x picks R's entry off the diagonal (r_ref / qseg_ref None: no such input)."""
+  r = pc.pick(r_ref[...], x) if r_ref is not None and not diag else None
+  qseg, kseg = (None, None) if qseg_ref is None else (qseg_ref[...], kseg_ref[...])
+  kvec, qvec = (lambda m: krow_ref[m : m + 1, :]), (lambda m: qcol_ref[:, m : m + 1])
+  return pc.tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
 
-  def logits(diag):
-    r = pick(r_ref[...], j) if has_r and not diag else None
-    qseg, kseg = (qseg_ref[...], kseg_ref[...]) if has_seg else (None, None)
-    kvec, qvec = (lambda m: krow_ref[m : m + 1, :]), (lambda m: qcol_ref[:, m : m + 1])
-    bias, mask, _ = tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
-    return masked_logits(cfg, q_ref[...], k_ref[...], bias, mask)
 
-  @pl.when(n == 0)  # the diagonal: the entry is never masked, so m is finite from here on
+def _walk(n, live, start, tile, finish):
+  """The list axis n of a program: start() and tile(diag=True) at entry 0 (the diagonal, never
+  masked, so the running max is finite from there on), tile(False) at each later live entry,
+  finish() at the last entry."""
+
+  @pl.when(n == 0)
   def _():
-    s = logits(True)
-    m = s.max(1, keepdims=True)
-    p = jnp.exp(s - m)
-    m_sc[...], l_sc[...] = m, p.sum(1, keepdims=True)
-    acc_sc[...] = dot(p.astype(v_ref.dtype), v_ref[...])
+    start()
+    tile(True)
 
   @pl.when((n > 0) & live)
   def _():
-    s, m = logits(False), m_sc[...]
-    m_new = jnp.maximum(m, s.max(1, keepdims=True))
-    corr = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new)
-    m_sc[...] = m_new
-    l_sc[...] = l_sc[...] * corr + p.sum(1, keepdims=True)
-    acc_sc[...] = acc_sc[...] * corr + dot(p.astype(v_ref.dtype), v_ref[...])
+    tile(False)
 
   @pl.when(n == pl.num_programs(3) - 1)
   def _():
+    finish()
+
+
+def _fwd_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
+  # q, qcol, qseg, r: query block I; k, v, krow, kseg: key block J = idx[b, h // G, I, n].
+  (q_ref, k_ref, v_ref, krow_ref, qcol_ref), r_ref, qseg_ref, kseg_ref, rest = pc.unpack(refs, 5, has_r, has_seg)
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
+  n, j, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
+
+  def tile(diag):
+    bias, mask, _ = _terms(cfg, blk, krow_ref, qcol_ref, r_ref, qseg_ref, kseg_ref, j, diag)
+    s, v = pc.masked_logits(cfg, q_ref[...], k_ref[...], bias, mask), v_ref[...]
+    state = pc.softmax_start(s, v) if diag else pc.softmax_step((m_sc[...], l_sc[...], acc_sc[...]), s, v)
+    m_sc[...], l_sc[...], acc_sc[...] = state
+
+  def finish():
     o_ref[...] = (acc_sc[...] / l_sc[...]).astype(o_ref.dtype)
     lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
+
+  _walk(n, live, lambda: None, tile, finish)
 
 
 def _dkv_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   # Grid (B, KVH, J, n). k, v, krow, kseg, r (R[:, J]): key block J of kv head h; q, dO, lse, delta
   # ([G, blk, .], the group's query heads), qcol, qseg: query block I = idxT[b, h, J, n].
-  fixed, r_ref, qseg_ref, kseg_ref, outs = unpack(refs, 8, has_r, has_seg)
+  fixed, r_ref, qseg_ref, kseg_ref, outs = pc.unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   dk_ref, dv_ref, dkrow_ref = outs[:3]
   dr_ref = outs[3] if has_r else None
   dk_sc, dv_sc = outs[-2:]
   n, i, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1))
 
-  def tile(diag):
-    k, v = k_ref[...], v_ref[...]
-    r = pick(r_ref[...], i) if has_r and not diag else None
-    qseg, kseg = (qseg_ref[...], kseg_ref[...]) if has_seg else (None, None)
-    kvec, qvec = (lambda m: krow_ref[m : m + 1, :]), (lambda m: qcol_ref[:, m : m + 1])
-    bias, mask, pull = tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
-    dk, dv, ds_group = dk_sc[...], dv_sc[...], None
-    for g in range(cfg.group):  # the group's query heads share k, v and the bias: sum in here
-      q, do = q_ref[g], do_ref[g]
-      p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse_ref[g])  # masked entries: exactly 0
-      dv = dv + dot(p.astype(do.dtype).T, do)
-      ds = p * (dot_nt(do, v) - delta_ref[g])  # d loss / d logit = d loss / d bias
-      dk = dk + dot(ds.astype(q.dtype).T, q) * cfg.scale
-      ds_group = ds if ds_group is None else ds_group + ds
-    dk_sc[...], dv_sc[...] = dk, dv
-    rows, d_r = pull(ds_group, "key")
-    for m, x in rows.items():
-      dkrow_ref[m : m + 1, :] += x
-    if d_r is not None:
-      dr_ref[...] += jnp.where(jax.lax.broadcasted_iota(jnp.int32, dr_ref.shape, 1) == i, d_r, 0.0)
-
-  @pl.when(n == 0)
-  def _():
+  def start():
     dk_sc[...], dv_sc[...] = jnp.zeros(dk_sc.shape, F32), jnp.zeros(dv_sc.shape, F32)
     dkrow_ref[...] = jnp.zeros(dkrow_ref.shape, F32)  # resident across n: the sum's buffer
     if has_r:
       dr_ref[...] = jnp.zeros(dr_ref.shape, F32)
-    tile(True)
 
-  @pl.when((n > 0) & live)
-  def _():
-    tile(False)
+  def tile(diag):
+    terms = _terms(cfg, blk, krow_ref, qcol_ref, r_ref, qseg_ref, kseg_ref, i, diag)
+    heads = lambda g: (q_ref[g], do_ref[g], lse_ref[g], delta_ref[g])
+    dk, dv, rows, d_r = pc.dkv_tile(cfg, terms, k_ref[...], v_ref[...], heads, dk_sc[...], dv_sc[...])
+    dk_sc[...], dv_sc[...] = dk, dv
+    for m, x in rows.items():
+      dkrow_ref[m : m + 1, :] += x
+    if d_r is not None:
+      dr_ref[...] = pc.add_r_cotangent(dr_ref[...], d_r, i)
 
-  @pl.when(n == pl.num_programs(3) - 1)
-  def _():
+  def finish():
     dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+  _walk(n, live, start, tile, finish)
 
 
 def _dq_kernel(cnt_ref, idx_ref, *refs, cfg, blk, has_r, has_seg):
   # q, dO, lse, delta, qcol, qseg, r: query block I; k, v, krow, kseg: key block idx[b, h // G, I, n].
-  fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref, dq_sc) = unpack(refs, 8, has_r, has_seg)
+  fixed, r_ref, qseg_ref, kseg_ref, (dq_ref, dqcol_ref, dq_sc) = pc.unpack(refs, 8, has_r, has_seg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, krow_ref, qcol_ref = fixed
   n, j, live = _entry(cfg, cnt_ref, idx_ref, pl.program_id(1) // cfg.group)
 
-  def tile(diag):
-    k, v = k_ref[...], v_ref[...]
-    r = pick(r_ref[...], j) if has_r and not diag else None
-    qseg, kseg = (qseg_ref[...], kseg_ref[...]) if has_seg else (None, None)
-    kvec, qvec = (lambda m: krow_ref[m : m + 1, :]), (lambda m: qcol_ref[:, m : m + 1])
-    bias, mask, pull = tile_terms(cfg, blk, kvec, qvec, r, qseg, kseg, diag)
-    p = jnp.exp(masked_logits(cfg, q_ref[...], k, bias, mask) - lse_ref[...])
-    ds = p * (dot_nt(do_ref[...], v) - delta_ref[...])
-    dq_sc[...] += dot(ds.astype(k.dtype), k) * cfg.scale
-    for m, x in pull(ds, "query").items():
-      dqcol_ref[:, m : m + 1] += x
-
-  @pl.when(n == 0)
-  def _():
+  def start():
     dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
     dqcol_ref[...] = jnp.zeros(dqcol_ref.shape, F32)
-    tile(True)
 
-  @pl.when((n > 0) & live)
-  def _():
-    tile(False)
+  def tile(diag):
+    terms = _terms(cfg, blk, krow_ref, qcol_ref, r_ref, qseg_ref, kseg_ref, j, diag)
+    rows = (q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], delta_ref[...])
+    dq, cols = pc.dq_tile(cfg, terms, *rows)
+    dq_sc[...] += dq
+    for m, x in cols.items():
+      dqcol_ref[:, m : m + 1] += x
 
-  @pl.when(n == pl.num_programs(3) - 1)
-  def _():
+  def finish():
     dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+
+  _walk(n, live, start, tile, finish)
 
 
 # ----------------------------------------------------------------------------- pallas_calls
@@ -289,17 +263,13 @@ def _forward(cfg, q, k, v, st, seg, lists):
   b, h, tp, d = q.shape
   dv, blk, g = v.shape[-1], cfg.fwd, cfg.group
   nb = tp // blk
-  krow, qcol, r = st
-  nr, nc = krow.shape[2], qcol.shape[3]
+  krow, qcol, r, nr, nc = pc.stats_dims(st)
   args = [q, k, v, krow, qcol]
   specs = [_own((blk, d)), _walked(cfg, (blk, d), g), _walked(cfg, (blk, dv), g), _krow_spec(cfg, nr, blk, g, True)]
   specs.append(_own((blk, nc), g))
-  if r is not None:
-    args.append(r_rows(r, nb))
-    specs.append(_r_spec(nb, g))
-  if seg is not None:
-    args += list(seg)
-    specs += _seg_specs(cfg, blk, g, q_walked=False)
+  args, specs = pc.with_optional(
+    args, specs, None if r is None else pc.r_rows(r, nb), _r_spec(nb, g), seg, _seg_specs(cfg, blk, g, False)
+  )
   kernel = functools.partial(_fwd_kernel, cfg=cfg, blk=blk, has_r=r is not None, has_seg=seg is not None)
   scratch = [pltpu.VMEM((blk, 1), F32), pltpu.VMEM((blk, 1), F32), pltpu.VMEM((blk, dv), F32)]
   out_shape = [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype), jax.ShapeDtypeStruct((b, h, tp, 1), F32)]
@@ -322,8 +292,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
   b, h, tp, d = q.shape
   dv_, blk, g = v.shape[-1], cfg.bwd, cfg.group
   nb = tp // blk
-  krow, qcol, r = st
-  nr, nc = krow.shape[2], qcol.shape[3]
+  krow, qcol, r, nr, nc = pc.stats_dims(st)
   has_r, has_seg = r is not None, seg is not None
 
   # dK / dV: grid (B, KVH, J, n) over the transposed lists; q-side tiles of the group: [G, blk, .].
@@ -336,14 +305,11 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
   out_specs = [_own((blk, d)), _own((blk, dv_)), _krow_spec(cfg, nr, blk, 1, False)]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_shape.append(jax.ShapeDtypeStruct(krow.shape, F32))
+  r_t = pc.r_rows(jnp.swapaxes(r, -1, -2), nb) if has_r else None  # R^T: program J reads R[:, J] as a row
+  args, specs = pc.with_optional(args, specs, r_t, _r_spec(nb, 1), seg, _seg_specs(cfg, blk, 1, q_walked=True))
   if has_r:
-    args.append(r_rows(jnp.swapaxes(r, -1, -2), nb))  # R^T: program J reads R[:, J] as a row
-    specs.append(_r_spec(nb, 1))
     out_specs.append(_r_spec(nb, 1))
     out_shape.append(jax.ShapeDtypeStruct(r.shape[:2] + (nb, 1, nb), F32))
-  if has_seg:
-    args += list(seg)
-    specs += _seg_specs(cfg, blk, 1, q_walked=True)
   kernel = functools.partial(_dkv_kernel, cfg=cfg, blk=blk, has_r=has_r, has_seg=has_seg)
   scratch = [pltpu.VMEM((blk, d), F32), pltpu.VMEM((blk, dv_), F32)]
   outs = _call(
@@ -365,12 +331,9 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
   args = [q, k, v, do, lse, delta, krow, qcol]
   specs = [_own((blk, d)), _walked(cfg, (blk, d), g), _walked(cfg, (blk, dv_), g), _own((blk, dv_)), _own((blk, 1))]
   specs += [_own((blk, 1)), _krow_spec(cfg, nr, blk, g, True), _own((blk, nc), g)]
-  if has_r:
-    args.append(r_rows(r, nb))
-    specs.append(_r_spec(nb, g))
-  if has_seg:
-    args += list(seg)
-    specs += _seg_specs(cfg, blk, g, q_walked=False)
+  args, specs = pc.with_optional(
+    args, specs, pc.r_rows(r, nb) if has_r else None, _r_spec(nb, g), seg, _seg_specs(cfg, blk, g, False)
+  )
   kernel = functools.partial(_dq_kernel, cfg=cfg, blk=blk, has_r=has_r, has_seg=has_seg)
   dq, dqcol = _call(
     cfg,
@@ -384,7 +347,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg, lists):
     lists[:2],
     args,
   )
-  return dq, dk, dv, (dkrow, group_sum(dqcol, g, F32), dr)
+  return dq, dk, dv, (dkrow, pc.group_sum(dqcol, g, F32), dr)
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -437,13 +400,10 @@ def block_sparse_attention(
   dv = v.shape[-1]
   if b == 0 or t == 0:
     return jnp.zeros((b, t, h, dv), q.dtype)
-  backend = jax.default_backend()
-  if interpret is None:
-    interpret = backend not in ("tpu", "gpu")
-  mode = "interpret" if interpret else backend
+  interpret, mode = pc.run_mode(interpret)
   if mode == "gpu":
     raise ValueError(PALLAS_SKIP_GPU)
-  bs = check_blocks(block_sizes, mode)
+  bs = pc.check_blocks(block_sizes, mode)
   if bs.backward != bs.fwd:
     raise ValueError(
       f"skip_tolerance drops the same tiles in the forward and backward kernels: one tile size, got "
@@ -451,7 +411,7 @@ def block_sparse_attention(
     )
   if not isinstance(bias, (FPABias, FoXBias)):
     raise TypeError(f"bias must be an ops.bias.FPABias or FoXBias, got {type(bias).__name__}")
-  blk = fit(bs.fwd, t, False)  # = chunked.block_for(t, bs.fwd): the chunked kernel's tiles
+  blk = pc.fit(bs.fwd, t, False)  # = chunked.block_for(t, bs.fwd): the chunked kernel's tiles
   nb = -(-t // blk)
   tp = nb * blk
   dead = None
@@ -464,7 +424,7 @@ def block_sparse_attention(
     s = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, tp - t)], constant_values=-1)
     seg = (s[:, :, None], s[:, None, :])
   kvh = k.shape[2]
-  cfg = _SparseCfg(bias.kind, float(scale), blk, blk, bool(interpret), mode, h // kvh, kvh, nb)
+  cfg = _SparseCfg(bias.kind, float(scale), blk, blk, interpret, mode, h // kvh, kvh, nb)
   lists = tuple(x.reshape(-1) for x in tile_lists(dead, (b, kvh, nb)))
   o = _core(cfg, prep(q), prep(k), prep(v), st, seg, lists)
   return jnp.swapaxes(o[:, :, :t], 1, 2)

@@ -1,6 +1,8 @@
 """What the dense (`kernels`) and block-sparse (`block_sparse`) Pallas kernels share: the call
-configuration, the tile's bias / mask / logits, kernel-ref unpacking, the block-pair statistic's
-row layout, the group sum of per-query-head partials and the tile-size checks. Both kernel modules
+configuration, the tile's bias / mask / logits, the tile bodies (the online softmax step, the
+dK / dV and dQ tiles: one tile kernel for FPA and FoX, dense or block-sparse), kernel-ref
+unpacking, the optional operands, the block-pair statistic's row layout, the group sum of
+per-query-head partials and the tile-size checks. Both kernel modules
 import this one and not each other at the top (`kernels.pallas_attention` hands skip_tolerance to
 `block_sparse` inside the function), so the package has no import circle."""
 
@@ -82,6 +84,70 @@ def masked_logits(cfg, q, k, bias, mask):
   return s if mask is None else jnp.where(mask, s, NEG)
 
 
+# The tile bodies both kernel modules run: they differ only in how a tile reaches the kernel
+# (a slice of a whole-T block there, a block fetched from a prefetched list here).
+
+
+def softmax_start(s, v):
+  """The online softmax's first tile, the diagonal (never masked, so m is finite from here on):
+  logits s [bq, bk] fp32, v [bk, Kv] -> (m [bq, 1], l [bq, 1], acc [bq, Kv]) fp32."""
+  m = s.max(1, keepdims=True)
+  p = jnp.exp(s - m)
+  return m, p.sum(1, keepdims=True), dot(p.astype(v.dtype), v)
+
+
+def softmax_step(state, s, v):
+  """One more key tile into the online softmax state (m, l, acc): logits s [bq, bk], v [bk, Kv]."""
+  m, l, acc = state
+  m_new = jnp.maximum(m, s.max(1, keepdims=True))
+  corr = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new)
+  return m_new, l * corr + p.sum(1, keepdims=True), acc * corr + dot(p.astype(v.dtype), v)
+
+
+def dkv_tile(cfg, terms, k, v, heads, dk, dv):
+  """The dK / dV kernels' tile: key block k [bk, K], v [bk, Kv] of one kv head against a query block
+  of each query head of its group, heads(g) -> (q [bq, K], do [bq, Kv], lse [bq, 1], delta [bq, 1]).
+  terms: `tile_terms`'s (bias, mask, pull). dk, dv: the fp32 sums so far. -> (dk, dv, the key stat
+  rows' cotangents {row n: [1, bk]}, R's [1, 1] cotangent or None)."""
+  bias, mask, pull = terms
+  ds_group = None
+  for g in range(cfg.group):  # the group's query heads share k, v and the bias: sum in here
+    q, do, lse, delta = heads(g)
+    p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse)  # masked entries: exactly 0
+    dv = dv + dot(p.astype(do.dtype).T, do)
+    ds = p * (dot_nt(do, v) - delta)  # d loss / d logit = d loss / d bias
+    dk = dk + dot(ds.astype(q.dtype).T, q) * cfg.scale
+    ds_group = ds if ds_group is None else ds_group + ds
+  rows, d_r = pull(ds_group, "key")
+  return dk, dv, rows, d_r
+
+
+def dq_tile(cfg, terms, q, k, v, do, lse, delta):
+  """The dQ kernels' tile: one query head's q [bq, K], do [bq, Kv], lse, delta [bq, 1] against key
+  block k [bk, K], v [bk, Kv]. -> (this tile's dq [bq, K] fp32, the query stat columns' cotangents
+  {column n: [bq, 1]})."""
+  bias, mask, pull = terms
+  p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse)
+  ds = p * (dot_nt(do, v) - delta)
+  return dot(ds.astype(k.dtype), k) * cfg.scale, pull(ds, "query")
+
+
+def add_r_cotangent(dr, d_r, i):
+  """dr [1, nbp] (R[:, J]'s cotangent as a row) + d_r [1, 1] at entry i."""
+  return dr + jnp.where(jax.lax.broadcasted_iota(jnp.int32, dr.shape, 1) == i, d_r, 0.0)
+
+
+def with_optional(args, specs, r, r_spec, seg, seg_specs):
+  """A kernel's operands and BlockSpecs, then the optional ones in the order `unpack` reads them: R
+  in `r_rows` layout (or None), the segment ids (query column, key row; or None)."""
+  if r is not None:
+    args, specs = args + [r], specs + [r_spec]
+  if seg is not None:
+    args, specs = args + list(seg), specs + list(seg_specs)
+  return args, specs
+
+
 def unpack(refs, n_in, has_r, has_seg):
   """Kernel refs -> (fixed inputs, r, qseg, kseg, outputs)."""
   refs = list(refs)
@@ -89,6 +155,12 @@ def unpack(refs, n_in, has_r, has_seg):
   r = rest.pop(0) if has_r else None
   qseg, kseg = (rest.pop(0), rest.pop(0)) if has_seg else (None, None)
   return fixed, r, qseg, kseg, rest
+
+
+def stats_dims(st):
+  """Kernel stats (krow [B, KVH, nr, Tp], qcol [B, KVH, Tp, nc], r) -> (krow, qcol, r, nr, nc)."""
+  krow, qcol, r = st
+  return krow, qcol, r, krow.shape[2], qcol.shape[3]
 
 
 def r_rows(r, nbp):
@@ -102,6 +174,15 @@ def group_sum(x, g, dtype):
   if g == 1:
     return x.astype(dtype)
   return x.reshape((x.shape[0], x.shape[1] // g, g) + x.shape[2:]).sum(2).astype(dtype)
+
+
+def run_mode(interpret):
+  """(interpret, mode): interpret None means the interpreter on anything but TPU / GPU; mode is
+  "tpu", "gpu" or "interpret" (what `check_blocks`, `fit` and `Cfg.backend` take)."""
+  backend = jax.default_backend()
+  if interpret is None:
+    interpret = backend not in ("tpu", "gpu")
+  return bool(interpret), "interpret" if interpret else backend
 
 
 def fit(blk, t, pow2):

@@ -41,16 +41,22 @@ from fpa_jax.ops.bias import Bias, FoXBias, FPABias
 from fpa_jax.ops.common import F32
 from fpa_jax.ops.pallas.common import (
   Cfg,
+  add_r_cotangent,
   check_blocks,
-  dot,
-  dot_nt,
+  dkv_tile,
+  dq_tile,
   fit,
   group_sum,
   masked_logits,
   pick,
   r_rows,
+  run_mode,
+  softmax_start,
+  softmax_step,
+  stats_dims,
   tile_terms,
   unpack,
+  with_optional,
 )
 
 
@@ -81,20 +87,8 @@ def _fwd_kernel(*refs, cfg, blk, has_r, has_seg):
     bias, mask, _ = tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
     return masked_logits(cfg, q, k_ref[ks, :], bias, mask), v_ref[ks, :]
 
-  s, v = logits(i, True)  # the diagonal entry is never masked, so m is finite from here on
-  m = s.max(1, keepdims=True)
-  p = jnp.exp(s - m)
-  carry = (m, p.sum(1, keepdims=True), dot(p.astype(v.dtype), v))
-
-  def body(j, carry):
-    m, l, acc = carry
-    s, v = logits(j, False)
-    m_new = jnp.maximum(m, s.max(1, keepdims=True))
-    corr = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new)
-    return m_new, l * corr + p.sum(1, keepdims=True), acc * corr + dot(p.astype(v.dtype), v)
-
-  m, l, acc = jax.lax.fori_loop(0, i, body, carry)
+  state = softmax_start(*logits(i, True))  # the diagonal first: its running max is finite
+  m, l, acc = jax.lax.fori_loop(0, i, lambda j, c: softmax_step(c, *logits(j, False)), state)
   o_ref[...] = (acc / l).astype(o_ref.dtype)
   lse_ref[...] = m + jnp.log(l)
 
@@ -116,20 +110,11 @@ def _dkv_kernel(*refs, cfg, blk, nb, has_r, has_seg):
     qs = _rows(i, blk)
     r = pick(r_col, i) if has_r and not diag else None
     qseg = qseg_ref[qs, :] if has_seg else None
-    bias, mask, pull = tile_terms(cfg, blk, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
-    ds_group = None
-    for g in range(cfg.group):  # the group's query heads share k, v and the bias: sum in here
-      q, do = q_ref[g, qs, :], do_ref[g, qs, :]
-      p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse_ref[g, qs, :])  # masked entries: exactly 0
-      dv = dv + dot(p.astype(do.dtype).T, do)
-      ds = p * (dot_nt(do, v) - delta_ref[g, qs, :])  # d loss / d logit = d loss / d bias
-      dk = dk + dot(ds.astype(q.dtype).T, q) * cfg.scale
-      ds_group = ds if ds_group is None else ds_group + ds
-    rows, d_r = pull(ds_group, "key")
+    terms = tile_terms(cfg, blk, kvec, lambda n: qcol_ref[qs, n : n + 1], r, qseg, kseg, diag)
+    heads = lambda g: (q_ref[g, qs, :], do_ref[g, qs, :], lse_ref[g, qs, :], delta_ref[g, qs, :])
+    dk, dv, rows, d_r = dkv_tile(cfg, terms, k, v, heads, dk, dv)
     dkrow = tuple(x + rows[n] if n in rows else x for n, x in enumerate(dkrow))
-    if d_r is not None:
-      dr = dr + jnp.where(jax.lax.broadcasted_iota(jnp.int32, dr.shape, 1) == i, d_r, 0.0)
-    return dk, dv, dkrow, dr
+    return dk, dv, dkrow, dr if d_r is None else add_r_cotangent(dr, d_r, i)
 
   nr = krow_ref.shape[0]
   carry = (
@@ -163,12 +148,9 @@ def _dq_kernel(*refs, cfg, blk, has_r, has_seg):
     k, v = k_ref[ks, :], v_ref[ks, :]
     r = pick(r_ref[...], j) if has_r and not diag else None
     kseg = kseg_ref[:, ks] if has_seg else None
-    bias, mask, pull = tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
-    p = jnp.exp(masked_logits(cfg, q, k, bias, mask) - lse)
-    ds = p * (dot_nt(do, v) - delta)
-    dq = dq + dot(ds.astype(k.dtype), k) * cfg.scale
-    cols = pull(ds, "query")
-    return dq, tuple(x + cols[n] if n in cols else x for n, x in enumerate(dqcol))
+    terms = tile_terms(cfg, blk, lambda n: krow_ref[n : n + 1, ks], qvec, r, qseg, kseg, diag)
+    dq_t, cols = dq_tile(cfg, terms, q, k, v, do, lse, delta)
+    return dq + dq_t, tuple(x + cols[n] if n in cols else x for n, x in enumerate(dqcol))
 
   nc = qcol_ref.shape[1]
   carry = tile(i, (jnp.zeros(q.shape, F32), tuple(jnp.zeros((blk, 1), F32) for _ in range(nc))), True)
@@ -193,7 +175,7 @@ def _whole(rows, cols, g=1):  # all of a [B, H, rows, cols] per (batch, head)
 _R_SPEC = lambda nbp, g=1: pl.BlockSpec((None, None, None, 1, nbp), lambda b, h, x: (b, h // g, x, 0, 0))
 
 
-def _seg_specs(seg, blk, tp, q_tiled):
+def _seg_specs(blk, tp, q_tiled):
   """(qseg [B, Tp, 1], kseg [B, 1, Tp]) specs: the query side tiled or whole, the key side the other."""
   qt = pl.BlockSpec((None, blk, 1), lambda b, h, x: (b, x, 0))
   qw = pl.BlockSpec((None, tp, 1), lambda b, h, x: (b, 0, 0))
@@ -212,16 +194,11 @@ def _forward(cfg, q, k, v, st, seg):
   b, h, tp, d = q.shape
   dv, blk, g = v.shape[-1], cfg.fwd, cfg.group
   nb = tp // blk
-  krow, qcol, r = st
-  nr, nc = krow.shape[2], qcol.shape[3]
+  krow, qcol, r, nr, nc = stats_dims(st)
   args = [q, k, v, krow, qcol]
   specs = [_tiled(blk, d), _whole(tp, d, g), _whole(tp, dv, g), _whole(nr, tp, g), _tiled(blk, nc, g)]
-  if r is not None:
-    args.append(r_rows(r, _nbp(cfg, nb)))
-    specs.append(_R_SPEC(_nbp(cfg, nb), g))
-  if seg is not None:
-    args += list(seg)
-    specs += _seg_specs(seg, blk, tp, q_tiled=True)
+  r = None if r is None else r_rows(r, _nbp(cfg, nb))
+  args, specs = with_optional(args, specs, r, _R_SPEC(_nbp(cfg, nb), g), seg, _seg_specs(blk, tp, q_tiled=True))
   kernel = functools.partial(_fwd_kernel, cfg=cfg, blk=blk, has_r=r is not None, has_seg=seg is not None)
   return cfg.call(
     kernel,
@@ -239,8 +216,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
   b, h, tp, d = q.shape
   dv_, blk, g = v.shape[-1], cfg.bwd, cfg.group
   nb = tp // blk
-  krow, qcol, r = st
-  nr, nc = krow.shape[2], qcol.shape[3]
+  krow, qcol, r, nr, nc = stats_dims(st)
   has_r, has_seg = r is not None, seg is not None
   nbp = _nbp(cfg, nb)
   grid = (b, h, nb)
@@ -254,14 +230,11 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
   out_specs = [_tiled(blk, d), _tiled(blk, dv_), row_tile]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_shape.append(jax.ShapeDtypeStruct(krow.shape, F32))
+  r_t = r_rows(jnp.swapaxes(r, -1, -2), nbp) if has_r else None  # R^T: program J reads R[:, J] as a row
+  args, specs = with_optional(args, specs, r_t, _R_SPEC(nbp), seg, _seg_specs(blk, tp, q_tiled=False))
   if has_r:
-    args.append(r_rows(jnp.swapaxes(r, -1, -2), nbp))  # R^T: program J reads R[:, J] as a row
-    specs.append(_R_SPEC(nbp))
     out_specs.append(_R_SPEC(nbp))
     out_shape.append(jax.ShapeDtypeStruct(r.shape[:2] + (nb, 1, nbp), F32))
-  if has_seg:
-    args += list(seg)
-    specs += _seg_specs(seg, blk, tp, q_tiled=False)
   kernel = functools.partial(_dkv_kernel, cfg=cfg, blk=blk, nb=nb, has_r=has_r, has_seg=has_seg)
   outs = cfg.call(
     kernel,
@@ -286,12 +259,9 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
     _whole(nr, tp, g),
     _tiled(blk, nc, g),
   ]
-  if has_r:
-    args.append(r_rows(r, nbp))
-    specs.append(_R_SPEC(nbp, g))
-  if has_seg:
-    args += list(seg)
-    specs += _seg_specs(seg, blk, tp, q_tiled=True)
+  args, specs = with_optional(
+    args, specs, r_rows(r, nbp) if has_r else None, _R_SPEC(nbp, g), seg, _seg_specs(blk, tp, q_tiled=True)
+  )
   kernel = functools.partial(_dq_kernel, cfg=cfg, blk=blk, has_r=has_r, has_seg=has_seg)
   dq, dqcol = cfg.call(
     kernel,
@@ -373,10 +343,7 @@ def pallas_attention(
   dv = v.shape[-1]
   if b == 0 or t == 0:  # an empty grid: nothing to run
     return jnp.zeros((b, t, h, dv), q.dtype)
-  backend = jax.default_backend()
-  if interpret is None:
-    interpret = backend not in ("tpu", "gpu")
-  mode = "interpret" if interpret else backend
+  interpret, mode = run_mode(interpret)
   bs = check_blocks(block_sizes, mode)
   bf, bb = (fit(n, t, mode == "gpu") for n in (bs.fwd, bs.backward))
   tp = -(-t // math.lcm(bf, bb)) * math.lcm(bf, bb)
@@ -393,6 +360,6 @@ def pallas_attention(
   if segment_ids is not None:
     s = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, tp - t)], constant_values=-1)
     seg = (s[:, :, None], s[:, None, :])  # query column [B, Tp, 1], key row [B, 1, Tp]
-  cfg = Cfg(kind, float(scale), bf, bb, bool(interpret), mode, h // k.shape[2])
+  cfg = Cfg(kind, float(scale), bf, bb, interpret, mode, h // k.shape[2])
   o = _core(cfg, prep(q, dpad(d)), prep(k, dpad(d)), prep(v, dpad(dv)), fst, bst, seg)
   return jnp.swapaxes(o[:, :, :t, :dv], 1, 2)
