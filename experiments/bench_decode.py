@@ -26,7 +26,7 @@ both bounds, per-key (`bound="keys"`) and parameter (`bound="params"`).
 For each context P (a prompt of P tokens, prefilled by the parallel kernel under the policy) and
 each policy, N greedy decode steps run as one jitted scan (the loop `generate` runs), compiled and
 warmed up first, then timed (median of --repeats) and divided by N: prefill is excluded.
-Cache bytes: every array the cache allocates (`inference.decode.cache_bytes`, no allocation: the
+Cache bytes: every array the cache allocates (`inference.Decoder.nbytes`, no allocation: the
 per-layer caches, or fpa_global's pool).
 Speed does not depend on the weights, so an untrained model is measured unless --workdir is given
 (kept fractions and the tolerance study do: random prompts on an untrained model say little;
@@ -49,18 +49,7 @@ from tqdm import tqdm
 
 from experiments._common import ROOT, md_table, run_meta, write_json
 from fpa_jax import configs as C
-from fpa_jax.inference import (
-  cache_bytes,
-  cached_logits,
-  decode_step,
-  load_model,
-  make_policy,
-  occupancy,
-  prefill_parallel,
-  scan_steps,
-  slots_per_row,
-)
-from fpa_jax.inference.pool import stand_in
+from fpa_jax.inference import Decoder, cached_logits, load_model, make_policy, stand_in
 from fpa_jax.models import build_model
 
 POLICIES: dict[str, tuple[str, dict]] = {
@@ -103,25 +92,24 @@ def decode_timer(model, prompt, n_new: int, policy):
   """A function timing `n_new` decode steps (one jitted scan) after a parallel prefill of `prompt`."""
   graphdef, state = nnx.split(model)
   b, p = prompt.shape
-  lengths = jnp.full((b,), p, jnp.int32)
+  decoder = lambda state: Decoder(nnx.merge(graphdef, state), policy, max_len=p + n_new)  # noqa: E731
 
   @jax.jit
   def prefill(state, prompt):
-    m = nnx.merge(graphdef, state)
-    logits, caches = prefill_parallel(m, prompt, lengths, policy, p + n_new)  # fpa_global: into the pool
+    logits, caches = decoder(state).prefill(prompt, mode="parallel")  # fpa_global: into the pool
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
 
   @jax.jit
   def decode(state, caches, tok):
-    m = nnx.merge(graphdef, state)
+    dec = decoder(state)
 
     def body(carry, pos, repack=True):
       caches, tok = carry
-      logits, caches = decode_step(m, caches, tok, jnp.full((b,), pos, jnp.int32), policy, repack=repack)
+      logits, caches = dec.step(caches, tok, jnp.full((b,), pos, jnp.int32), repack=repack)
       return (caches, jnp.argmax(logits, -1).astype(jnp.int32)), None
 
-    (caches, tok), _ = scan_steps(body, (caches, tok), jnp.arange(p, p + n_new), policy)  # generate's loop
-    held = occupancy(caches)[1]  # [L, B, KVH]
+    (caches, tok), _ = dec.scan(body, (caches, tok), jnp.arange(p, p + n_new))  # generate's loop
+    held = caches.occupancy()[1]  # [L, B, KVH]
     return tok, jnp.mean(held, axis=1) / (p + n_new)  # kept fraction per layer and kv head
 
   tok, caches = prefill(state, jnp.asarray(prompt, jnp.int32))
@@ -158,7 +146,7 @@ def time_interleaved(model, prompt, n_new: int, repeats: int, policies) -> tuple
 
 
 def profile_global(model, prompt, n_new: int, repeats: int, policy) -> dict:
-  """fpa_global's step split by stand-ins (`fpa_jax.inference.pool.stand_in`), timed interleaved with the whole step:
+  """fpa_global's step split by stand-ins (`fpa_jax.inference.stand_in`), timed interleaved with the whole step:
   {"step_ms", "attention_ms", "eviction_ms", "rest_ms"} per token (a part's time: the whole step's
   minus the step's without it)."""
   runs = [decode_timer(model, prompt, n_new, policy)]
@@ -270,9 +258,9 @@ def main(argv=None) -> dict:
       "head_cap": kw.get("head_cap"),
       "pool_impl": pol.pool_impl if pol.is_global else None,
       "capacity": pol.capacity,
-      "slots_per_row": slots_per_row(model, pol),
+      "slots_per_row": Decoder(model, pol, max_len=p + a.new_tokens).slots_per_row(),
       "recent": pol.recent,
-      "cache_bytes": cache_bytes(model, a.batch, pol, p + a.new_tokens),
+      "cache_bytes": Decoder(model, pol, max_len=p + a.new_tokens).nbytes(a.batch),
       "decode_ms_per_token": per_token * 1e3,
       "tokens_per_s": a.batch / per_token,
       "kept_fraction_mean": float(np.mean(kept)),

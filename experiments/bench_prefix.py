@@ -4,8 +4,8 @@
     python -m experiments.bench_prefix --turns 4 --turn-tokens 32 --config tiny   # smoke
 
 A conversation of N turns of T tokens per row. At turn n a chat server either re-runs the whole
-conversation so far (n T tokens) through the model's parallel prefill (`inference.decode.
-prefill_parallel`, the `full` policy: what `generate(prefill="parallel")` does with the whole
+conversation so far (n T tokens) through the model's parallel prefill (`inference.Decoder.
+prefill`, the `full` policy: what `generate(prefill="parallel")` does with the whole
 history as its prompt), or runs only the new turn's T tokens against the cache the previous turns
 left (`inference.extend`, `ops.prefix.prefix_attention`): with the `full` policy (a cache of N T
 slots, the same logits) and with `fpa_budget` at --budget of N T (every query sees at most that
@@ -31,9 +31,8 @@ from flax import nnx
 
 from experiments._common import ROOT, md_table, run_meta, study_parser, write_prefixed
 from fpa_jax import configs as C
-from fpa_jax.inference import conversation as E
-from fpa_jax.inference import make_policy
-from fpa_jax.inference.decode import prefill_parallel
+from fpa_jax.inference import Decoder, extend, make_policy
+from fpa_jax.inference.conversation import extend_program
 from fpa_jax.models import build_model
 
 MODULE = "experiments.bench_prefix"
@@ -48,11 +47,10 @@ def _temp_bytes(compiled) -> int | None:
 def reprefill(model, tokens, n_keys: int):
   """A compiled whole-conversation prefill: () -> (logits [B, P, V], caches), its temp bytes."""
   graphdef, state = nnx.split(model)
-  b, p = tokens.shape
   pol = make_policy("full", n_keys)
 
   def run(state, tokens):
-    return prefill_parallel(nnx.merge(graphdef, state), tokens, jnp.full((b,), p, jnp.int32), pol, n_keys)
+    return Decoder(nnx.merge(graphdef, state), pol, max_len=n_keys).prefill(tokens, mode="parallel")
 
   compiled = jax.jit(run).lower(state, tokens).compile()
   return (lambda: compiled(state, tokens)), _temp_bytes(compiled)
@@ -64,7 +62,9 @@ def chunk_program_temp(model, conv, tokens) -> int | None:
   graphdef, state = nnx.split(model)
   b = tokens.shape[0]
   lengths, seen = jnp.full((b,), tokens.shape[1], jnp.int32), jnp.asarray(conv.seen, jnp.int32)
-  lowered = E.extend_program.lower(graphdef, state, conv.caches, tokens, lengths, seen, policy=conv.policy)
+  lowered = extend_program.lower(
+    graphdef, state, conv.caches, tokens, lengths, seen, policy=conv.policy, max_len=conv.max_len
+  )
   return _temp_bytes(lowered.compile())
 
 
@@ -81,7 +81,7 @@ def chunked_pass(model, turns, max_len: int, policy: str, kw: dict):
   conv, times, logits = None, [], None
   for t in turns:
     kw_first = {} if conv else dict(max_len=max_len, policy=policy, **kw)
-    (logits, conv), wall, cpu = _timed(lambda: E.extend(model, t, conv, **kw_first))
+    (logits, conv), wall, cpu = _timed(lambda: extend(model, t, conv, **kw_first))
     times.append((wall, cpu))
   return times, conv, logits
 
@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
       "turn_ms": best("reprefill", 0),
       "turn_cpu_ms": best("reprefill", 1),
       "turn_temp_bytes": [temp for _, temp in re_runs],
-      "cache_bytes": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(re_out[1]))),
+      "cache_bytes": re_out[1].nbytes(),
     },
     "methods": res_methods,
   }

@@ -302,6 +302,40 @@ class AttentionCache(Protocol):
   def attend(self, spec: AttentionSpec, q, k, v, gates: GateTerms) -> tuple[jax.Array, AttentionCache]: ...
 
 
+class NNXDecoding(Protocol):
+  """How a `FirstPassageAttention` decodes the NNX way (flax's `nnx.MultiHeadAttention` convention:
+  `init_cache(input_shape)`, then calls with `decode=True`; the cache is the layer's `nnx.Cache`
+  state, no cache argument). `fpa_jax.inference` provides it when it is imported
+  (`register_nnx_decoding`), so that this module stays below inference in the import graph.
+
+  init(layer, batch, max_len, dtype, policy, policy_kw) -> (state, the resolved policy): an empty
+    cache of one layer for `batch` rows of up to `max_len` tokens under a per-layer policy.
+  attend(state, policy, start, spec, q, k, v, gates) -> (o [B, T, H, K], state after it): the call's
+    T tokens at positions start, start + 1, ... ([] int32, the same in every row); `state.carry`
+    [B, KVH] is the gate's running sum before them."""
+
+  def init(self, layer, batch: int, max_len: int, dtype, policy, policy_kw: dict): ...
+
+  def attend(self, state, policy, start, spec: AttentionSpec, q, k, v, gates: GateTerms): ...
+
+
+_NNX_DECODING: list[NNXDecoding] = []  # fpa_jax.inference's, once it is imported
+
+
+def register_nnx_decoding(impl: NNXDecoding) -> None:
+  """Set how layers decode the NNX way (`fpa_jax.inference.cache` calls this when it is imported)."""
+  _NNX_DECODING[:] = [impl]
+
+
+def _nnx_decoding() -> NNXDecoding:
+  if not _NNX_DECODING:
+    raise ValueError(
+      "decode=True keeps a KV cache of fpa_jax.inference (its caches and policies): import fpa_jax.inference "
+      "before init_cache (e.g. `from fpa_jax.inference import FPABudget`)"
+    )
+  return _NNX_DECODING[0]
+
+
 def check_layer_inputs(x, d_model: int, segment_ids=None, positions=None) -> tuple[int, int]:
   """x [batch, seq, d_model] float; segment_ids, positions: None or int [batch, seq]. Raises
   ValueError naming the argument (shapes are static: checked while tracing too) -> (batch, seq)."""
@@ -394,6 +428,11 @@ class FirstPassageAttention(nnx.Module):
       _param(rngs, normal(std), (d, h, k), (EMBED, HEADS, HEAD_DIM), pdt) if cfg.output_gate else None
     )
     self.gate: Gate | None = Gate(cfg, layer=layer, rngs=rngs) if cfg.gate_terms else None
+    # Flax's decode convention (`init_cache`, `decode=True`): the cache lives here once made.
+    self.decode = False
+    self.cache_state: nnx.Cache | None = nnx.data(None)  # the layer's cache (an inference.cache.LayerCache)
+    self.cache_index: nnx.Cache | None = nnx.data(None)  # [] int32 the next token's position
+    self.cache_policy = None  # the resolved per-layer policy (static)
 
   @classmethod
   def from_args(
@@ -528,6 +567,47 @@ class FirstPassageAttention(nnx.Module):
     field, level, cum = field_level(parts, carry)
     return GateTerms(*(constrain(a, BTH) for a in (field, level, cum, parts.increment)))
 
+  def init_cache(self, input_shape, dtype=None, *, policy="full", **policy_kw) -> None:
+    """Flax's decode convention (`nnx.MultiHeadAttention.init_cache`): make the KV cache that calls
+    with `decode=True` attend against, kept in this layer's `nnx.Cache` state (`cache_state`, and
+    `cache_index`, the next position), so a model's `__call__` threads no cache argument.
+
+    input_shape: (batch, max_len, ...) as flax's: the rows, and the most tokens a row will hold (the
+      N of the `fpa` tolerance bound; what a float budget is a fraction of).
+    dtype: k and v's dtype (default the layer's compute dtype).
+    policy, policy_kw: a per-layer cache policy of `fpa_jax.inference` (`FPABudget(budget=0.25)`, or
+      a name with its keywords; default "full"). fpa_global shares one slot pool across layers, so
+      it needs the threaded form (`fpa_jax.inference.generate`, `Decoder`): ValueError, as for a
+      policy that cannot decode token by token (snapkv).
+    Then `layer(x, decode=True)`: x [B, T, D] -> [B, T, D], the T tokens after those before (T = 1:
+    a decode step; T > 1 a chunk, `inference.cache.prefill_chunk`: a prompt at once)."""
+    if len(input_shape) < 2:
+      raise ValueError(f"input_shape must be (batch, max_len, ...), got {tuple(input_shape)}")
+    b, n = int(input_shape[0]), int(input_shape[1])
+    dt = self.dtype if dtype is None else jnp.dtype(dtype)
+    state, pol = _nnx_decoding().init(self, b, n, dt, policy, policy_kw)
+    self.cache_state = nnx.Cache(state)
+    self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+    self.cache_policy = pol
+
+  def _decode_call(self, x, positions, b: int, t: int):
+    """`decode=True`: x's T tokens against the layer's own cache (`init_cache`) -> y [B, T, D]."""
+    if self.cache_state is None:
+      raise ValueError(
+        "decode=True needs the layer's cache: call init_cache(input_shape) first (as with nnx.MultiHeadAttention)"
+      )
+    state = self.cache_state.get_value()
+    if state.carry.shape[0] != b:
+      raise ValueError(f"the cache was made for {state.carry.shape[0]} rows (init_cache), x has {b}")
+    start = self.cache_index[...]
+    pos = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if positions is None else positions
+    q, k, v = self.project(x, pos)
+    g = self.gate_terms(x, state.carry)
+    o, state = _nnx_decoding().attend(state, self.cache_policy, start, self.spec, q, k, v, g)
+    self.cache_state.set_value(state)
+    self.cache_index[...] = start + t
+    return self.output(o, x)
+
   def parallel_attention(self, op, q, k, v, gates, segment_ids):
     """op(q, k, v, *gates) with the layer's impl (`AttentionSpec.run`): q [B, T, H, K], k, v
     [B, T, KVH, K], gates [B, T, KVH] each, segment_ids [B, T] or None -> [B, T, H, K]. The
@@ -543,6 +623,9 @@ class FirstPassageAttention(nnx.Module):
     *,
     cache: AttentionCache | CacheByLayer | None = None,
     budget=None,
+    decode: bool | None = None,
+    mask=None,
+    is_causal: bool = True,
   ):
     """Parallel: x [B, T, D] -> y [B, T, D]. Under `nnx.capture(..., nnx.Intermediate)` the layer
     sows `gates` = (field, level), the gate outputs the attention used, each [B, T, KVH] fp32
@@ -551,9 +634,28 @@ class FirstPassageAttention(nnx.Module):
     an `fpa_budget` cache of that size would hold (`ops.budget.budgeted_attention`, quadratic
     whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
     `AttentionCache` or a whole model's `CacheByLayer`): -> (y, the cache after x); see the class
-    docstring."""
+    docstring. decode (None: `self.decode`): flax's convention, the layer's own cache
+    (`init_cache`) -> y. mask, is_causal: `nnx.MultiHeadAttention`'s call arguments, accepted so a
+    model written for it calls this layer unchanged: the layer is causal by construction, so only
+    mask=None with is_causal=True (or in decode mode, either) is taken (padding and packing:
+    segment_ids)."""
     cfg, spec = self.cfg, self.spec
     b, t = check_layer_inputs(x, cfg.d_model, segment_ids, positions)
+    decode = self.decode if decode is None else decode
+    if mask is not None:
+      raise ValueError(
+        "FirstPassageAttention takes no mask: it is causal by construction (call it with is_causal=True or no "
+        "mask); padded or packed rows go through segment_ids"
+      )
+    if not (is_causal or decode):
+      raise ValueError("FirstPassageAttention is causal attention: is_causal=False has no meaning here (drop it)")
+    if decode:
+      if cache is not None or budget is not None or segment_ids is not None:
+        raise ValueError(
+          "decode=True attends against the layer's own cache (init_cache): pass no cache=, budget= or segment_ids "
+          "with it (the threaded form: cache=, without decode)"
+        )
+      return self._decode_call(x, positions, b, t)
     whole = None
     if cache is not None and not hasattr(cache, "attend"):  # a whole model's cache: this layer's part of it
       whole, cache = cache, cache.part(self)

@@ -84,9 +84,10 @@ def embed_tokens(embed: jax.Array, tokens: jax.Array) -> jax.Array:
 
 class ModelCache(Protocol):
   """What `DecoderLM`'s cached mode runs against: per layer i the `AttentionCache` layer i attends
-  against (`layer(i)`), and the cache with what layer i left (`update(i, new)`). Per-layer caches
-  (`fpa_jax.inference.cache.LayerCaches`) and fpa_global's shared slot pool
-  (`fpa_jax.inference.pool.PoolStep`), whose layers see the pool the previous layer left."""
+  against (`layer(i)`), and the cache with what layer i left (`update(i, new)`): a decoder's state
+  holding the call's run (`fpa_jax.inference.cache.DecodeState.with_run`), per-layer caches
+  (`inference.cache.LayerCaches`) or fpa_global's shared slot pool (`inference.pool.GlobalCache`),
+  whose layers see the pool the previous layer left."""
 
   def layer(self, i: int) -> AttentionCache: ...
 

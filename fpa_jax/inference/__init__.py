@@ -1,6 +1,6 @@
 """Inference: decode a model with a first-passage KV cache and learned eviction.
 
-    from fpa_jax.inference import CachePolicy, load_model, generate, cached_logits
+    from fpa_jax.inference import CachePolicy, Decoder, load_model, generate, cached_logits
     model, cfg = load_model("runs/small_fpa")
     tokens, stats = generate(model, prompts, 32, policy="fpa_budget", budget=0.25)
     tokens, stats = generate(model, prompts, 32, policy="fpa_global", budget=0.25)  # one budget per row
@@ -8,6 +8,8 @@
     logits, stats = cached_logits(model, tokens, policy="fpa", tolerance=1e-3)   # studies
     logits, conv = extend(model, turn_1, max_len=4096, policy="fpa_budget", budget=512)  # chunk by chunk
     logits, conv = extend(model, turn_2, conv)
+    dec = Decoder(model, "fpa_budget", max_len=4096, budget=0.25)  # the decoder they are built on
+    logits, state = dec.prefill(prompt)                 # then dec.step(state, tokens, positions), dec.extend(...)
 
 The model: a `DecoderLM`, or any NNX model of `FirstPassageAttention` layers whose `__call__` hands
 a `cache=` down to them (`.graph`: the layers found in the NNX graph, one cache each).
@@ -15,35 +17,35 @@ a `cache=` down to them (`.graph`: the layers found in the NNX graph, one cache 
 Policies (one class per rule: `FPABudget(budget=0.25)`, `FPAGlobal(budget=0.25, pool_impl="masked")`,
 ...; `CachePolicy(name, ...)` or a name with keywords builds the same; one of your own subclasses
 `ScorePolicy` and writes `score()`) and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache` (fpa_global's
-shared slot pool: `.pool`). A model's layers attend against a cache through one protocol
-(`fpa_jax.layers.AttentionCache`): `cache.CacheView` (a layer's cache with a `Decode` step, a
-`Prefill` or an `Extend` chunk) and `pool.PoolView`; `DecoderLM` takes them as a `models.ModelCache` (`LayerCaches`,
-`pool.PoolStep`).
+shared slot pool: `.pool`). The decoder's state between calls is a `DecodeState` (`cache.DecodeState`:
+every layer's `LayerCache` as `LayerCaches`, or fpa_global's `GlobalCache`), which is also the
+`models.ModelCache` of a call once it holds the call's run (`Decode`, `Prefill`, `Extend`); a layer
+attends against its part through `fpa_jax.layers.AttentionCache` (`CacheView`, `PoolView`).
 """
 
 from fpa_jax.inference.cache import (
   CacheView,
   Decode,
+  DecodeState,
   Extend,
   LayerCache,
   LayerCaches,
   Prefill,
   decode_attend,
+  global_evict,
   init_layer_cache,
   prefill_attend,
   prefill_chunk,
   snapkv_scores,
 )
 from fpa_jax.inference.decode import (
+  Decoder,
   cache_bytes,
   cached_logits,
-  decode_step,
   generate,
-  global_evict,
   init_caches,
   layer_logit_bounds,
   layer_query_bounds,
-  occupancy,
   prefill_parallel,
   slots_per_row,
 )
@@ -77,12 +79,11 @@ from fpa_jax.inference.policies import (
 )
 from fpa_jax.inference.pool import (
   GlobalCache,
-  PoolStep,
   PoolView,
   SlotPool,
   pool_decode_attend,
   pool_evict,
-  scan_steps,
+  stand_in,
 )
 
 __all__ = [
@@ -90,6 +91,8 @@ __all__ = [
   "load_exported",
   "load_model",
   "read_metrics",
+  "Decoder",
+  "DecodeState",
   "generate",
   "cached_logits",
   "extend",
@@ -100,14 +103,11 @@ __all__ = [
   "cache_bytes",
   "global_evict",
   "prefill_parallel",
-  "decode_step",
-  "occupancy",
   "slots_per_row",
-  "scan_steps",
   "GlobalCache",
   "SlotPool",
   "PoolView",
-  "PoolStep",
+  "stand_in",
   "pool_decode_attend",
   "pool_evict",
   "snapkv_scores",

@@ -18,13 +18,15 @@ layer's spec.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import math
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from fpa_jax import ops
-from fpa_jax.inference.policies import POLICY_CLASSES, Policy, snapkv_scores  # noqa: F401
+from fpa_jax.inference.policies import POLICY_CLASSES, Policy, as_policy, snapkv_scores  # noqa: F401
+from fpa_jax.layers import register_nnx_decoding
 from fpa_jax.ops import first_passage as fp  # the first-passage state and the eviction rule
 from fpa_jax.ops.common import F32
 
@@ -408,6 +410,26 @@ def check_chunk_policy(policy: Policy) -> None:
     )
 
 
+def dead_for_chunk(cache: LayerCache, q, k, field, lengths, *, scale: float, skip_tolerance: float) -> jax.Array:
+  """[B, S, KVH] bool: the cached keys that every real query of a chunk gives at most eps / N of
+  its weight (eps = skip_tolerance, N = S + T, the most keys a query sees), by `ops.chunked`'s
+  skip bound with the cache as one key block: a query's diagonal logit (penalty 0) is >= -|scale|
+  |q| |k_own|, every cached logit <= |scale| |q| |k_j| - penalty, and a cached key's penalty for
+  the chunk's query i, dip(level_j, min(m_j, C_i)), is least at i = 0 (C_i only falls). So each
+  row loses at most eps in all. q [B, T, H, K], k [B, T, KVH, K], field [B, T, KVH] fp32 (allowed
+  values), lengths [B] the chunk's real tokens."""
+  b, t, h, _ = q.shape
+  kvh = k.shape[2]
+  norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(F32)), axis=-1))
+  real = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+  qn = jnp.max(jnp.where(real, norm(q).reshape(b, t, kvh, h // kvh).max(-1), 0.0), axis=1)  # [B, KVH]
+  kn = jnp.max(jnp.where(real, norm(k), 0.0), axis=1)  # [B, KVH] the largest own key of a query
+  u = abs(scale) * qn[:, None, :] * (norm(cache.k).swapaxes(1, 2) + kn[:, None, :])  # [B, S, KVH]
+  floor = fp.penalty(cache.level, jnp.minimum(cache.run_min, field[:, :1]))  # at the chunk's first query
+  n = cache.pos.shape[1] + t
+  return cache.alive & (floor >= u + (math.log(n) - math.log(skip_tolerance)))
+
+
 def prefill_chunk(
   cache: LayerCache,
   q,
@@ -422,6 +444,8 @@ def prefill_chunk(
   lengths: jax.Array,
   offsets: jax.Array,
   block_size: int | None = None,
+  skip_tolerance: float | None = None,
+  alone=None,
 ):
   """A chunk of new tokens per row after the cache: attend, then keep what the policy keeps.
 
@@ -440,7 +464,15 @@ def prefill_chunk(
       sums, continued from `cache.carry`).
     lengths: [B] the chunk's tokens per row (0 <= L <= T; right padding, never attended to by a real
       query nor kept). offsets: [B] the position of each row's first chunk token (tokens seen so far).
-    block_size: cached slots per online-softmax step of the attention.
+    block_size: cached slots per online-softmax step of the attention (a layer's: its tile).
+    skip_tolerance: None (exact) or eps in (0, 1): the cached keys that the skip bound of
+      `ops.chunked` shows dead for every query of the chunk are left out of its attention
+      (`dead_for_chunk`: each query loses at most eps of its weight, as a layer's parallel forward
+      with that tolerance); they stay in the cache.
+    alone: None, or a function () -> [B, T, H, K], the chunk's attention to itself by the layer's
+      own parallel kernel (`layers.AttentionSpec.parallel`: its impl, tiles and skipping), run
+      instead of the prefix attention when the cache holds no key (a conversation's first chunk),
+      so that chunk's outputs are exactly the parallel forward's (one program: `lax.cond`).
   Returns:
     (out [B, T, H, K], the cache after the chunk). Policies: `CHUNKABLE` (`check_chunk_policy`).
     Disallowed gate values (`ops.validate.ALLOWED`): as in `prefill_attend`.
@@ -448,9 +480,13 @@ def prefill_chunk(
   check_chunk_policy(policy)
   b, t, h = k.shape[:3]
   ck, cv = cache.k.swapaxes(1, 2), cache.v.swapaxes(1, 2)  # slot-major, as CachedKeys and the candidates
-  cached = ops.prefix.CachedKeys(ck, cv, cache.level, cache.run_min, cache.alive)
-  out = ops.prefix.prefix_attention(q, k, v, field, level, cached, scale=scale, block_size=block_size)
   (f, l), _ = _sanitize(field, level)
+  seen = cache.alive
+  if skip_tolerance is not None:
+    seen = seen & ~dead_for_chunk(cache, q, k, f, lengths, scale=scale, skip_tolerance=skip_tolerance)
+  cached = ops.prefix.CachedKeys(ck, cv, cache.level, cache.run_min, seen)
+  prefix = lambda: ops.prefix.prefix_attention(q, k, v, field, level, cached, scale=scale, block_size=block_size)
+  out = prefix() if alone is None else jax.lax.cond(jnp.any(cache.alive), prefix, lambda: alone().astype(q.dtype))
   t_idx = jnp.arange(t, dtype=jnp.int32)[None, :, None]
   real = t_idx < lengths[:, None, None]  # [B, T, 1]
   f = jnp.where(real, f, jnp.inf)  # padding lowers no minimum
@@ -469,20 +505,52 @@ def prefill_chunk(
 
 
 # ------------------------------------------------------------------------------------------------
-# What the layers attend against (`layers.AttentionCache`, `models.ModelCache`)
+# fpa_global on per-layer caches
 # ------------------------------------------------------------------------------------------------
 
 
+def global_evict(caches, policy: Policy, now: jax.Array, slots: int) -> tuple[LayerCache, ...]:
+  """fpa_global on per-layer caches (`cached_logits`' measuring layout and a parallel prefill's
+  candidates; `pool.pool_evict` is the same rule on the pool): evict across all layers and heads
+  of a row down to G - L*KVH keys.
+
+  G = `slots`, the pool's slots per row (`FPAGlobal.pool_slots`). The keys that may go are those outside every head's protected window
+  (positions <= now + 1 - W: the next step's new key and the W - 1 before it stay); they go largest
+  penalty first, ties oldest, then lower (layer, head). `now` [B]: the position of the last key
+  written. Per row, the excess over the limit is evicted in one sort of the L * S * KVH slots (after
+  a decode step it is at most L * KVH keys). Only `alive` changes (slots are reused by the next step).
+  """
+  caches = tuple(caches)
+  n_l = len(caches)
+  b, s, h = caches[0].pos.shape
+  limit = slots - n_l * h
+  pen = jnp.stack([c.penalty for c in caches], 1)  # [B, L, S, H]
+  alive = jnp.stack([c.alive for c in caches], 1)
+  pos = jnp.stack([c.pos for c in caches], 1)
+  cand = alive & (pos <= now[:, None, None, None] + 1 - policy.recent)
+  excess = jnp.maximum(jnp.sum(alive, axis=(1, 2, 3)) - limit, 0)  # [B]
+  head = jnp.broadcast_to((jnp.arange(n_l)[:, None, None] * h + jnp.arange(h)[None, None, :])[None], pen.shape)
+  flat = lambda x: x.reshape(b, n_l * s * h)
+  evict = fp.evict_largest(flat(pen), flat(pos), flat(head), flat(cand), excess).reshape(b, n_l, s, h)
+  return tuple(c._replace(alive=c.alive & ~evict[:, i]) for i, c in enumerate(caches))
+
+
+# ------------------------------------------------------------------------------------------------
+# What a call does, and what the layers attend against (`layers.AttentionCache`, `models.ModelCache`)
+# ------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Decode:
-  """One token per row (`decode_attend`): the policy, positions [B] of the tokens, for the
-  measuring layout the slot `step` [] and `measure`, and the rows that take the token, `active` [B]
-  (None: all; see `decode_attend`)."""
+  """One token per row (`decode_attend`; fpa_global's pool: `pool.pool_decode_attend`): the policy
+  (static), positions [B] of the tokens, for the measuring layout the slot `step` [] and `measure`
+  (static), and the rows that take the token, `active` [B] (None: all; see `decode_attend`)."""
 
-  policy: Policy
+  policy: Policy = dataclasses.field(metadata=dict(static=True))
   positions: jax.Array
   step: jax.Array | None = None
-  measure: bool = False
+  measure: bool = dataclasses.field(default=False, metadata=dict(static=True))
   active: jax.Array | None = None
 
   def attend(self, state: LayerCache, spec, q, k, v, gates):
@@ -490,13 +558,14 @@ class Decode:
     return decode_attend(state, q, k, v, gates.field, gates.level, gates.cum, active=self.active, **kw)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prefill:
   """A right-padded prompt (`prefill_attend`), `lengths` [B]: its attention is the layer's parallel
   kernel (`spec.parallel`: the impl, tiles and skipping of the parallel forward), then the cache
   the policy keeps."""
 
-  policy: Policy
+  policy: Policy = dataclasses.field(metadata=dict(static=True))
   lengths: jax.Array
 
   def attend(self, state: LayerCache, spec, q, k, v, gates):
@@ -505,18 +574,31 @@ class Prefill:
     return prefill_attend(state, q, k, v, gates.field, gates.level, gates.cum, **kw)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Extend:
-  """A chunk of new tokens per row after the cache (`prefill_chunk`): the policy, the chunk's
-  `lengths` [B] and `offsets` [B] (the position of its first token in each row)."""
+  """A chunk of new tokens per row after the cache (`prefill_chunk`): the policy (static), the
+  chunk's `lengths` [B] and `offsets` [B] (the position of its first token in each row). The
+  layer's spec is honoured as in its parallel forward: a chunk with nothing cached runs the layer's
+  kernel (`spec.parallel`: impl, tiles, skipping); otherwise the cached slots are read in blocks of
+  its tile and, with a skip tolerance, the keys dead for the whole chunk are left out
+  (`dead_for_chunk`)."""
 
-  policy: Policy
+  policy: Policy = dataclasses.field(metadata=dict(static=True))
   lengths: jax.Array
   offsets: jax.Array
 
   def attend(self, state: LayerCache, spec, q, k, v, gates):
+    # The layer's spec as in its parallel forward: its kernel for a chunk with nothing cached, its
+    # tile for the cached slots' blocks, its skip tolerance for the cached keys.
     kw = dict(policy=self.policy, scale=spec.scale, lengths=self.lengths, offsets=self.offsets)
-    return prefill_chunk(state, q, k, v, gates.field, gates.level, gates.cum, **kw)
+    kw.update(block_size=spec.block_size, skip_tolerance=spec.skip_tolerance)
+    return prefill_chunk(
+      state, q, k, v, gates.field, gates.level, gates.cum, alone=lambda: spec.parallel(q, k, v, gates), **kw
+    )
+
+
+Run = Decode | Prefill | Extend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,7 +607,7 @@ class CacheView:
   `layers.AttentionCache` the layer calls."""
 
   state: LayerCache
-  run: Decode | Prefill | Extend
+  run: Run
 
   @property
   def carry(self) -> jax.Array:
@@ -536,16 +618,148 @@ class CacheView:
     return out, dataclasses.replace(self, state=state)
 
 
+class DecodeState(Protocol):
+  """A decoder's state between calls, whatever its layout: one `LayerCache` per layer
+  (`LayerCaches`) or fpa_global's slot pool shared by every layer (`pool.GlobalCache`). The decoder
+  (`decode.Decoder`) and everything built on it call only these methods, never ask which layout it is.
+
+  As the model's cache for one call (`models.ModelCache`): `with_run(run)` (a `Decode`, `Prefill` or
+  `Extend`), then the model calls `layer(i)` and `update(i, new)` layer by layer, then
+  `settle(entry)` ends the call (fpa_global: its eviction between steps; rows that did not take
+  the token (`Decode.active`) back to `entry`, the state before the call).
+  Between calls: `occupancy()` -> (max keys held by any (layer, row, kv head) [], keys held
+  [L, B, KVH]) fp32; `overflow()` [] bool (a thresholded policy ran out of room); `lost()` [] the
+  largest measured lost mass; `select_rows(rows [B], old)` (row b from self where rows[b], else
+  from old); `reset_rows(rows [B])` (empty those rows: a new sequence starts there); `nbytes()`
+  (bytes every array allocates).
+  """
+
+  def with_run(self, run: Run) -> DecodeState: ...
+
+  def layer(self, i: int): ...
+
+  def update(self, i: int, new) -> DecodeState: ...
+
+  def settle(self, entry: DecodeState, *, repack: bool = True) -> DecodeState: ...
+
+  def occupancy(self) -> tuple[jax.Array, jax.Array]: ...
+
+  def overflow(self) -> jax.Array: ...
+
+  def lost(self) -> jax.Array: ...
+
+  def select_rows(self, rows: jax.Array, old: DecodeState) -> DecodeState: ...
+
+  def reset_rows(self, rows: jax.Array) -> DecodeState: ...
+
+  def nbytes(self) -> int: ...
+
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerCaches:
-  """Every layer's `LayerCache` and the call's `Decode` / `Prefill`: the `models.ModelCache` of
-  per-layer caches (`DecoderLM(..., cache=LayerCaches(caches, Decode(...))).layers` after)."""
+  """Every layer's `LayerCache` (`layers`, in decoding order): the `DecodeState` of every policy but
+  fpa_global, and, with a call's `run`, the `models.ModelCache` the model attends against
+  (`LayerCaches(caches, Decode(...))`; `.layers` after). Iterating it gives the layers' caches."""
 
   layers: tuple[LayerCache, ...]
-  run: Decode | Prefill | Extend
+  run: Run | None = None
+
+  def __iter__(self):
+    return iter(self.layers)
+
+  def __len__(self) -> int:
+    return len(self.layers)
+
+  def __getitem__(self, i: int) -> LayerCache:
+    return self.layers[i]
+
+  # ------------------------------------------------------------------ one call (`models.ModelCache`)
+  def with_run(self, run: Run) -> LayerCaches:
+    return dataclasses.replace(self, run=run)
 
   def layer(self, i: int) -> CacheView:
     return CacheView(self.layers[i], self.run)
 
   def update(self, i: int, new: CacheView) -> LayerCaches:
     return dataclasses.replace(self, layers=self.layers[:i] + (new.state,) + self.layers[i + 1 :])
+
+  def settle(self, entry: LayerCaches, *, repack: bool = True) -> LayerCaches:
+    """The call's end: fpa_global measured on per-layer caches (`cached_logits`) evicts across the
+    layers (`global_evict`); rows a decode step skipped (`Decode.active`) keep their `entry` state
+    (each layer already kept its own, so only the eviction across layers needs undoing)."""
+    run, done = self.run, dataclasses.replace(self, run=None)
+    if isinstance(run, Decode) and run.policy.is_global:
+      c = done.layers[0]  # the pool this layout measures: one of the policy's for these layers
+      g = run.policy.pool_slots(len(done.layers), c.pos.shape[2], c.k.shape[-1], c.k.dtype.itemsize)
+      evicted = LayerCaches(global_evict(done.layers, run.policy, run.positions, g))
+      done = evicted if run.active is None else evicted.select_rows(run.active, done)
+    return done
+
+  # ------------------------------------------------------------------ between calls
+  def occupancy(self) -> tuple[jax.Array, jax.Array]:
+    """(max keys held [], keys held [L, B, KVH]) fp32; layers with fewer kv heads than the most (a
+    model of your own may mix them) padded with NaN."""
+    per = [jnp.sum(c.alive, axis=1).astype(F32) for c in self.layers]  # [B, KVH] each
+    kvh = max(h.shape[-1] for h in per)
+    if any(h.shape[-1] != kvh for h in per):
+      held = jnp.stack([jnp.pad(h, ((0, 0), (0, kvh - h.shape[-1])), constant_values=jnp.nan) for h in per])
+      return jnp.nanmax(held), held
+    held = jnp.stack(per)
+    return jnp.max(held), held
+
+  def overflow(self) -> jax.Array:
+    return jnp.any(jnp.stack([jnp.any(c.overflow) for c in self.layers]))
+
+  def lost(self) -> jax.Array:
+    return jnp.max(jnp.stack([jnp.max(c.lost) for c in self.layers]))
+
+  def select_rows(self, rows: jax.Array, old: LayerCaches) -> LayerCaches:
+    return dataclasses.replace(self, layers=tuple(select_rows(rows, n, o) for n, o in zip(self.layers, old.layers)))
+
+  def reset_rows(self, rows: jax.Array) -> LayerCaches:
+    return dataclasses.replace(self, layers=tuple(reset_rows(c, rows) for c in self.layers))
+
+  def nbytes(self) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.layers)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Flax's decode convention: a layer's cache in its own nnx.Cache state
+# ------------------------------------------------------------------------------------------------
+
+
+class NNXDecoding:
+  """`layers.NNXDecoding`: a `FirstPassageAttention` decoding the NNX way (`init_cache`,
+  `decode=True`) keeps one `LayerCache` in its `nnx.Cache` state under a per-layer policy; a call
+  of one token is a `Decode` step, of T > 1 tokens an `Extend` chunk (a prompt at once: the layer's
+  own kernel while the cache is empty)."""
+
+  def init(self, layer, batch: int, max_len: int, dtype, policy, policy_kw: dict):
+    if isinstance(policy, Policy) and policy.resolved and not policy_kw:
+      pol = policy
+    else:
+      pol = as_policy(policy, **policy_kw).resolve(max_len)
+    if pol.is_global:
+      raise ValueError(
+        "fpa_global shares one slot pool across every layer, which a layer's own cache (init_cache, decode=True) "
+        "cannot: decode the model in the threaded form (its __call__ hands cache= to its layers; "
+        "fpa_jax.inference.generate / Decoder), or give each layer fpa_budget"
+      )
+    pol.check_prefill("decode")  # token by token: snapkv ranks a whole prompt's keys and cannot
+    pol.check_model(layer)
+    (thr, coef, cap), *_ = pol.layer_thresholds(layer, max_len)
+    cfg = layer.cfg
+    cache = init_layer_cache(
+      batch, pol.capacity, cfg.kv_heads, cfg.head_dim, dtype=dtype, threshold=thr, key_coef=coef, key_cap=cap
+    )
+    return cache, pol
+
+  def attend(self, state: LayerCache, policy: Policy, start, spec, q, k, v, gates):
+    b, t = q.shape[:2]
+    at = jnp.full((b,), start, jnp.int32)
+    run = Decode(policy, at) if t == 1 else Extend(policy, jnp.full((b,), t, jnp.int32), at)
+    return run.attend(state, spec, q, k, v, gates)
+
+
+register_nnx_decoding(NNXDecoding())

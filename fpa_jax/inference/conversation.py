@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fpa_jax.inference.cache import Extend, LayerCache, LayerCaches, check_chunk_policy
-from fpa_jax.inference.decode import _check_model_policy, init_caches
-from fpa_jax.inference.graph import call_cached, check_decodable, vocab_size
+from fpa_jax.inference.cache import LayerCaches, check_chunk_policy
+from fpa_jax.inference.decode import Decoder, _split_on_one_device
+from fpa_jax.inference.graph import check_decodable, vocab_size
 from fpa_jax.inference.policies import CachePolicy, Policy, as_policy
 from fpa_jax.models import check_tokens
 
@@ -39,12 +39,13 @@ TRACES = {"extend": 0}  # Python traces of the program (tests: one per shape)
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-  """What `extend` leaves for the next call: every layer's `LayerCache`, the tokens each row has
+  """What `extend` leaves for the next call: every layer's `LayerCache` (`caches`, a
+  `cache.LayerCaches`: the decoder's state), the tokens each row has
   seen (`seen` [B] int, on the host: the next chunk's first position), the resolved policy and
   `max_len`, the most tokens a row may hold (the N of the `fpa` tolerance bound; what a float budget
   is a fraction of)."""
 
-  caches: tuple[LayerCache, ...]
+  caches: LayerCaches
   seen: np.ndarray
   policy: Policy
   max_len: int
@@ -57,21 +58,15 @@ class Conversation:
 
   def nbytes(self) -> int:
     """Bytes the cache allocates, every array of every layer (as `decode.cache_bytes` counts)."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.caches)))
+    return self.caches.nbytes()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
-def extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: Policy):
-  """The jitted program of one `extend` chunk (graphdef, policy static): (logits, caches). Public so
-  that a benchmark can lower it (`.lower(...).compile().memory_analysis()`)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_len"))
+def extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: Policy, max_len: int):
+  """The jitted program of one `extend` chunk (graphdef, policy, max_len static): `Decoder.extend`
+  -> (logits, caches). Public so that a benchmark can lower it (`.lower(...).compile().memory_analysis()`)."""
   TRACES["extend"] += 1
-  model = nnx.merge(graphdef, state)
-  positions = seen[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  logits, done = call_cached(model, tokens, positions, LayerCaches(tuple(caches), Extend(policy, lengths, seen)))
-  return logits, done.layers
-
-
-_extend_program = extend_program  # its former name
+  return Decoder(nnx.merge(graphdef, state), policy, max_len=max_len).extend(caches, tokens, lengths, seen)
 
 
 def extend(
@@ -122,8 +117,8 @@ def extend(
       )
     pol = as_policy(policy, **given).resolve(max_len)
     check_chunk_policy(pol)
-    _check_model_policy(model, pol)
-    conversation = Conversation(init_caches(model, b, pol, max_len), np.zeros((b,), np.int64), pol, max_len)
+    dec = Decoder(model, pol, max_len=max_len)
+    conversation = Conversation(dec.init(b), np.zeros((b,), np.int64), pol, max_len)
   else:
     passed = sorted(k for k, val in given.items() if val is not None) + (["policy"] if policy != "full" else [])
     if passed or max_len is not None:
@@ -144,7 +139,7 @@ def extend(
       f"this chunk takes rows {np.flatnonzero(after > conversation.max_len).tolist()} to {int(after.max())} tokens, "
       f"past the conversation's max_len={conversation.max_len}: start it with a larger max_len"
     )
-  graphdef, state = nnx.split(model)
+  graphdef, state = _split_on_one_device(model)  # a sharded model decodes on one device, as in generate
   logits, caches = extend_program(
     graphdef,
     state,
@@ -153,5 +148,6 @@ def extend(
     jnp.asarray(lengths, jnp.int32),
     jnp.asarray(conversation.seen, jnp.int32),
     policy=conversation.policy,
+    max_len=conversation.max_len,
   )
-  return logits, dataclasses.replace(conversation, caches=tuple(caches), seen=after)
+  return logits, dataclasses.replace(conversation, caches=caches, seen=after)

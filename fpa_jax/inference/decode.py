@@ -1,19 +1,24 @@
-"""Decoding with a first-passage KV cache: `cached_logits` (studies) and `generate`.
+"""Decoding with a first-passage KV cache: the one public decoder (`Decoder`: init, prefill, step,
+extend) and what is built on it, `cached_logits` (studies) and `generate`.
 
 The model is a `DecoderLM` or any NNX model made of `FirstPassageAttention` layers whose `__call__`
 hands a `cache=` down to them (`fpa_jax.inference.graph`: the layers are found in the NNX graph,
 one cache per layer). Shape legend: B batch, T tokens, P prompt length, N new tokens, V vocab,
 L attention layers, H heads.
 
-Both build one jitted program per (model structure, policy, shapes): the per-token step is traced
-once and run by `jax.lax.scan`, so a whole generation compiles once. Model weights are passed as
-NNX state, never baked into the program.
+`Decoder` runs over one decode-state protocol (`cache.DecodeState`: occupancy, overflow, row
+select, ...), which every layer's `LayerCache` together (`cache.LayerCaches`) and fpa_global's slot
+pool (`pool.GlobalCache`) implement, so no code here asks which layout a state is. `generate` and
+`cached_logits` each build one jitted program per (model structure, policy, shapes): the per-token
+step is traced once and run by `jax.lax.scan`, so a whole generation compiles once. Model weights
+are passed as NNX state, never baked into the program.
 
 The global budget (`fpa_global`) needs every layer's penalties at once, so it lives here, at the
 model level. `generate` keeps one slot pool per row for all layers and kv heads (`pool.GlobalCache`,
-G = keys * L * KVH slots): the model's cached loop threads it through the layers' attend calls
-(`pool.PoolStep`) and `pool.pool_evict` frees slots after each step. `cached_logits` measures it
-on ordinary per-head caches of one slot per token with `global_evict` after each step: the same
+G slots, `FPAGlobal.pool_slots`: with its tags and index, at most the budget's bytes): the model's cached loop threads it through the layers' attend calls
+(`pool.GlobalCache.with_run`) and `pool.pool_evict` frees slots after each step. `cached_logits`
+measures it on ordinary per-head caches of one slot per token with `cache.global_evict` after each
+step (`cache.LayerCaches.settle`): the same
 rule, so every query attends to the same keys as in the pool. A parallel prefill builds per-head
 candidate caches from the whole prompt, `global_evict` cuts them to the global limit and
 `pool.pool_from_caches` packs what is left into the pool.
@@ -32,25 +37,23 @@ from flax import nnx
 from fpa_jax.inference import pool
 from fpa_jax.inference.cache import (
   Decode,
-  LayerCache,
+  DecodeState,
+  Extend,
   LayerCaches,
   Prefill,
+  check_chunk_policy,
+  global_evict,
   init_layer_cache,
-  pick_rows,
-  reset_rows,
-  select_rows,
 )
 from fpa_jax.inference.graph import call_cached, check_decodable, layer_configs, vocab_size
 from fpa_jax.inference.policies import (  # noqa: F401  (the bounds: importable from here, as before)
   CachePolicy,
   Policy,
-  _check_bounded,
   as_policy,
   layer_logit_bounds,
   layer_query_bounds,
 )
 from fpa_jax.models import DecoderLM, check_tokens
-from fpa_jax.ops import first_passage as fp
 
 TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (tests: no retracing)
 
@@ -70,15 +73,15 @@ def _check_model_policy(model, policy: Policy) -> None:
   policy.check_model(model)
 
 
-def init_caches(
-  model, batch: int, policy: Policy, n_keys: int, slots: int | None = None
-) -> tuple[LayerCache, ...] | pool.GlobalCache:
-  """One empty `LayerCache` per attention layer with the policy's thresholds (fpa_global: the shared
-  pool), each of its layer's kv heads, head dim and dtype.
+def init_caches(model, batch: int, policy: Policy, n_keys: int, slots: int | None = None) -> DecodeState:
+  """An empty `DecodeState` for `policy`: one `LayerCache` per attention layer with the policy's
+  thresholds (`LayerCaches`), each of its layer's kv heads, head dim and dtype; fpa_global: the
+  shared pool (`pool.GlobalCache`).
 
   n_keys: the most keys a sequence can have (the N in the `fpa` tolerance threshold).
   slots: default `policy.capacity`; `cached_logits` measures with one slot per token. fpa_global
-  without `slots`: a `pool.GlobalCache` of G = keys * L * KVH slots per row (what `generate`
+  without `slots`: a `pool.GlobalCache` of G slots per row (`FPAGlobal.pool_slots`: the pool with
+  its tags and index fits in the budget's keys' bytes; what `generate`
   decodes with); with `slots`: per-head caches of that many slots (the measuring layout, and a
   parallel prefill's candidates).
   """
@@ -86,23 +89,25 @@ def init_caches(
   n = len(layers)
   if policy.is_global and slots is None:
     c = layers[0]  # the same in every layer (`_check_model_policy`)
-    g = policy.pool_slots(n, c.kv_heads)
+    g = policy.pool_slots(n, c.kv_heads, c.head_dim, jnp.dtype(c.dtype).itemsize)
     empty = pool.init_global_cache(batch, g, n, c.kv_heads, c.head_dim, dtype=jnp.dtype(c.dtype))
     return pool.prepare(empty, policy)
   thresholds, coefs, caps = zip(*policy.layer_thresholds(model, n_keys))  # per layer: the policy's
   # Slots per kv head: a key, its level and penalty are shared by the query heads of its group.
-  return tuple(
-    init_layer_cache(
-      batch,
-      slots or policy.capacity,
-      a.kv_heads,
-      a.head_dim,
-      dtype=jnp.dtype(a.dtype),
-      threshold=thr,
-      key_coef=coef,
-      key_cap=cap,
+  return LayerCaches(
+    tuple(
+      init_layer_cache(
+        batch,
+        slots or policy.capacity,
+        a.kv_heads,
+        a.head_dim,
+        dtype=jnp.dtype(a.dtype),
+        threshold=thr,
+        key_coef=coef,
+        key_cap=cap,
+      )
+      for a, thr, coef, cap in zip(layers, thresholds, coefs, caps)
     )
-    for a, thr, coef, cap in zip(layers, thresholds, coefs, caps)
   )
 
 
@@ -114,43 +119,7 @@ def cache_bytes(model, batch: int, policy: Policy, n_keys: int | None = None) ->
 
 def slots_per_row(model, policy: Policy) -> int:
   """Key slots one row's cache allocates over all layers and kv heads (fpa_global: the pool, G)."""
-  return policy.slots_per_row([c.kv_heads for c in layer_configs(model)])
-
-
-_slots_per_row = slots_per_row  # the name the benchmarks used
-
-
-def global_evict(caches: Sequence[LayerCache], policy: Policy, now: jax.Array) -> tuple[LayerCache, ...]:
-  """fpa_global on per-layer caches (`cached_logits`' measuring layout and a parallel prefill's
-  candidates; `pool.pool_evict` is the same rule on the pool): evict across all layers and heads
-  of a row down to G - L*KVH keys.
-
-  G = policy.keys * L * KVH. The keys that may go are those outside every head's protected window
-  (positions <= now + 1 - W: the next step's new key and the W - 1 before it stay); they go largest
-  penalty first, ties oldest, then lower (layer, head). `now` [B]: the position of the last key
-  written. Per row, the excess over the limit is evicted in one sort of the L * S * KVH slots (after
-  a decode step it is at most L * KVH keys). Only `alive` changes (slots are reused by the next step).
-  """
-  n_l = len(caches)
-  b, s, h = caches[0].pos.shape
-  limit = (policy.keys - 1) * n_l * h
-  pen = jnp.stack([c.penalty for c in caches], 1)  # [B, L, S, H]
-  alive = jnp.stack([c.alive for c in caches], 1)
-  pos = jnp.stack([c.pos for c in caches], 1)
-  cand = alive & (pos <= now[:, None, None, None] + 1 - policy.recent)
-  excess = jnp.maximum(jnp.sum(alive, axis=(1, 2, 3)) - limit, 0)  # [B]
-  head = jnp.broadcast_to((jnp.arange(n_l)[:, None, None] * h + jnp.arange(h)[None, None, :])[None], pen.shape)
-  flat = lambda x: x.reshape(b, n_l * s * h)
-  evict = fp.evict_largest(flat(pen), flat(pos), flat(head), flat(cand), excess).reshape(b, n_l, s, h)
-  return tuple(c._replace(alive=c.alive & ~evict[:, i]) for i, c in enumerate(caches))
-
-
-def _select_rows(rows: jax.Array, new, old):
-  """Per row b: new if rows[b] else old (the per-head threshold terms [H] are shared); a LayerCache
-  or a whole `pool.GlobalCache` (every leaf has the batch first)."""
-  if isinstance(new, pool.GlobalCache):
-    return jax.tree.map(functools.partial(pick_rows, rows), new, old)
-  return select_rows(rows, new, old)
+  return policy.slots_per_row(layer_configs(model))
 
 
 def _split_on_one_device(model):
@@ -165,55 +134,134 @@ def _split_on_one_device(model):
   return graphdef, state
 
 
-def decode_step(
-  model, caches, tokens, positions, policy: Policy, *, step=None, measure=False, repack=True, active=None
-):
-  """One token per row: tokens, positions [B] -> (logits [B, V], caches) (per-layer caches or a
-  `pool.GlobalCache`; `repack`: `pool.pool_evict`'s repack_due, False in `pool.scan_steps`' blocks;
-  `active` [B]: the rows that take the token, the others' per-layer caches kept as they were; the
-  pool's rows are all updated)."""
-  if isinstance(caches, pool.GlobalCache):
-    logits, done = call_cached(model, tokens[:, None], positions[:, None], pool.PoolStep(caches, policy, positions))
-    return logits[:, 0], pool.pool_evict(done.cache, policy, positions, repack_due=repack)
-  run = Decode(policy, positions, step=step, measure=measure, active=active)
-  logits, done = call_cached(model, tokens[:, None], positions[:, None], LayerCaches(tuple(caches), run))
-  caches = done.layers
+def prefill_parallel(model, prompt, lengths, policy: Policy, n_keys: int):
+  """The prompt [B, P] (right-padded, `lengths` [B]) through the layers' parallel kernel (their
+  impl, tiles and skipping: `layers.AttentionSpec`), then the cache the policy keeps -> (logits
+  [B, P, V], `DecodeState`). fpa_global: every layer's prompt keys are
+  candidates (per head, at most the per-head limit, by `cache.prefill_attend`'s order), then the
+  global rule of `cache.global_evict` (each head's last W - 1 prompt keys protected, the largest
+  penalties across layers and heads out first, ties oldest, then lower layer / head) cuts them to
+  G - L * KVH keys (G: `FPAGlobal.pool_slots`), packed into the pool (`pool.pool_from_caches`)."""
+  b, p = prompt.shape
+  caches = init_caches(model, b, policy, n_keys, slots=min(policy.capacity, p) if policy.is_global else None)
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  logits, done = call_cached(model, prompt, positions, caches.with_run(Prefill(policy, lengths)))
+  state = done.settle(caches)
   if policy.is_global:
-    evicted = global_evict(caches, policy, positions)
-    keep = lambda n, o: n if active is None else _select_rows(active, n, o)  # eviction spans rows' layers
-    caches = tuple(keep(n, o) for n, o in zip(evicted, caches))
-  return logits[:, 0], caches
+    g = slots_per_row(model, policy)
+    state = pool.prepare(pool.pool_from_caches(global_evict(state, policy, lengths - 1, g), g), policy)
+  return logits, state
 
 
-def occupancy(caches) -> tuple[jax.Array, jax.Array]:
-  """(max keys held by any (layer, row, head) [], keys held [L, B, KVH]), fp32; layers with fewer kv
-  heads than the most (a model of your own may mix them) padded with NaN."""
-  if isinstance(caches, pool.GlobalCache):
-    held = pool.held(caches).astype(jnp.float32)
-  else:
-    per = [jnp.sum(c.alive, axis=1).astype(jnp.float32) for c in caches]  # [B, KVH] each
-    kvh = max(h.shape[-1] for h in per)
-    if any(h.shape[-1] != kvh for h in per):
-      per = [jnp.pad(h, ((0, 0), (0, kvh - h.shape[-1])), constant_values=jnp.nan) for h in per]
-      held = jnp.stack(per)
-      return jnp.nanmax(held), held
-    held = jnp.stack(per)  # [L, B, H]
-  return jnp.max(held), held
+class Decoder:
+  """The one public decoder: a model and a resolved cache policy, and the four things decoding does
+  over one `cache.DecodeState` (every layer's `LayerCache`, or fpa_global's shared pool: the
+  decoder never asks which). `generate`, `cached_logits`, `extend`, the eval and the benchmarks are
+  built on it; its methods are pure functions of (state, tokens), to call inside your own `jax.jit`
+  (with the model merged there: `nnx.merge`) or eagerly.
 
+      dec = Decoder(model, "fpa_budget", max_len=P + N, budget=0.25)   # or policy=FPABudget(budget=0.25)
+      logits, state = dec.prefill(prompt, lengths)               # [B, P, V]; mode="decode": token by token
+      logits, state = dec.step(state, tokens, positions)          # one token per row: [B] -> [B, V]
+      logits, state = dec.extend(state, chunk, lengths, offsets)  # a chunk after the cache: [B, T, V]
+      peak, held = state.occupancy()                              # [] and [L, B, KVH] keys held
 
-_step, _occupancy = decode_step, occupancy  # the names tests and benchmarks used
+  `model`: a `DecoderLM` or an NNX model of `FirstPassageAttention` layers whose `__call__` hands
+  `cache=` to them (`inference.graph`). `policy`: a name with its keywords, a `CachePolicy`, an
+  unresolved `Policy` (resolved here for `max_len`, the most tokens a row holds: the N of the
+  tolerance bound and what a float budget is a fraction of) or a resolved one (used as it is).
+  Checked here, before any tracing: the model decodes and suits the policy.
+  """
 
+  def __init__(self, model, policy: str | CachePolicy | Policy = "full", *, max_len: int, **policy_kw):
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+      raise ValueError(f"max_len must be an int >= 1 (the most tokens a row holds), got {max_len!r}")
+    check_decodable(model)
+    if isinstance(policy, Policy) and policy.resolved:
+      given = sorted(k for k, v in policy_kw.items() if v is not None)
+      if given:
+        raise ValueError(f"policy is a resolved {type(policy).__name__}: its arguments are in it, drop {given}")
+      pol = policy
+    else:
+      pol = as_policy(policy, **policy_kw).resolve(max_len)
+    _check_model_policy(model, pol)
+    if pol.is_global:
+      slots_per_row(model, pol)  # a pool the budget's bytes leave no room in raises here, not while tracing
+    self.model, self.policy, self.max_len = model, pol, max_len
 
-def _lost(caches) -> jax.Array:
-  """[] the largest lost mass of any layer, row and head (`LayerCache.lost`)."""
-  return jnp.max(jnp.stack([jnp.max(c.lost) for c in caches]))
+  def init(self, batch: int, *, slots: int | None = None) -> DecodeState:
+    """An empty state for `batch` rows (`init_caches`; `slots`: the measuring layout's slots per head)."""
+    return init_caches(self.model, batch, self.policy, self.max_len, slots)
 
+  def nbytes(self, batch: int) -> int:
+    """Bytes the state of `batch` rows allocates (`cache_bytes`; nothing is allocated)."""
+    return cache_bytes(self.model, batch, self.policy, self.max_len)
 
-def _overflow(caches) -> jax.Array:
-  """[] bool: a thresholded policy ran out of capacity (never for the pool: fpa_global has no threshold)."""
-  if isinstance(caches, pool.GlobalCache):
-    return jnp.zeros((), bool)
-  return jnp.any(jnp.stack([jnp.any(c.overflow) for c in caches]))
+  def slots_per_row(self) -> int:
+    """Key slots one row's state holds over every layer and kv head (fpa_global: its pool, G)."""
+    return slots_per_row(self.model, self.policy)
+
+  def prefill(self, prompt, lengths=None, *, mode: str | None = None) -> tuple[jax.Array, DecodeState]:
+    """The prompt [B, P] (right-padded, `lengths` [B], default P) into a fresh state -> (logits
+    [B, P, V], state). mode "parallel" (the policy's default where it has one): the layers'
+    parallel kernel, every prompt token attending to every earlier one, then the cache the policy
+    keeps (`prefill_parallel`); "decode": token by token under the policy (`step`), so no query
+    sees more than the budget (rows past their prompt keep their state; their logits there: junk)."""
+    b, p = prompt.shape
+    lengths = jnp.full((b,), p, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    mode = mode or self.policy.default_prefill()
+    if mode not in ("parallel", "decode"):
+      raise ValueError(f"prefill mode must be 'parallel' or 'decode', got {mode!r}")
+    self.policy.check_prefill(mode)
+    if mode == "parallel":
+      return prefill_parallel(self.model, prompt, lengths, self.policy, self.max_len)
+    logits, state, _ = self._feed(prompt, lengths, keep="all")
+    return logits, state
+
+  def _feed(self, prompt, lengths, *, keep: str):
+    """The decode prefill's loop -> (logits [B, P, V] (keep "all") or each row's last prompt token's
+    [B, V] (keep "last"), state, the peak keys held by any (layer, row, kv head) [])."""
+    b, p = prompt.shape
+
+    def feed(carry, xs, repack=True):
+      state, last, peak = carry
+      tok, t = xs
+      logits, state = self.step(state, tok, jnp.full((b,), t, jnp.int32), active=t < lengths, repack=repack)
+      last = jnp.where((t < lengths)[:, None], logits, last)
+      return (state, last, jnp.maximum(peak, state.occupancy()[0])), (logits if keep == "all" else None)
+
+    vocab = vocab_size(self.model)
+    init = (self.init(b), jnp.zeros((b, vocab), jnp.float32), jnp.float32(0))
+    (state, last, peak), ys = self.scan(feed, init, (prompt.T, jnp.arange(p, dtype=jnp.int32)))
+    return (jnp.swapaxes(ys, 0, 1) if keep == "all" else last), state, peak
+
+  def step(
+    self, state: DecodeState, tokens, positions, *, active=None, slot=None, measure: bool = False, repack: bool = True
+  ) -> tuple[jax.Array, DecodeState]:
+    """One token per row: tokens, positions [B] -> (logits [B, V], state after it).
+
+    active: [B] bool, the rows that take the token (None: all); the others keep their state (a
+    decode prefill's rows past their prompt). slot, measure: the measuring layout of
+    `cached_logits` (write slot `slot` [], never reuse one; `cache.decode_attend`). repack: False
+    inside `scan`'s blocks (fpa_global's packed pool repacks between them)."""
+    run = Decode(self.policy, positions, step=slot, measure=measure, active=active)
+    logits, done = call_cached(self.model, tokens[:, None], positions[:, None], state.with_run(run))
+    return logits[:, 0], done.settle(state, repack=repack)
+
+  def extend(self, state: DecodeState, tokens, lengths, offsets) -> tuple[jax.Array, DecodeState]:
+    """A chunk of new tokens per row after the state: tokens [B, T] (right-padded, `lengths` [B] in
+    [0, T]), offsets [B] each row's tokens so far -> (logits [B, T, V], state after it). Each layer
+    runs `cache.prefill_chunk` (policies that rank keys by what one chunk sees: `cache.CHUNKABLE`)."""
+    check_chunk_policy(self.policy)
+    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    logits, done = call_cached(self.model, tokens, positions, state.with_run(Extend(self.policy, lengths, offsets)))
+    return logits, done.settle(state)
+
+  def scan(self, body, init, xs):
+    """`lax.scan(body, init, xs)` for a decode loop whose carry starts with the state; `body(carry,
+    x, repack=...)` passes `repack` to `step` (`pool.scan_steps`: fpa_global's packed pool runs its
+    steps in blocks, repacked between them)."""
+    return pool.scan_steps(body, init, xs, self.policy)
 
 
 def _per_head(kept: np.ndarray) -> list[list[float]]:
@@ -227,29 +275,6 @@ def _mean(kept: np.ndarray) -> float:
   return float(np.mean(kept[~np.isnan(kept)]) if np.isnan(kept).any() else np.mean(kept))
 
 
-def prefill_parallel(model, prompt, lengths, policy: Policy, n_keys: int):
-  """The prompt [B, P] (right-padded, `lengths` [B]) through the layers' parallel kernel (their
-  impl, tiles and skipping: `layers.AttentionSpec`), then the cache the policy keeps -> (logits
-  [B, P, V], caches). fpa_global: every layer's prompt keys are
-  candidates (per head, at most the per-head limit, by `cache.prefill_attend`'s order), then the
-  global rule of `global_evict` (each head's last W - 1 prompt keys protected, the largest
-  penalties across layers and heads out first, ties oldest, then lower layer / head) cuts them to
-  G - L * KVH keys, packed into the pool (`pool.pool_from_caches`)."""
-  b, p = prompt.shape
-  if policy.is_global:
-    caches = init_caches(model, b, policy, n_keys, slots=min(policy.capacity, p))
-  else:
-    caches = init_caches(model, b, policy, n_keys)
-  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  logits, done = call_cached(model, prompt, positions, LayerCaches(caches, Prefill(policy, lengths)))
-  caches = done.layers
-  if policy.is_global:
-    kvh = caches[0].pos.shape[2]
-    caches = pool.pool_from_caches(global_evict(caches, policy, lengths - 1), policy.pool_slots(len(caches), kvh))
-    caches = pool.prepare(caches, policy)
-  return logits, caches
-
-
 # ------------------------------------------------------------------------------------------------
 # cached_logits
 # ------------------------------------------------------------------------------------------------
@@ -258,24 +283,21 @@ def prefill_parallel(model, prompt, lengths, policy: Policy, n_keys: int):
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
 def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Policy):
   TRACES["cached_logits"] += 1
-  model = nnx.merge(graphdef, state)
   b, t = tokens.shape
-  caches = init_caches(model, b, policy, t, slots=t)
+  dec = Decoder(nnx.merge(graphdef, state), policy, max_len=t)
 
   def body(carry, xs):
     caches, prev_seg, prev_pos = carry
     tok, seg, step = xs
     new_seq = seg != prev_seg
-    caches = tuple(reset_rows(c, new_seq) for c in caches)
+    caches = caches.reset_rows(new_seq)
     pos = jnp.where(new_seq, 0, prev_pos + 1)
-    logits, caches = decode_step(model, caches, tok, pos, policy, step=step, measure=True)
-    peak, held = occupancy(caches)
+    logits, caches = dec.step(caches, tok, pos, slot=step, measure=True)
+    peak, held = caches.occupancy()
     kept = jnp.mean(held / (pos + 1).astype(jnp.float32)[None, :, None], axis=1)  # [L, KVH]
-    lost = _lost(caches)
-    overflow = _overflow(caches)
-    return (caches, seg, pos), (logits, peak, kept, lost, overflow)
+    return (caches, seg, pos), (logits, peak, kept, caches.lost(), caches.overflow())
 
-  init = (caches, jnp.full((b,), -1, jnp.int32), jnp.full((b,), -1, jnp.int32))
+  init = (dec.init(b, slots=t), jnp.full((b,), -1, jnp.int32), jnp.full((b,), -1, jnp.int32))
   xs = (tokens.T, segment_ids.T, jnp.arange(t, dtype=jnp.int32))
   _, (logits, peak, kept, lost, overflow) = jax.lax.scan(body, init, xs)
   return jnp.swapaxes(logits, 0, 1), {"peak": peak, "kept": kept, "lost": lost, "overflow": overflow}
@@ -323,8 +345,7 @@ def cached_logits(
   tokens = _check_tokens(tokens, model)
   b, t = tokens.shape
   kw = dict(budget=budget, compression_ratio=compression_ratio, tolerance=tolerance, threshold=threshold)
-  pol = as_policy(policy, recent=recent, head_cap=head_cap, bound=bound, **kw).resolve(t)
-  _check_model_policy(model, pol)
+  pol = Decoder(model, policy, max_len=t, recent=recent, head_cap=head_cap, bound=bound, **kw).policy
   pol.check_prefill("none")  # snapkv ranks a prompt's keys at prefill: generate() only
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   if seg.shape != (b, t):
@@ -380,47 +401,29 @@ def _generate_program(
   vocab: int,
 ):
   TRACES["generate"] += 1
-  model = nnx.merge(graphdef, state)
   b, p = prompt.shape
+  dec = Decoder(nnx.merge(graphdef, state), policy, max_len=n_keys)
   if prefill == "parallel":
-    logits, caches = prefill_parallel(model, prompt, lengths, policy, n_keys)
+    logits, caches = dec.prefill(prompt, lengths, mode="parallel")
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    peak0, _ = occupancy(caches)
+    peak0, _ = caches.occupancy()
   else:  # token by token under the policy; rows past their prompt keep their state
-
-    def feed(carry, xs, repack=True):
-      caches, last, peak = carry
-      tok, t = xs
-      active = t < lengths
-      pos = jnp.full((b,), t, jnp.int32)
-      if isinstance(caches, pool.GlobalCache):
-        logits, new = decode_step(model, caches, tok, pos, policy, repack=repack)
-        caches = _select_rows(active, new, caches)
-      else:  # each layer keeps the rows past their prompt itself: no pass over the whole cache here
-        logits, caches = decode_step(model, caches, tok, pos, policy, repack=repack, active=active)
-      last = jnp.where(active[:, None], logits, last)
-      return (caches, last, jnp.maximum(peak, occupancy(caches)[0])), None
-
-    caches = init_caches(model, b, policy, n_keys)
-    init = (caches, jnp.zeros((b, vocab), jnp.float32), jnp.float32(0))
-    (caches, last, peak0), _ = pool.scan_steps(feed, init, (prompt.T, jnp.arange(p, dtype=jnp.int32)), policy)
+    last, caches, peak0 = dec._feed(prompt, lengths, keep="last")
 
   keys = jax.random.split(key, max_new)
   first = _sample(last, keys[0], temperature, top_k)
 
   def body(carry, xs, repack=True):
     caches, tok, pos, peak = carry
-    k = xs
-    logits, caches = decode_step(model, caches, tok, pos, policy, repack=repack)
-    nxt = _sample(logits, k, temperature, top_k)
-    return (caches, nxt, pos + 1, jnp.maximum(peak, occupancy(caches)[0])), nxt
+    logits, caches = dec.step(caches, tok, pos, repack=repack)
+    nxt = _sample(logits, xs, temperature, top_k)
+    return (caches, nxt, pos + 1, jnp.maximum(peak, caches.occupancy()[0])), nxt
 
-  (caches, _, pos, peak), rest = pool.scan_steps(body, (caches, first, lengths, peak0), keys[1:], policy)
+  (caches, _, pos, peak), rest = dec.scan(body, (caches, first, lengths, peak0), keys[1:])
   tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B, N]
-  overflow = _overflow(caches)
-  _, held = occupancy(caches)  # [L, B, KVH] at the end, over the pos keys each row has seen
+  _, held = caches.occupancy()  # [L, B, KVH] at the end, over the pos keys each row has seen
   kept = jnp.mean(held / pos.astype(jnp.float32)[None, :, None], axis=1)
-  return tokens, {"peak": peak, "overflow": overflow, "kept": kept}
+  return tokens, {"peak": peak, "overflow": caches.overflow(), "kept": kept}
 
 
 def generate(
@@ -477,8 +480,7 @@ def generate(
   b, p = prompt.shape
   n_keys = p + max_new_tokens
   kw = dict(budget=budget, compression_ratio=compression_ratio, tolerance=tolerance, threshold=threshold)
-  pol = as_policy(policy, recent=recent, head_cap=head_cap, bound=bound, **kw).resolve(n_keys)
-  _check_model_policy(model, pol)
+  pol = Decoder(model, policy, max_len=n_keys, recent=recent, head_cap=head_cap, bound=bound, **kw).policy
   prefill = prefill or pol.default_prefill()
   if prefill not in ("parallel", "decode"):
     raise ValueError(f"prefill must be 'parallel' or 'decode', got {prefill!r}")

@@ -117,8 +117,9 @@ def _accepts(model, name: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class ByLayer:
   """The cache a model of your own hands down (`layers.CacheByLayer`): decoding's per-layer caches or
-  pool step (`inner`, a `models.ModelCache`: layer i by index) keyed by the layer objects of this
-  trace (`index`: id(layer) -> i), the call's positions [B, T], and which layers attended (`done`)."""
+  pool (`inner`, a `cache.DecodeState` holding the call's run: layer i by index) keyed by the layer
+  objects of this trace (`index`: id(layer) -> i), the call's positions [B, T], and which layers
+  attended (`done`)."""
 
   inner: ModelCache
   index: dict[int, int]

@@ -422,9 +422,9 @@ class Policy:
   def check_model(self, model) -> None:
     """Before tracing, on a model of your own: ValueError if it cannot run this policy."""
 
-  def slots_per_row(self, kv_heads: list[int]) -> int:
-    """Key slots one row's cache allocates over all layers (their kv heads)."""
-    return self.capacity * sum(kv_heads)
+  def slots_per_row(self, layers) -> int:
+    """Key slots one row's cache allocates over all layers (`layers`: each one's `ModelConfig`)."""
+    return self.capacity * sum(c.kv_heads for c in layers)
 
 
 class _ByPosition(Policy):
@@ -550,8 +550,9 @@ class FPATolerance(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class FPAGlobal(Policy):
-  """One budget per row over every layer and kv head: a slot pool of G = keys * L * KVH slots, the
-  largest penalties across layers and heads out first (`fpa_jax.inference.pool`).
+  """One budget per row over every layer and kv head: a slot pool in the bytes of keys * L * KVH
+  cached keys (`pool_slots`), the largest penalties across layers and heads out first
+  (`fpa_jax.inference.pool`).
 
   keys: the mean budget per (layer, kv head); head_cap: the per-head limit (None: none);
   pool_impl: how the pool runs (`POOL_IMPLS`, the same keys kept); repack_every: "packed": decode
@@ -581,12 +582,31 @@ class FPAGlobal(Policy):
     lists of keys written since (one int32 per owner and step) hold at most one entry per pool slot."""
     return max(1, min(self.repack_every, self.keys or self.repack_every))
 
-  def pool_slots(self, n_layers: int, kv_heads: int) -> int:
-    """G = keys * n_layers * kv_heads, the slots of a row's pool."""
-    return self.keys * n_layers * kv_heads
+  def pool_slots(self, n_layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """G, the slots of a row's pool: the most whose pool, with everything it allocates besides (an
+    int32 owner tag per slot, every layer's gate carry and packed's index), fits in the
+    bytes of the budget's keys, keys * n_layers * kv_heads cached keys (k, v of `head_dim` at
+    `itemsize` bytes, and a key's 17 bytes of state: `cache.LayerCache`), so fpa_global at budget b
+    allocates no more than b of `full`'s bytes, nor than `fpa_budget` at b. ValueError if that leaves
+    no room for a key besides a step's L * KVH new ones (G <= L * KVH)."""
+    owners = n_layers * kv_heads
+    key = 2 * head_dim * itemsize + 17  # k, v; level, run_min, pos, score (4 bytes each), alive (1)
+    # The gate carries [L][KVH] fp32 and packed's PackIndex (start, count [O], since, step, new_slot
+    # [O, N], new_pos [N]) at its largest, N = keys, whatever the implementation: every implementation
+    # and repack interval then has the same G, so all hold the same keys.
+    n = self.keys
+    fixed = 4 * owners + 4 * (2 * owners + 2 + owners * n + n)
+    g = (self.keys * owners * key - fixed) // (key + 4)  # + the int32 owner tag
+    if g <= owners:
+      raise ValueError(
+        f"fpa_global's pool in the bytes of {self.keys} keys per (layer, kv head) holds {g} slots per row, no "
+        f"room for a key beside the {owners} new keys of a step: give a larger budget"
+      )
+    return int(g)
 
-  def slots_per_row(self, kv_heads):
-    return self.pool_slots(len(kv_heads), kv_heads[0])
+  def slots_per_row(self, layers):
+    c = layers[0]  # one pool: the same kv heads, head dim and dtype in every layer (`check_model`)
+    return self.pool_slots(len(layers), c.kv_heads, c.head_dim, jnp.dtype(c.dtype).itemsize)
 
   def check_model(self, model):
     shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in layer_configs(model)}

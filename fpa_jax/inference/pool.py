@@ -2,9 +2,11 @@
 
 Shape legend: B batch, G pool slots per row, L layers, KVH kv heads, H query heads, K head dim.
 
-The global budget is G = policy.keys * L * KVH keys per row for the whole cache, so the pool has
-exactly G slots per row and allocates what `fpa_budget`'s per-head caches allocate at the same
-budget, plus an int32 owner tag per slot (`decode.cache_bytes`). A slot holds one key of one
+The global budget is policy.keys * L * KVH keys per row for the whole cache, and the pool is sized
+to fit in their bytes: G slots per row (`FPAGlobal.pool_slots`), the most whose pool with its int32
+owner tags, the gate carries and the packed index fits in the bytes of that many cached keys, so it
+allocates at most what `fpa_budget`'s per-head caches allocate at the same budget
+(`decode.cache_bytes`); between steps it holds up to G - L * KVH keys. A slot holds one key of one
 (layer, kv head), its owner = layer * KVH + kv head (-1: the slot holds no key).
 
 Cost per token (`FPAGlobal.pool_impl`; every implementation keeps the same keys and decodes the same
@@ -32,7 +34,9 @@ down to G - L * KVH keys, so the next step's L * KVH new keys always find free s
 
 Per-layer state that is not per key (the gate's running sum `carry` [B, KVH]) stays per layer in
 `GlobalCache.carry`. The model's cached loop threads the pool from one layer's attend to the next
-(`PoolStep`: layer l's view holds the pool layer l - 1 left), so the L views of one step share one pool.
+(`GlobalCache.with_run`: layer l's view holds the pool layer l - 1 left), so the L views of one step
+share one pool; `GlobalCache.settle` runs `pool_evict` after the step. `GlobalCache` is a
+`cache.DecodeState`, as the per-layer caches are: the decoder never asks which one it holds.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from fpa_jax.inference.cache import LayerCache, _sanitize
+from fpa_jax.inference.cache import Decode, LayerCache, _sanitize, pick_rows
 from fpa_jax.inference.policies import Policy
 from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops.common import F32
@@ -103,12 +107,15 @@ class PackIndex(NamedTuple):
 
 
 class GlobalCache(NamedTuple):
-  """fpa_global's decode state between steps: the pool, each layer's gate carry [B, KVH] and, for
-  `pool_impl="packed"`, where each owner's keys lie (`PackIndex`; None otherwise)."""
+  """fpa_global's `cache.DecodeState`: the pool, each layer's gate carry [B, KVH] and, for
+  `pool_impl="packed"`, where each owner's keys lie (`PackIndex`; None otherwise). With a call's
+  `run` (a `cache.Decode`) it is also the `models.ModelCache` of the step: layer i's view
+  (`PoolView`) holds the pool the layers before it left."""
 
   pool: SlotPool
   carry: tuple[jax.Array, ...]
   index: PackIndex | None = None
+  run: Decode | None = None
 
   @property
   def n_layers(self) -> int:
@@ -117,6 +124,58 @@ class GlobalCache(NamedTuple):
   @property
   def kv_heads(self) -> int:
     return self.carry[0].shape[1]
+
+  # ------------------------------------------------------------------ one step (`models.ModelCache`)
+  def with_run(self, run) -> GlobalCache:
+    if not isinstance(run, Decode):
+      raise ValueError(
+        "fpa_global's slot pool runs decode steps only: its parallel prefill builds per-layer candidates "
+        "(decode.prefill_parallel), and it cannot extend chunk by chunk (use a per-layer policy, e.g. fpa_budget)"
+      )
+    return self._replace(run=run)
+
+  def layer(self, i: int) -> PoolView:
+    run = self.run
+    return PoolView(self.pool, self.carry[i], i, run.policy, run.positions, self.index)
+
+  def update(self, i: int, new: PoolView) -> GlobalCache:
+    carry = self.carry[:i] + (new.carry,) + self.carry[i + 1 :]
+    return self._replace(pool=new.pool, carry=carry, index=new.index)
+
+  def settle(self, entry: GlobalCache, *, repack: bool = True) -> GlobalCache:
+    """The step's end: `pool_evict` across every layer and head (with `repack`, the repack when
+    due); rows that did not take the token (`Decode.active`) get `entry`'s pool back whole (the
+    eviction spans their layers)."""
+    run = self.run
+    done = pool_evict(self._replace(run=None), run.policy, run.positions, repack_due=repack)
+    return done if run.active is None else done.select_rows(run.active, entry)
+
+  # ------------------------------------------------------------------ between steps
+  def occupancy(self) -> tuple[jax.Array, jax.Array]:
+    held_ = held(self).astype(F32)
+    return jnp.max(held_), held_
+
+  def overflow(self) -> jax.Array:
+    return jnp.zeros((), bool)  # fpa_global has no threshold: it never overflows
+
+  def lost(self) -> jax.Array:
+    return jnp.zeros((), F32)  # the pool reuses slots: no lost mass is measured (cached_logits measures it per layer)
+
+  def select_rows(self, rows: jax.Array, old: GlobalCache) -> GlobalCache:
+    return jax.tree.map(functools.partial(pick_rows, rows), self._replace(run=None), old._replace(run=None))
+
+  def reset_rows(self, rows: jax.Array) -> GlobalCache:
+    r = rows[:, None]
+    pool = self.pool._replace(
+      pos=jnp.where(r, -1, self.pool.pos),
+      alive=jnp.where(r, False, self.pool.alive),
+      owner=jnp.where(r, -1, self.pool.owner),
+      run_min=jnp.where(r, jnp.inf, self.pool.run_min),
+    )
+    return self._replace(pool=pool, carry=tuple(jnp.where(r, 0.0, c) for c in self.carry))
+
+  def nbytes(self) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self._replace(run=None))))
 
 
 @jax.tree_util.register_dataclass
@@ -136,24 +195,6 @@ class PoolView:
     """`pool_decode_attend` at the layer's `spec.scale` -> (out [B, 1, H, K], the view after it)."""
     kw = dict(policy=self.policy, scale=spec.scale, positions=self.positions)
     return pool_decode_attend(self, q, k, v, gates.field, gates.level, gates.cum, **kw)
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolStep:
-  """One decode step on a `GlobalCache`: the `models.ModelCache` whose layer i sees the pool the
-  layers before it left (`DecoderLM` cached mode); `.cache` after the model call is the step's
-  `GlobalCache` (before `pool_evict`)."""
-
-  cache: GlobalCache
-  policy: Policy
-  positions: jax.Array  # [B]
-
-  def layer(self, i: int) -> PoolView:
-    return PoolView(self.cache.pool, self.cache.carry[i], i, self.policy, self.positions, self.cache.index)
-
-  def update(self, i: int, new: PoolView) -> PoolStep:
-    carry = self.cache.carry[:i] + (new.carry,) + self.cache.carry[i + 1 :]
-    return dataclasses.replace(self, cache=GlobalCache(new.pool, carry, new.index))
 
 
 def init_pool(batch: int, slots: int, head_dim: int, *, dtype=F32) -> SlotPool:
@@ -470,7 +511,7 @@ def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array, *, repack_due
   written since the last repack (a loop that repacks itself, `scan_steps`, passes False).
   """
   pool = cache.pool
-  limit = (policy.keys - 1) * cache.n_layers * cache.kv_heads
+  limit = pool.pos.shape[1] - cache.n_layers * cache.kv_heads  # G - L * KVH: room for the next step's keys
   cand = pool.alive & (pool.pos <= now[:, None] + 1 - policy.recent)
   excess = jnp.maximum(jnp.sum(pool.alive, axis=1) - limit, 0)  # [B]
   pen = pool.penalty

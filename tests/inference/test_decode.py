@@ -335,11 +335,12 @@ def test_parallel_prefill_keeps_the_same_keys_as_decode():
       lambda state, c: nnx.merge(graphdef, state)(prompt, positions=pos16, cache=K.LayerCaches(c, run))[1].layers
     )
     par = prefill(state, caches)
-    step = jax.jit(lambda state, c, tok, t: D._step(nnx.merge(graphdef, state), c, tok, jnp.full((2,), t), pol)[1])
+    step = jax.jit(
+      lambda state, c, tok, t: D.Decoder(nnx.merge(graphdef, state), pol, max_len=17).step(c, tok, jnp.full((2,), t))[1]
+    )
     dec = D.init_caches(m, 2, pol, 17)
     for t in range(16):
-      new = step(state, dec, prompt[:, t], t)
-      dec = tuple(D._select_rows(t < lengths, n, o) for n, o in zip(new, dec))
+      dec = step(state, dec, prompt[:, t], t).select_rows(t < lengths, dec)
     key_set = lambda c: [
       [sorted(np.asarray(c.pos[b, :, h])[np.asarray(c.alive[b, :, h])].tolist()) for h in range(c.pos.shape[2])]
       for b in range(2)
