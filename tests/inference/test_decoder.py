@@ -59,6 +59,24 @@ def test_decoder_loop_is_generate(tiny, policy, kw):
   assert dec.slots_per_row() == stats["slots_per_row"]
 
 
+@pytest.mark.parametrize("policy", ["fpa_budget", "fpa_global"])
+def test_both_layouts_answer_the_state_protocol(tiny, policy):
+  """Per-layer caches and the slot pool answer the same methods alike: occupancy per (layer, row,
+  kv head), row select and reset, bytes as `cache_bytes` counts them, no overflow or lost mass."""
+  dec = Decoder(tiny, policy, max_len=16, budget=6)
+  prompt = jax.random.randint(jax.random.key(6), (2, 10), 0, tiny.cfg.vocab_size)
+  _, full = jax.jit(lambda p: dec.prefill(p, mode="parallel"))(prompt)
+  empty = dec.init(2)
+  peak, held = full.occupancy()
+  assert held.shape == (tiny.cfg.n_layers, 2, tiny.cfg.kv_heads) and 0 < float(peak) <= 10
+  mixed = full.select_rows(jnp.array([True, False]), empty)
+  np.testing.assert_array_equal(np.asarray(mixed.occupancy()[1]), np.asarray(held) * np.array([1, 0])[None, :, None])
+  np.testing.assert_array_equal(
+    np.asarray(full.reset_rows(jnp.array([False, True])).occupancy()[1]), np.asarray(mixed.occupancy()[1])
+  )
+  assert full.nbytes() == dec.nbytes(2) and not bool(full.overflow()) and float(full.lost()) == 0.0
+
+
 def test_decoder_checks_before_tracing(tiny):
   with pytest.raises(ValueError, match="max_len must be an int >= 1"):
     Decoder(tiny, "full", max_len=0)
