@@ -19,7 +19,8 @@ differentiable JAX; the core treats them as inputs. In the backward pass each ti
 bias under `jax.vjp` and pulls the softmax cotangent back to the statistics (`ops.bias`: the tile
 biases' hand-written pullbacks); JAX autodiff then routes them through the min-scans to the
 field. Nothing T x T is ever stored: the forward keeps out and logsumexp, the backward recomputes
-tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local).
+tiles (FlashAttention-2 order: outer loop over key blocks, dK/dV local). One tile's backward is
+`_tile_grads`, which the key-sparse kernel (`ops.sparse`) runs on its diagonal tiles too.
 
 Infinite levels (`ops.bias`): a key with level +inf has bias 0 on an empty range and -inf (weight
 exactly 0) on a finite one; gradients stay finite and its tiles are dead for the skip bound below
