@@ -184,6 +184,15 @@ SCREEN: dict[str, dict[str, Any]] = {
     "why": "no walk in the upper layer, the hinge at a tenth and half the steps through a soft-cut fpa_budget "
     "cache (recipe_soft_fh0's objective, where a drift is no longer possible upstairs)",
   },  # fmt: skip
+  "nowalk_utility": {
+    "set": {**_NOWALK_UPPER, "utility_weight": 1.0, "utility_keep": 0.1},
+    "why": "no walk in the upper layer, levels taught to rank old keys by the attention later queries give "
+    "them (Locret's target, the top 10% labelled keep): which keys go, chosen by use, not by a share",
+  },
+  "utility": {
+    "set": {"utility_weight": 1.0, "utility_keep": 0.1},
+    "why": "the utility labels alone, every head keeping its walk: does a rank by use need the walk gone?",
+  },
 }
 
 # ------------------------------------------------------------------------------------------------

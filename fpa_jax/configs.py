@@ -395,6 +395,14 @@ class TrainConfig(_Part):
   # softplus temperature of the penalty in the objective
   evict_soft: float = _field(0.5, V.real(0, why="0 = exact relu penalty"))
   evict_queries: int = _field(8, V.integer(1))  # sampled queries per sequence and step (stratified over the positions)
+  # ---- utility-supervised levels (fpa_jax.losses, fpa_jax.ops.utility; off at utility_weight 0) ----
+  # Old keys (outside evict_window, at evict_queries sampled queries) are labelled keep / evict by the
+  # attention later queries give them (the top utility_keep share kept) and the soft live indicator
+  # (evict_tau, evict_temp, evict_soft) is fit to the labels: a rank of the keys by content.
+  utility_weight: float = _field(0.0, V.real(0, why="0 turns the utility objective off"))
+  utility_keep: float = _field(
+    0.1, V.real(0, 1, lo_open=True, why="the share of old keys labelled keep (the most-read ones)")
+  )
   # ---- budget in the loop (fpa_jax.ops.budget; off at budget_loop_prob 0) ----
   # A share of the steps trains through the cache an `fpa_budget` decode of a random size would keep:
   # capacity round(rho * seq_len), rho ~ U[budget_loop_min, budget_loop_max], recent = capacity // 8.
@@ -470,6 +478,15 @@ class Config(TrainConfig, DataConfig, ModelConfig):
       raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
     if self.evict_weight > 0 and self.attention not in GATED:
       raise ValueError(f"evict_weight > 0 needs a gated attention {GATED}, got {self.attention!r}; set evict_weight=0")
+    if self.utility_weight > 0 and self.attention not in GATED:
+      raise ValueError(
+        f"utility_weight > 0 needs a gated attention {GATED}, got {self.attention!r}; set utility_weight=0"
+      )
+    if self.utility_weight > 0 and self.evict_window >= self.seq_len:
+      raise ValueError(
+        f"evict_window={self.evict_window} >= seq_len={self.seq_len} leaves no old key to label for the utility "
+        "objective; use a smaller window"
+      )
     if self.budget_loop_prob > 0 and self.attention not in GATED:
       raise ValueError(
         f"budget_loop_prob > 0 (training through an fpa_budget cache) needs a gated attention {GATED}, got "

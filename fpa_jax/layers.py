@@ -246,6 +246,36 @@ def sow_gates(layer: nnx.Module, gates: GateTerms) -> None:
     layer.sow(nnx.Intermediate, "gates", (gates.field, gates.level))
 
 
+def sow_attention_inputs(layer: nnx.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+  """Record (q, k, v) as the layer's `nnx.Intermediate` "attention_inputs" under an `nnx.capture`
+  (as `sow_gates`): q [B, T, H, K] after QK-norm and RoPE, k, v [B, T, KVH, K], what the kernel
+  attends with. Studies read them (`attention_inputs`) instead of patching the layer; the utility
+  target of the levels (`fpa_jax.losses`) recomputes the attention from them."""
+  if hasattr(layer, "__captures__"):
+    layer.sow(nnx.Intermediate, "attention_inputs", (q, k, v))
+
+
+def attention_inputs(model, *args, **kwargs):
+  """model(*args, **kwargs) and what each `FirstPassageAttention` in it attended with, from the same
+  parallel forward pass -> (out, [(the layer's path, ((q, k, v, field, level), ...) one per call)]) in
+  path order; q [B, T, H, K], k, v [B, T, KVH, K], field, level [B, T, KVH] fp32 (a scanned stack:
+  a leading layer axis on each). `model`: any NNX module made of these layers."""
+  out, inter = nnx.capture(model, nnx.Intermediate)(*args, **kwargs)
+  flat = nnx.to_flat_state(inter)
+  by_path: dict = {}
+  for path, v in flat:
+    if path[-1] in ("gates", "attention_inputs"):
+      by_path.setdefault(path[:-1], {})[path[-1]] = v.get_value()
+  found = [
+    (path, tuple((*qkv, *g) for qkv, g in zip(d["attention_inputs"], d["gates"])))
+    for path, d in sorted(by_path.items())
+    if "attention_inputs" in d and "gates" in d
+  ]
+  if not found:
+    raise ValueError(f"{type(model).__name__} has no FirstPassageAttention layer (nothing sowed 'attention_inputs')")
+  return out, found
+
+
 def with_gates(model, *args, **kwargs):
   """model(*args, **kwargs) and the gate outputs of every `FirstPassageAttention` in it, from the same
   forward pass (`nnx.capture` of what the layers sow, `sow_gates`) -> (out, (field, level)), each
@@ -664,6 +694,7 @@ class FirstPassageAttention(nnx.Module):
     q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
     g = self.gate_terms(x, None if cache is None else cache.carry)
     sow_gates(self, g)
+    sow_attention_inputs(self, q, k, v)
     if cache is not None:
       o, cache = cache.attend(spec, q, k, v, g)
       return self.output(o, x), (cache if whole is None else whole.put(self, cache))

@@ -25,6 +25,19 @@ Metrics (all scalars, logged with the train metrics): evict_loss (the hinge, bef
 evict_target, evict_live (soft live fraction over all layers), evict_live_l{i} (per layer) and
 evict_live_hard (penalty < evict_tau with the exact penalty: what a threshold policy would keep).
 
+Utility-supervised levels (`TrainConfig.utility_*`, off when utility_weight = 0; Locret's target,
+`fpa_jax.ops.utility`): at the same kind of sampled queries, every old key (outside evict_window) is
+labelled keep when it is among the top utility_keep share by the largest ||v||-weighted attention a
+later query gives it (the model's own attention, no gradient), evict otherwise, and the soft live
+indicator sigmoid((evict_tau - penalty) / evict_temp) (softplus penalty of evict_soft) is fit to the
+labels by a class-balanced cross-entropy, per layer, averaged over layers:
+
+    total += n_tokens * utility_weight * utility_loss
+
+Metrics: utility_loss, utility_recall (share of keep pairs under evict_tau with the exact penalty: what
+a threshold policy keeps of what is read), utility_evicted (share of evict pairs at or over it), and
+both per layer (_l{i}). Any of the three terms can be on together.
+
 Gate statistics (`eval_terms`, the trainer's periodic eval: did the read-outs learn to forget?): on the
 first held-out batch (its first STATS_ROWS sequences, their first STATS_LEN tokens: the all-pairs
 penalty is O(T^2)), per layer, the field's range along each sequence, the share of (query, earlier
@@ -56,9 +69,10 @@ import optax
 from flax import nnx
 
 from fpa_jax.configs import TrainConfig
-from fpa_jax.layers import gates_by_layer, with_gates
+from fpa_jax.layers import attention_inputs, gates_by_layer, with_gates
 from fpa_jax.ops import budget as BL
 from fpa_jax.ops import evictability as E
+from fpa_jax.ops import utility as UT
 from fpa_jax.ops.penalty import first_passage_penalty
 
 FORGOTTEN = 5.0  # nats: a penalty past this is reported as forgotten (gate_forgotten_l{i})
@@ -202,18 +216,107 @@ def _hinge_options(given: dict) -> dict:
   return {k: given.get(k, _EVICT[f"evict_{k}"]) for k in HINGE_OPTIONS}
 
 
+def utility_terms(per_layer, key, segment_ids=None, *, keep, window, tau, temp, soft, queries):
+  """The utility objective (module docstring) from what each gated layer attended with: per_layer a
+  sequence of (q [B, T, H, K], k, v [B, T, KVH, K], field, level [B, T, KVH]) in path order
+  (`layers.attention_inputs`) -> (loss [] fp32, metrics). One draw of `queries` sampled queries per
+  sequence (`key`) serves every layer."""
+  if not per_layer:
+    raise ValueError("the utility objective needs at least one gated attention layer")
+  b, t = per_layer[0][3].shape[:2]
+  qi = E.sample_queries(key, b, t, queries, window)
+  losses, recall, evicted = [], [], []
+  for q, k, v, field, level in per_layer:
+    pen, hard, elig = E.pair_penalties(field, level, qi, window=window, soft=soft, segment_ids=segment_ids, temp=temp)
+    util = UT.key_utility(q, k, v, field, level, qi, segment_ids=segment_ids)
+    labels = UT.keep_labels(util, elig, keep)
+    losses.append(UT.utility_bce(pen, labels, elig, tau=tau, temp=temp))
+    e = jnp.broadcast_to(elig[..., None], labels.shape)
+    under = jax.lax.stop_gradient(hard) < tau
+    recall.append(jnp.sum(labels & under) / jnp.maximum(jnp.sum(labels), 1))
+    evicted.append(jnp.sum(e & ~labels & ~under) / jnp.maximum(jnp.sum(e & ~labels), 1))
+  loss = jnp.mean(jnp.stack(losses))
+  metrics = {
+    "utility_loss": jax.lax.stop_gradient(loss),
+    "utility_recall": jnp.mean(jnp.stack(recall)),
+    "utility_evicted": jnp.mean(jnp.stack(evicted)),
+    **{f"utility_recall_l{i}": r for i, r in enumerate(recall)},
+    **{f"utility_evicted_l{i}": r for i, r in enumerate(evicted)},
+  }
+  return loss, metrics
+
+
+def gated_attention_inputs(model, *args, **kwargs):
+  """model(*args, **kwargs) -> (out, [(q, k, v, field, level) of every gated layer and call, in path
+  order]) (`layers.attention_inputs`; a scanned stack's layers one by one; layers without a gate,
+  softmax / nope, left out)."""
+  out, found = attention_inputs(model, *args, **kwargs)
+  nodes = dict(nnx.iter_graph(model))
+  per_layer = []
+  for path, calls in found:
+    if getattr(nodes.get(path), "gate", None) is None:
+      continue
+    for call in calls:
+      per_layer += [call] if call[3].ndim == 3 else list(zip(*call))  # a scanned stack: [L, ...] each
+  return out, per_layer
+
+
+UTILITY_OPTIONS = ("keep", "window", "tau", "temp", "soft", "queries")
+
+
+def utility_loss(model, tokens, segment_ids=None, *, key: jax.Array, **options):
+  """The utility objective on any NNX model made of `FirstPassageAttention` layers, from one forward
+  pass (as `evictability_loss`) -> (out, loss, metrics). options: keep (the TrainConfig's
+  utility_keep), window, tau, temp, soft, queries (its evict_* fields); defaults: TrainConfig's.
+  tokens [B, T] int; segment_ids [B, T] or None. ValueError when no layer has a gate."""
+  bad = sorted(set(options) - set(UTILITY_OPTIONS))
+  if bad:
+    raise ValueError(f"unknown argument(s) {bad}; the utility objective takes {UTILITY_OPTIONS}")
+  opts = {k: options.get(k, _UTILITY_DEFAULTS[k]) for k in UTILITY_OPTIONS}
+  args = (tokens,) if segment_ids is None else (tokens, segment_ids)
+  out, per_layer = gated_attention_inputs(model, *args)
+  if not per_layer:
+    raise ValueError(
+      f"{type(model).__name__} has no gated FirstPassageAttention layer (gate fpa, stack or fox): nothing to rank"
+    )
+  loss, metrics = utility_terms(per_layer, key, segment_ids, **opts)
+  return out, loss, metrics
+
+
+_UTILITY_DEFAULTS = {
+  "keep": next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "utility_keep"),
+  **{k: _EVICT[f"evict_{k}"] for k in ("window", "tau", "temp", "soft", "queries")},
+}
+
+
+def _utility_of(per_layer, segment_ids, cfg, key):
+  return utility_terms(
+    per_layer,
+    key,
+    segment_ids,
+    keep=cfg.utility_keep,
+    window=cfg.evict_window,
+    tau=cfg.evict_tau,
+    temp=cfg.evict_temp,
+    soft=cfg.evict_soft,
+    queries=cfg.evict_queries,
+  )
+
+
 def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """-> (value to differentiate, aux): aux holds lm_sum (sum of CEs), count (target tokens) and, with
-  the objective on, its metrics (see the module docstring). `cfg`: anything with the TrainConfig
-  evict_* and budget_loop_* fields (a run Config); `step`: the optimizer step (the target's ramp);
-  `key`: a PRNG key for the query positions and the step's budget (needed when either is on)."""
+  an objective on, its metrics (see the module docstring). `cfg`: anything with the TrainConfig
+  evict_*, utility_* and budget_loop_* fields (a run Config); `step`: the optimizer step (the target's
+  ramp); `key`: a PRNG key for the query positions and the step's budget (needed when any is on)."""
   budget_on = bool(cfg.budget_loop_prob)
-  if not cfg.evict_weight and not budget_on:
+  utility_on = bool(cfg.utility_weight)
+  if not cfg.evict_weight and not budget_on and not utility_on:
     s, n = lm_loss(model, batch)
     return s, {"lm_sum": s, "count": n}
   if key is None:
-    raise ValueError("objective with evict_weight > 0 or budget_loop_prob > 0 needs a PRNG `key`")
-  k_evict, k_budget = key, jax.random.fold_in(key, 1)  # the evict queries' stream as before budgets
+    raise ValueError("objective with evict_weight, utility_weight or budget_loop_prob > 0 needs a PRNG `key`")
+  # the evict queries' stream as before budgets; the utility's its own
+  k_evict, k_budget, k_utility = key, jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
   metrics, budget = {}, None
   if budget_on:
     t = batch["inputs"].shape[1]
@@ -222,15 +325,27 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
     if cfg.budget_loop_soft:
       budget = (*budget, float(cfg.budget_loop_soft))
     metrics["budget_kept"] = budget[0].astype(jnp.float32) / t
-  if not cfg.evict_weight:
+  if not cfg.evict_weight and not utility_on:
     logits = model(batch["inputs"], batch["segment_ids"], budget=budget)
     s, n = _ce_sum(logits, batch)
     return s, {"lm_sum": s, "count": n, **metrics}
-  logits, gates = with_gates(model, batch["inputs"], batch["segment_ids"], budget=budget)
+  seg = batch["segment_ids"]
+  if utility_on:
+    logits, per_layer = gated_attention_inputs(model, batch["inputs"], seg, budget=budget)
+    gates = tuple(jnp.stack([c[i] for c in per_layer]) for i in (3, 4))  # [L, B, T, KVH]
+  else:
+    logits, gates = with_gates(model, batch["inputs"], seg, budget=budget)
   s, n = _ce_sum(logits, batch)
-  hinge, ev = evict_terms(gates, batch["segment_ids"], cfg, step, k_evict)
-  total = s + jax.lax.stop_gradient(n) * (cfg.evict_weight * hinge)
-  return total, {"lm_sum": s, "count": n, **metrics, **ev}
+  total = s
+  if cfg.evict_weight:
+    hinge, ev = evict_terms(gates, seg, cfg, step, k_evict)
+    total = total + jax.lax.stop_gradient(n) * (cfg.evict_weight * hinge)
+    metrics |= ev
+  if utility_on:
+    u, um = _utility_of(per_layer, seg, cfg, k_utility)
+    total = total + jax.lax.stop_gradient(n) * (cfg.utility_weight * u)
+    metrics |= um
+  return total, {"lm_sum": s, "count": n, **metrics}
 
 
 def gate_stats(gates: tuple[jax.Array, jax.Array], segment_ids: jax.Array | None) -> dict[str, jax.Array]:

@@ -183,7 +183,7 @@ class TrainStep:
 
     # The objective (`fpa_jax.losses`): the LM loss, plus the evictability hinge when evict_weight > 0
     # (its query positions drawn from a key of (seed, step, micro-batch)).
-    randomised = cfg.evict_weight or cfg.budget_loop_prob  # sampled queries / the step's cache budget
+    randomised = cfg.evict_weight or cfg.utility_weight or cfg.budget_loop_prob  # sampled queries / the cache budget
     step_key = jax.random.fold_in(jax.random.key(cfg.seed), opt.step[...]) if randomised else None
 
     def loss_fn(p, mb, k=0):

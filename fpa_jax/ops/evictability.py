@@ -97,6 +97,29 @@ def live_counts(
     LiveCounts (soft, hard [B, Q, H] fp32; eligible [B, Q] fp32). Under jit any query_idx is
     clipped into [0, T).
   """
+  pen, hard_pen, elig = pair_penalties(
+    field, level, query_idx, window=window, soft=soft, segment_ids=segment_ids, temp=temp
+  )
+  e = elig[..., None].astype(F32)  # [B, Q, T, 1]
+  soft_live = jnp.sum(e * jax.nn.sigmoid((tau - pen) / temp), axis=2)  # [B, Q, H]
+  hard_live = jnp.sum(e * fp.survives(jax.lax.stop_gradient(hard_pen), tau), axis=2)
+  return LiveCounts(soft_live, hard_live, jnp.sum(e[..., 0], axis=2))
+
+
+def pair_penalties(
+  field: jax.Array,
+  level: jax.Array,
+  query_idx: jax.Array,
+  *,
+  window: int,
+  soft: float = 0.0,
+  segment_ids: jax.Array | None = None,
+  temp: float = 1.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Every (sampled query, key) pair's penalty: field, level [B, T, H], query_idx int [B, Q] ->
+  (pen [B, Q, T, H] the objective's (softplus of temperature `soft`; the exact relu at soft 0),
+  hard [B, Q, T, H] the exact penalty, eligible bool [B, Q, T]: keys j <= i - window in the
+  query's segment). `live_counts` sums them; the utility objective labels them one by one."""
   if field.shape != level.shape or field.ndim != 3:
     raise ValueError(f"field and level must both be [B, T, H], got {field.shape} and {level.shape}")
   if query_idx.ndim != 2 or query_idx.shape[0] != field.shape[0]:
@@ -120,10 +143,7 @@ def live_counts(
   if segment_ids is not None:
     seg = segment_ids.astype(jnp.int32)
     elig = elig & (seg[:, None, :] == jnp.take_along_axis(seg, qi[:, :, 0], axis=1)[:, :, None])
-  e = elig[..., None].astype(F32)  # [B, Q, T, 1]
-  soft_live = jnp.sum(e * jax.nn.sigmoid((tau - pen) / temp), axis=2)  # [B, Q, H]
-  hard_live = jnp.sum(e * fp.survives(jax.lax.stop_gradient(hard_pen), tau), axis=2)
-  return LiveCounts(soft_live, hard_live, jnp.sum(e[..., 0], axis=2))
+  return pen, hard_pen, elig
 
 
 def hinge_live_fraction(counts: LiveCounts, target) -> tuple[jax.Array, jax.Array]:
