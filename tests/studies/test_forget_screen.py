@@ -61,3 +61,18 @@ def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
   F.main(argv)  # all done: nothing retrained or rescored
   assert (tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text() == before
   assert (tmp_path / "out" / "forget_screen.md").exists()
+
+
+def test_committed_recipe_checkpoint_is_the_scored_one():
+  """The recipe checkpoint a fresh clone retrofits from (experiments/assets/one_recipe) is the one the
+  one-recipe study scored: the same parameters, bit for bit, as its eval file records."""
+  from experiments import _common as U
+  from fpa_jax.inference import load_model
+
+  args = F.parse_args([])
+  args.source_dir = "/nonexistent"  # only the committed copy
+  src = F.source_checkpoint(args, 0)
+  assert src.is_relative_to(F.ASSETS)
+  model, _ = load_model(str(src.parent.parent))
+  scored = json.loads((U.ROOT / "results" / "one_recipe" / "eval" / f"{RECOMMENDED}_s0.json").read_text())
+  assert U.params_digest(model) == scored["params"]
