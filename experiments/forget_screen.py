@@ -61,6 +61,8 @@ def config(mechanism: str, args, seed: int):
   over = {**RETROFIT_RUN, **SCREEN[mechanism]["set"]}
   if over.pop("nowalk_upper", False):  # every layer's heads FPA, the upper layer's without a walk
     over["head_gates"] = ",".join(["p" * cfg.kv_heads] * (cfg.n_layers - 1) + ["n" * cfg.kv_heads])
+  if over.pop("objective_top", False):  # the objectives press the upper layer only
+    over["objective_layers"] = str(cfg.n_layers - 1)
   if "evict_weight" in over:  # the hinge's target ramps from where the retrofit starts (DMS)
     over.setdefault("evict_ramp_start", args.source_step)
   if "budget_loop_prob" in over:

@@ -189,6 +189,11 @@ SCREEN: dict[str, dict[str, Any]] = {
     "why": "no walk in the upper layer, levels taught to rank old keys by the attention later queries give "
     "them (Locret's target, the top 10% labelled keep): which keys go, chosen by use, not by a share",
   },
+  "nowalk_hinge_top": {
+    "set": {**_NOWALK_UPPER, **_HINGE, "objective_top": True},
+    "why": "nowalk_hinge with the hinge on the upper layer only: the lower layer keeps its keys (its "
+    "forgetting by age cost the text), the upper one learns which to drop",
+  },
   "utility": {
     "set": {"utility_weight": 1.0, "utility_keep": 0.1},
     "why": "the utility labels alone, every head keeping its walk: does a rank by use need the walk gone?",

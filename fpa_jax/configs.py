@@ -403,6 +403,9 @@ class TrainConfig(_Part):
   utility_keep: float = _field(
     0.1, V.real(0, 1, lo_open=True, why="the share of old keys labelled keep (the most-read ones)")
   )
+  # the layers the evictability and utility objectives press: comma-separated indices ("1"), "" = every
+  # layer (a lower layer may then keep its keys while an upper one learns what to drop)
+  objective_layers: str = _field("", V.text())
   # ---- budget in the loop (fpa_jax.ops.budget; off at budget_loop_prob 0) ----
   # A share of the steps trains through the cache an `fpa_budget` decode of a random size would keep:
   # capacity round(rho * seq_len), rho ~ U[budget_loop_min, budget_loop_max], recent = capacity // 8.
@@ -468,6 +471,11 @@ class Config(TrainConfig, DataConfig, ModelConfig):
   def train(self) -> TrainConfig:
     return self._part(TrainConfig)
 
+  @property
+  def objective_layer_ids(self) -> tuple[int, ...] | None:
+    """`objective_layers` as sorted layer indices; None: every layer."""
+    return tuple(sorted({int(x) for x in self.objective_layers.split(",")})) if self.objective_layers else None
+
   def validate(self, *, training: bool = False) -> Config:
     """Each part's checks, then those across parts (no devices needed); raises ValueError.
     `training=True` (`fpa_jax.train`) adds what only a training run needs (nothing today: both
@@ -487,6 +495,13 @@ class Config(TrainConfig, DataConfig, ModelConfig):
         f"evict_window={self.evict_window} >= seq_len={self.seq_len} leaves no old key to label for the utility "
         "objective; use a smaller window"
       )
+    if self.objective_layers:
+      bad = [x for x in self.objective_layers.split(",") if not x.strip().isdigit() or int(x) >= self.n_layers]
+      if bad:
+        raise ValueError(
+          f"objective_layers={self.objective_layers!r}: comma-separated layer indices in [0, n_layers="
+          f"{self.n_layers}), e.g. objective_layers='{self.n_layers - 1}' (the top layer), or '' for every layer"
+        )
     if self.budget_loop_prob > 0 and self.attention not in GATED:
       raise ValueError(
         f"budget_loop_prob > 0 (training through an fpa_budget cache) needs a gated attention {GATED}, got "

@@ -36,7 +36,9 @@ labels by a class-balanced cross-entropy, per layer, averaged over layers:
 
 Metrics: utility_loss, utility_recall (share of keep pairs under evict_tau with the exact penalty: what
 a threshold policy keeps of what is read), utility_evicted (share of evict pairs at or over it), and
-both per layer (_l{i}). Any of the three terms can be on together.
+both per layer (_l{i}). Any of the three terms can be on together. `objective_layers` ("1": the top
+of two layers) restricts the hinge and the utility term to those layers (their metrics' _l{i} then
+count the chosen layers in order); the others keep every key they like.
 
 Gate statistics (`eval_terms`, the trainer's periodic eval: did the read-outs learn to forget?): on the
 first held-out batch (its first STATS_ROWS sequences, their first STATS_LEN tokens: the all-pairs
@@ -330,11 +332,18 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
     s, n = _ce_sum(logits, batch)
     return s, {"lm_sum": s, "count": n, **metrics}
   seg = batch["segment_ids"]
+  pick = cfg.objective_layer_ids  # None: every layer
   if utility_on:
     logits, per_layer = gated_attention_inputs(model, batch["inputs"], seg, budget=budget)
-    gates = tuple(jnp.stack([c[i] for c in per_layer]) for i in (3, 4))  # [L, B, T, KVH]
+    if pick is not None:
+      if len(per_layer) != cfg.n_layers:  # indices would not name layers
+        raise ValueError(f"objective_layers needs every layer gated; {len(per_layer)} of {cfg.n_layers} are")
+      per_layer = [per_layer[i] for i in pick]
+    gates = tuple(jnp.stack([c[i] for c in per_layer]) for i in (3, 4))  # [L', B, T, KVH]
   else:
     logits, gates = with_gates(model, batch["inputs"], seg, budget=budget)
+    if pick is not None:
+      gates = tuple(g[jnp.asarray(pick)] for g in gates)
   s, n = _ce_sum(logits, batch)
   total = s
   if cfg.evict_weight:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -182,3 +183,22 @@ def test_objective_adds_the_weighted_utility(tiny):
   with pytest.raises(ValueError, match="utility_weight > 0 needs a gated attention"):
     Config(**{**tiny.cfg.__dict__, "attention": "softmax"}, utility_weight=0.5).validate()
   assert TrainConfig().utility_weight == 0.0  # off by default: the objective is the plain LM loss
+
+
+def test_objective_layers_press_only_the_named_layers(tiny):
+  from fpa_jax.configs import Config
+  from fpa_jax.losses import gated_attention_inputs, utility_terms
+
+  cfg = Config(**{**tiny.cfg.__dict__}, utility_weight=1.0, evict_window=4, evict_queries=4, seq_len=40)
+  tokens = jax.random.randint(jax.random.key(1), (2, 41), 0, 32)
+  seg = jnp.ones((2, 40), jnp.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg, "loss_mask": seg}
+  key = jax.random.key(3)
+  _, top = objective(tiny, batch, dataclasses.replace(cfg, objective_layers="1"), 0, key)
+  _, per_layer = gated_attention_inputs(tiny, batch["inputs"], seg)
+  opts = dict(keep=0.1, window=4, tau=4.0, temp=1.0, soft=0.5, queries=4)
+  want, _ = utility_terms(per_layer[1:], jax.random.fold_in(key, 2), seg, **opts)
+  assert float(top["utility_loss"]) == pytest.approx(float(want), rel=1e-6)
+  assert "utility_recall_l1" not in top  # one layer pressed: its metrics are _l0
+  with pytest.raises(ValueError, match="objective_layers='1' \\(the top layer\\)"):
+    dataclasses.replace(cfg, objective_layers="2").validate()

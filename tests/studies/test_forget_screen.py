@@ -25,6 +25,9 @@ def test_nowalk_rows_hold_the_upper_layer_only():
   ctl = F.config("control", args, 0)  # the paired control: the same run settings, no mechanism
   assert ctl.head_gates == "" and ctl.evict_weight == 0.0 and ctl.lr == cfg.lr and ctl.seed == cfg.seed == 0
   assert set(SCREEN) >= {"control", "nowalk_hinge", "hinge", "nowalk"}
+  top = F.config("nowalk_hinge_top", args, 0)
+  assert top.objective_layers == "1" and top.objective_layer_ids == (1,) and top.head_gates == "pp,nn"
+  assert cfg.objective_layers == "" and cfg.objective_layer_ids is None
 
 
 def test_verdict_reads_the_targets():
