@@ -38,6 +38,7 @@ PHASES = ("train", "eval", "report")
 ASSETS = U.ROOT / "experiments" / "assets" / "one_recipe"
 # the targets of the forgetting-by-content work, judged per row: learned rule at 8x, text cost against the control
 TARGET_25, TARGET_125, TARGET_FULL, TARGET_BPB = 0.99, 0.95, 0.99, 0.005
+TARGET_TOL_SHARE = 0.25  # the tolerance policy (a bound, not a budget): >= 0.99 keeping <= 25% of the keys on average
 
 
 def source_checkpoint(args, seed: int) -> Path:
@@ -145,7 +146,8 @@ def eval_one(mechanism: str, seed: int, args, argv, log) -> dict | None:
   cells += [(p, f"{b:g}", {"budget": b}) for b in args.budgets for p in ("fpa_budget", "fpa_global")]
   for pol, lab, kw in cells:
     key = f"{pol}/{lab}"
-    if key not in cache:
+    # a tolerance cell from before the mean share was recorded is scored again
+    if key not in cache or (pol == "fpa" and cache[key].get("kept_fraction_mean") is None):
       t = time.perf_counter()
       c = ev.passkey_cell(model, exs, policy=pol, prefill="parallel", batch_size=args.cache_batch, **kw)
       keep = ("n", "correct", "accuracy", "ci95", "cache_fraction", "kept_fraction_mean", "overflow")
@@ -179,10 +181,19 @@ def verdict(row: dict, control: dict | None) -> tuple[str, list[str]]:
     fails.append("12.5%")
   if row.get("passkey_full", {}).get("accuracy", 0) < TARGET_FULL:
     fails.append("full cache")
+  tol = c.get("fpa/tol", {})
+  if tol.get("accuracy") is not None and (
+    tol["accuracy"] < TARGET_FULL or (tol.get("kept_fraction_mean") or 1) > TARGET_TOL_SHARE
+  ):
+    fails.append("tolerance")
   if control and "text" in control and "text" in row:
     if row["text"]["bpb"] / control["text"]["bpb"] - 1 > TARGET_BPB:
       fails.append("text")
   return ("holds" if not fails else "fails"), fails
+
+
+def _share(x: float | None) -> str:
+  return "—" if x is None else f"{x:.3f}"
 
 
 def needle_words(needle: list[dict] | None) -> str:
@@ -222,7 +233,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
           a("fpa_global/0.25"),
           a("fpa_global/0.125"),
           "—" if "passkey_full" not in r else f"{r['passkey_full']['accuracy']:.2f}",
-          "—" if not tol else f"{tol['accuracy']:.2f} / {tol.get('kept_fraction_mean') or 0:.3f}",
+          "—" if not tol else f"{tol['accuracy']:.2f} / " + _share(tol.get("kept_fraction_mean")),
           "—" if bpb is None else f"{bpb:.4f}",
           d,
           needle_words(r.get("needle")),
@@ -238,7 +249,9 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
     f"# Forgetting by content: the retrofit screen\n\n`{U.command(MODULE, argv)}`\n\n"
     f"Passkey at 8x the training length (100 prompts, parallel prefill) with the learned rules at 25% / 12.5% of "
     f"the cache; the targets: >= {TARGET_25} / >= {TARGET_125}, the full cache >= {TARGET_FULL}, bits per byte "
-    f"<= +{100 * TARGET_BPB:g}% against `control` of the same seed. 'needle / median penalty': the upper layer's "
+    f"<= +{100 * TARGET_BPB:g}% against `control` of the same seed, the tolerance policy >= {TARGET_FULL} keeping "
+    f"<= {TARGET_TOL_SHARE:.0%} of the keys on average ('mean kept': keys held at the end / keys seen, over layers, "
+    f"heads and rows). 'needle / median penalty': the upper layer's "
     f"heads at 8x (`experiments.needle_penalty`).\n\n" + U.md_table(head, body) + "\n\n" + what + "\n"
   )
 

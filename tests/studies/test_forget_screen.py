@@ -39,6 +39,11 @@ def test_verdict_reads_the_targets():
   }
   assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
   assert F.verdict(row, {"text": {"bpb": 1.99}}) == ("fails", ["text"])  # +1.0% against the control
+  # the tolerance policy: a bound that must also keep <= 25% of the keys on average
+  row["cache"]["fpa/tol"] = {"accuracy": 1.0, "kept_fraction_mean": 0.9}
+  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("fails", ["tolerance"])
+  row["cache"]["fpa/tol"]["kept_fraction_mean"] = 0.2
+  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
   row["cache"]["fpa_global/0.125"] = cell(0.94)
   assert F.verdict(row, None) == ("fails", ["12.5%"])
 
