@@ -123,7 +123,7 @@ def reset_rows(cache: LayerCache, rows: jax.Array) -> LayerCache:
 # ------------------------------------------------------------------------------------------------
 
 
-def victim(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, now: jax.Array) -> jax.Array:
+def evict_slot(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, now: jax.Array) -> jax.Array:
   """[B, H] slot of the key to evict from a full (row, head); `now` [B] is the current position.
 
   The protected window (`policy.recent` = W): the new key at `now` and the W - 1 before it stay, so
@@ -233,7 +233,7 @@ def decode_attend(
     alive = alive & fp.survives(pen, cache.key_threshold())
   # Room for the new key: capacity eviction when this (row, head) already holds `capacity` keys.
   full = jnp.sum(alive, axis=1) >= policy.capacity  # [B, H]
-  out_slot = victim(policy, cache, pen, alive, positions)  # [B, H]
+  out_slot = evict_slot(policy, cache, pen, alive, positions)  # [B, H]
   s_idx = jnp.arange(alive.shape[1])[None, :, None]
   alive = alive & ~(full[:, None, :] & (s_idx == out_slot[:, None, :]))
   overflow = cache.overflow | (full if policy.thresholded else False)
