@@ -16,7 +16,7 @@ with an empty live set are left out. Two heads per seed and method (same init, s
 
 A seed succeeds on a metric when it reaches >= 0.95 at both 1x and 2x; `successes` counts seeds
 that succeed on both metrics. The attention weights are the layer's own math in the quadratic
-formulation (`ops.first_passage_penalty` of the layer's `field_level`, q.k logits), checked once
+formulation (`ops.first_passage_penalty` of the layer's `gate_field_level`, q.k logits), checked once
 per method against the layer's chunked forward output. The seeds of one method are trained
 together (`jax.vmap` over stacked parameters; each seed's init, data and batches depend on the seed
 alone). Resuming: a rerun with the same settings skips the (method, seed) pairs the results file
@@ -192,7 +192,7 @@ class Head(nnx.Module):
     x = self.inputs(tokens)
     b, t = tokens.shape
     q, k, _ = self.attn.project(x, jnp.broadcast_to(jnp.arange(t), (b, t)))  # [B, T, H, K]
-    field, level, _ = self.attn.field_level(x)  # [B, T, H]
+    field, level, _ = self.attn.gate_field_level(x)  # [B, T, H]
     pen = first_passage_penalty(jnp.swapaxes(field, 1, 2), jnp.swapaxes(level, 1, 2))  # [B, H, T, T]
     causal = jnp.tril(jnp.ones((t, t), bool))
     s = jnp.einsum("bihk,bjhk->bhij", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5

@@ -567,7 +567,7 @@ class FirstPassageAttention(nnx.Module):
       q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
     return constrain(q, BTHK), constrain(k, BTHK), constrain(v, BTHK)
 
-  def field_level(self, x: jax.Array, carry: jax.Array | None = None):
+  def gate_field_level(self, x: jax.Array, carry: jax.Array | None = None):
     """x [B, T, D] -> (field, level, cum) [B, T, KVH] fp32 (`gates.field_level`); zeros without a gate."""
     if self.gate is None:
       z = jnp.zeros(x.shape[:2] + (self.cfg.kv_heads,), F32)
