@@ -587,7 +587,7 @@ class FirstPassageAttention(nnx.Module):
     """How this layer attends (impl, tiles, skipping, scale, precision): `attention_spec(self.cfg)`."""
     return attention_spec(self.cfg)
 
-  def gate_terms(self, x: jax.Array, carry: jax.Array | None = None) -> GateTerms:
+  def gate_arrays(self, x: jax.Array, carry: jax.Array | None = None) -> GateTerms:
     """x [B, T, D] -> `GateTerms` [B, T, KVH] fp32 each; carry [B, KVH] the running sum before x
     (None = 0, a fresh sequence). Zeros without a gate."""
     if self.gate is None:
@@ -632,7 +632,7 @@ class FirstPassageAttention(nnx.Module):
     start = self.cache_index[...]
     pos = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if positions is None else positions
     q, k, v = self.project(x, pos)
-    g = self.gate_terms(x, state.carry)
+    g = self.gate_arrays(x, state.carry)
     o, state = _nnx_decoding().attend(state, self.cache_policy, start, self.spec, q, k, v, g)
     self.cache_state.set_value(state)
     self.cache_index[...] = start + t
@@ -692,7 +692,7 @@ class FirstPassageAttention(nnx.Module):
       positions = whole.positions if positions is None else positions
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
     q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
-    g = self.gate_terms(x, None if cache is None else cache.carry)
+    g = self.gate_arrays(x, None if cache is None else cache.carry)
     sow_gates(self, g)
     sow_attention_inputs(self, q, k, v)
     if cache is not None:
