@@ -17,7 +17,7 @@
 
 `Config` inherits the three (every field belongs to exactly one part); `cfg.model`, `cfg.data`,
 `cfg.train` return each part as its own dataclass. Every field carries its validator in its metadata
-(`fpa_jax.validation`): each part's `validate` runs its fields' checks and those across its fields,
+(`fpa_jax.field_checks`): each part's `validate` runs its fields' checks and those across its fields,
 `Config.validate` adds the checks across parts (and, with `training=True`, what only a training run
 needs), `validate_mesh` those that need the mesh. A run's `config.json` (and a checkpoint's config
 item) is the flat `Config.to_dict()`; resuming compares the model fields of `resume_fields()`.
@@ -37,7 +37,7 @@ import re
 import typing
 from typing import Any, Mapping
 
-from fpa_jax import validation as V
+from fpa_jax import field_checks as V
 from fpa_jax.ops import validate as _ops_validate
 
 ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
@@ -56,7 +56,7 @@ PRECISIONS = ("default", "high", "highest")
 
 
 def _field(default: Any, check: V.Check, *, gate: bool = False, preset: bool = False, free_on_resume: bool = False):
-  """A config field with its validator (`check(name, value)`, `fpa_jax.validation`) and the lists it
+  """A config field with its validator (`check(name, value)`, `fpa_jax.field_checks`) and the lists it
   belongs to, which are derived from this metadata:
     gate            sets the gate's parameterisation or init (`layers.GATE_OPTIONS`, `from_args`' options)
     preset          set by every gate preset (`GATE_PRESET_FIELDS`: SINGLE_HEAD_GATE, LM_DEFAULT, recipes)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fpa_jax import ops
-from fpa_jax import validation
+from fpa_jax import field_checks
 from fpa_jax.configs import GATE_OPTIONS, Config, ModelConfig, gate_recipe
 from fpa_jax.gates import Gate, field_level
 from fpa_jax.ops.budget import budgeted_attention
@@ -529,7 +529,7 @@ class FirstPassageAttention(nnx.Module):
     if recipe is not None:
       gate_options = {**gate_recipe(recipe, "model"), **gate_options}
     if out_init_std is not None:
-      validation.real(0, why="std of W_o's init; None = init_std")("out_init_std", out_init_std)
+      field_checks.real(0, why="std of W_o's init; None = init_std")("out_init_std", out_init_std)
     cfg = ModelConfig(
       d_model=d_model,
       n_layers=1,  # unused by the layer (its only use, W_o's init, is out_init_std here)
