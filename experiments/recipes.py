@@ -194,6 +194,11 @@ SCREEN: dict[str, dict[str, Any]] = {
     "why": "nowalk_hinge with the hinge on the upper layer only: the lower layer keeps its keys (its "
     "forgetting by age cost the text), the upper one learns which to drop",
   },
+  "nowalk_utility_top": {
+    "set": {**_NOWALK_UPPER, "utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
+    "why": "nowalk_utility on the upper layer only, at a tenth of the weight and a quarter kept: a budget "
+    "needs only the rank (the needle's penalty under the filler's), not every label met",
+  },
   "utility": {
     "set": {"utility_weight": 1.0, "utility_keep": 0.1},
     "why": "the utility labels alone, every head keeping its walk: does a rank by use need the walk gone?",

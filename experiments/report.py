@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from experiments import bindings_lm, forget_speed, forget_train, passkey, perplexity
+from experiments import bindings_lm, forget_screen, forget_speed, forget_train, passkey, perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- (results/[\w./-]+\.md) -->\n)(.*?)(<!-- end \2 -->)", re.S)
@@ -416,6 +416,8 @@ def claims_table(root: Path = ROOT, studies: bool = False, base: str = "") -> st
       text = _cell(c.get("evidence") or "evidence")
       link = f"[{text}]({rel(c['link'])})" if c.get("link") else text
       lines.append(f"| LM recipe: {_cell(c['claim'])} | {_cell(c['verdict'])} | {link} |")
+    for r in forget_screen.claim_rows(root):  # the recipe's checkpoint retrofitted to forget by content
+      lines.append(f"| LM recipe, retrofit: {r.claim} | {r.verdict} | [{_cell(r.evidence)}]({rel(r.link)}) |")
     return "\n".join(lines) + "\n"
   lines = [
     "Each claim judged on every seed its study ran (paired with FoX of the same seed where it compares with FoX):",

@@ -84,3 +84,22 @@ def test_committed_recipe_checkpoint_is_the_scored_one():
   model, _ = load_model(str(src.parent.parent))
   scored = json.loads((U.ROOT / "results" / "one_recipe" / "eval" / f"{RECOMMENDED}_s0.json").read_text())
   assert U.params_digest(model) == scored["params"]
+
+
+def test_claim_row_judges_every_target(tmp_path):
+  ev = tmp_path / "results" / "forget_screen" / "eval"
+  ev.mkdir(parents=True)
+  cell = lambda a: {"accuracy": a}  # noqa: E731
+  full = {"passkey_full": cell(1.0), "seed": 0}
+  rows = {
+    "control": {**full, "text": {"bpb": 2.0}, "cache": {"fpa_budget/0.25": cell(0.3)}},
+    "nowalk_hinge": {**full, "text": {"bpb": 2.08}, "cache": {"fpa_budget/0.25": cell(1.0), "fpa_global/0.125": cell(1.0)}},
+    "nowalk": {**full, "text": {"bpb": 2.005}, "cache": {"fpa_global/0.25": cell(1.0), "fpa_budget/0.125": cell(0.97)}},
+  }  # fmt: skip
+  for m, r in rows.items():
+    (ev / f"{m}_s0.json").write_text(json.dumps({**r, "mechanism": m}))
+  (row,) = F.claim_rows(tmp_path)
+  assert row.verdict == "holds (`nowalk`)"  # +0.25% text, 1.00 / 0.97: every target
+  assert "`nowalk_hinge` seed 0: 1.00 / 1.00, text +4.00%" in row.evidence and "control" not in row.evidence
+  (ev / "nowalk_s0.json").unlink()
+  assert F.claim_rows(tmp_path)[0].verdict == "not met (0 of 1 mechanisms, seed 0)"

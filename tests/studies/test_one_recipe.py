@@ -52,9 +52,15 @@ def test_verdicts_hold_only_on_every_seed(tmp_path):
   assert v["perplexity by position to 8x"]["verdict"].startswith("not met (1 of 2")
   assert v["passkey at 8x the training length"]["verdict"] == "1 of 2 seeds"
   assert v["passkey kept with the KV cache cut to 25% / 12.5%"]["verdict"] == "1 of 2 seeds"
-  assert "seed 1: 1.00 / 0.90" in v["passkey kept with the KV cache cut to 25% / 12.5%"]["evidence"]
+  assert (
+    "seed 1: fpa_budget 1.00 / 0.90; FoX best rule 0.20 / 0.10 (fpa_budget)"
+    in v["passkey kept with the KV cache cut to 25% / 12.5%"]["evidence"]
+  )
   dec = {"cache": {"parallel/fpa_budget/0.25": {"accuracy": 0.2}, "decode/fpa_budget/0.25": {"accuracy": 0.5}}}
-  assert O._rule_cells(dec) == "0.20 / — (decode prefill 0.50 / —)"
+  assert O._rule_cells(dec) == "fpa_budget 0.20 / — (decode prefill 0.50 / —)"
+  assert (
+    v["the only method with perfect passkey at 8x (the paper's word)"]["verdict"] == "not met (0 of 2 seeds)"
+  )  # FoX 1.00 too
   assert v["the objective's text cost"]["verdict"] == "not run"  # no recipe_no_objective row
   with_obj = {("o1", 0): {"text": {"bpb": 2.0}, "passkey": {"8": {"accuracy": 0.2}}}, ("o1", 1): {"text": {"bpb": 2.0}},
               ("o2", 0): {"text": {"bpb": 1.991}}, ("r", 0): {"text": {"bpb": 1.99}}, ("r", 1): {"text": {"bpb": 2.1}}}  # fmt: skip
