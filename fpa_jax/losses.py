@@ -212,10 +212,15 @@ def evictability_loss(model, tokens, segment_ids=None, *, key: jax.Array, **hing
 
 
 def _hinge_options(given: dict) -> dict:
-  bad = sorted(set(given) - set(HINGE_OPTIONS))
+  return _options(given, HINGE_OPTIONS, {k: _EVICT[f"evict_{k}"] for k in HINGE_OPTIONS}, "the hinge")
+
+
+def _options(given: dict, names: tuple[str, ...], defaults: dict, what: str) -> dict:
+  """An objective's keyword options, checked before tracing, the TrainConfig's defaults filled in."""
+  bad = sorted(set(given) - set(names))
   if bad:
-    raise ValueError(f"unknown argument(s) {bad}; the hinge takes {HINGE_OPTIONS} (the TrainConfig evict_* fields)")
-  return {k: given.get(k, _EVICT[f"evict_{k}"]) for k in HINGE_OPTIONS}
+    raise ValueError(f"unknown argument(s) {bad}; {what} takes {names} (the TrainConfig evict_* / utility_* fields)")
+  return {k: given.get(k, defaults[k]) for k in names}
 
 
 def utility_terms(per_layer, key, segment_ids=None, *, keep, window, tau, temp, soft, queries):
@@ -229,7 +234,7 @@ def utility_terms(per_layer, key, segment_ids=None, *, keep, window, tau, temp, 
   qi = E.sample_queries(key, b, t, queries, window)
   losses, recall, evicted = [], [], []
   for q, k, v, field, level in per_layer:
-    pen, hard, elig = E.pair_penalties(field, level, qi, window=window, soft=soft, segment_ids=segment_ids, temp=temp)
+    pen, hard, elig = E.pair_penalties(field, level, qi, window=window, soft=soft, segment_ids=segment_ids)
     util = UT.key_utility(q, k, v, field, level, qi, segment_ids=segment_ids)
     labels = UT.keep_labels(util, elig, keep)
     losses.append(UT.utility_bce(pen, labels, elig, tau=tau, temp=temp))
@@ -271,10 +276,7 @@ def utility_loss(model, tokens, segment_ids=None, *, key: jax.Array, **options):
   pass (as `evictability_loss`) -> (out, loss, metrics). options: keep (the TrainConfig's
   utility_keep), window, tau, temp, soft, queries (its evict_* fields); defaults: TrainConfig's.
   tokens [B, T] int; segment_ids [B, T] or None. ValueError when no layer has a gate."""
-  bad = sorted(set(options) - set(UTILITY_OPTIONS))
-  if bad:
-    raise ValueError(f"unknown argument(s) {bad}; the utility objective takes {UTILITY_OPTIONS}")
-  opts = {k: options.get(k, _UTILITY_DEFAULTS[k]) for k in UTILITY_OPTIONS}
+  opts = _options(options, UTILITY_OPTIONS, _UTILITY_DEFAULTS, "the utility objective")
   args = (tokens,) if segment_ids is None else (tokens, segment_ids)
   out, per_layer = gated_attention_inputs(model, *args)
   if not per_layer:

@@ -97,9 +97,9 @@ def live_counts(
     LiveCounts (soft, hard [B, Q, H] fp32; eligible [B, Q] fp32). Under jit any query_idx is
     clipped into [0, T).
   """
-  pen, hard_pen, elig = pair_penalties(
-    field, level, query_idx, window=window, soft=soft, segment_ids=segment_ids, temp=temp
-  )
+  if not temp > 0:
+    raise ValueError(f"need temp > 0 (the sigmoid's width in nats), got temp={temp}")
+  pen, hard_pen, elig = pair_penalties(field, level, query_idx, window=window, soft=soft, segment_ids=segment_ids)
   e = elig[..., None].astype(F32)  # [B, Q, T, 1]
   soft_live = jnp.sum(e * jax.nn.sigmoid((tau - pen) / temp), axis=2)  # [B, Q, H]
   hard_live = jnp.sum(e * fp.survives(jax.lax.stop_gradient(hard_pen), tau), axis=2)
@@ -114,7 +114,6 @@ def pair_penalties(
   window: int,
   soft: float = 0.0,
   segment_ids: jax.Array | None = None,
-  temp: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Every (sampled query, key) pair's penalty: field, level [B, T, H], query_idx int [B, Q] ->
   (pen [B, Q, T, H] the objective's (softplus of temperature `soft`; the exact relu at soft 0),
@@ -124,8 +123,8 @@ def pair_penalties(
     raise ValueError(f"field and level must both be [B, T, H], got {field.shape} and {level.shape}")
   if query_idx.ndim != 2 or query_idx.shape[0] != field.shape[0]:
     raise ValueError(f"query_idx must be [B, Q] with B = {field.shape[0]}, got {query_idx.shape}")
-  if int(window) < 0 or not temp > 0 or soft < 0:
-    raise ValueError(f"need window >= 0, temp > 0, soft >= 0; got window={window}, temp={temp}, soft={soft}")
+  if int(window) < 0 or soft < 0:
+    raise ValueError(f"need window >= 0, soft >= 0; got window={window}, soft={soft}")
   field, level = field.astype(F32), level.astype(F32)
   b, t, _ = field.shape
   qi = jnp.clip(query_idx.astype(jnp.int32), 0, t - 1)[:, :, None]  # [B, Q, 1]

@@ -78,7 +78,7 @@ def key_utility(
   if segment_ids is not None:
     mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]  # [B, 1, 1, T, T]
   a = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
-  a = jnp.where(mask, a, 0.0).max(2)  # [B, KVH, T, T]: the group's largest
+  a = a.max(2)  # [B, KVH, T, T]: the group's largest (masked pairs are 0: every row holds its diagonal)
   a = a * jnp.linalg.norm(v, axis=-1).transpose(0, 2, 1)[:, :, None, :]  # * ||v_j||
   later = jax.lax.cummax(a, axis=2, reverse=True)  # [B, KVH, T(i), T(j)]: max over i' >= i
   qi = jnp.clip(query_idx.astype(jnp.int32), 0, t - 1)  # [B, Q]
