@@ -39,6 +39,9 @@ ASSETS = U.ROOT / "experiments" / "assets" / "one_recipe"
 # the targets of the forgetting-by-content work, judged per row: learned rule at 8x, text cost against the control
 TARGET_25, TARGET_125, TARGET_FULL, TARGET_BPB = 0.99, 0.95, 0.99, 0.005
 TARGET_TOL_SHARE = 0.25  # the tolerance policy (a bound, not a budget): >= 0.99 keeping <= 25% of the keys on average
+# a source head whose median penalty at 8x is under this many nats forgets nothing by age (DuoAttention's
+# retrieval heads, found by the gate); `nowalk_quiet` takes the walk from those heads only
+QUIET_NATS = 1.0
 
 
 def source_checkpoint(args, seed: int) -> Path:
@@ -53,6 +56,36 @@ def source_checkpoint(args, seed: int) -> Path:
   )
 
 
+def quiet_letters(stats: list[dict], nats: float = QUIET_NATS) -> str:
+  """The upper layer's gate letters from `needle_stats` rows: "n" where the median penalty < nats."""
+  top = max(r["layer"] for r in stats)
+  return "".join(
+    "n" if r["median_penalty"] < nats else "p" for r in sorted(stats, key=lambda r: r["head"]) if r["layer"] == top
+  )
+
+
+def quiet_heads(args, seed: int) -> str:
+  """The upper layer's gate letters for `nowalk_quiet`: "n" (no walk) on the source checkpoint's heads
+  whose median penalty at 8x is under QUIET_NATS, "p" (the walk kept) on the heads that already forget
+  by age. Measured once per seed (`--needle-prompts` prompts) and kept in <out>/heads/s<seed>.json."""
+  path = Path(args.out_dir) / "heads" / f"s{seed}.json"
+  rec = U.read_json(path)
+  src = source_checkpoint(args, seed)
+  if not rec or rec.get("source") != str(src):
+    from experiments.needle_penalty import needle_stats
+    from experiments.passkey import DEPTHS
+    from fpa_jax.data import passkey_eval_examples
+    from fpa_jax.inference import load_model
+
+    model, _ = load_model(src.parent.parent, step=int(src.name))
+    per = max(1, args.needle_prompts // len(DEPTHS))
+    exs = [e for d in DEPTHS for e in passkey_eval_examples(args.train_len, args.cache_multiple, d, n=per, seed=0)]
+    stats = needle_stats(model, exs)
+    rec = {"source": str(src), "quiet_nats": QUIET_NATS, "upper": quiet_letters(stats), "needle": stats}
+    U.write_json(path, rec)
+  return rec["upper"]
+
+
 def config(mechanism: str, args, seed: int):
   """The trainer config of (mechanism, seed): the recipe's, continued to source + retrofit steps."""
   ns = argparse.Namespace(**{**vars(args), "seed": seed, "steps": args.source_step})
@@ -62,6 +95,8 @@ def config(mechanism: str, args, seed: int):
   over = {**RETROFIT_RUN, **SCREEN[mechanism]["set"]}
   if over.pop("nowalk_upper", False):  # every layer's heads FPA, the upper layer's without a walk
     over["head_gates"] = ",".join(["p" * cfg.kv_heads] * (cfg.n_layers - 1) + ["n" * cfg.kv_heads])
+  if over.pop("nowalk_quiet", False):  # the walk goes from the upper heads that forget nothing by age
+    over["head_gates"] = ",".join(["p" * cfg.kv_heads] * (cfg.n_layers - 1) + [quiet_heads(args, seed)])
   if over.pop("objective_top", False):  # the objectives press the upper layer only
     over["objective_layers"] = str(cfg.n_layers - 1)
   if "evict_weight" in over:  # the hinge's target ramps from where the retrofit starts (DMS)

@@ -156,6 +156,8 @@ _HINGE: dict[str, Any] = {"evict_weight": 1.0, "evict_target": 0.1, "evict_windo
 # so a penalty there can only come from content (a level above a later dip). The study writes it as
 # `head_gates` for its depth and heads (2 layers, 4 heads: "pppp,nnnn").
 _NOWALK_UPPER: dict[str, Any] = {"nowalk_upper": True}
+# `nowalk_quiet`: the same, on the upper heads that forget nothing by age on the source checkpoint only
+# (`forget_screen.quiet_heads`, chosen per seed as DuoAttention picks its retrieval heads)
 SCREEN: dict[str, dict[str, Any]] = {
   "control": {"set": {}, "why": "the recipe continued as long with no mechanism: the paired control"},
   "nowalk_hinge": {
@@ -198,6 +200,12 @@ SCREEN: dict[str, dict[str, Any]] = {
     "set": {**_NOWALK_UPPER, "utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
     "why": "nowalk_utility on the upper layer only, at a tenth of the weight and a quarter kept: a budget "
     "needs only the rank (the needle's penalty under the filler's), not every label met",
+  },
+  "quiet_hinge_top": {
+    "set": {"nowalk_quiet": True, **_HINGE, "objective_top": True},
+    "why": "nowalk_hinge_top with the walk taken only from the upper heads that forget nothing by age on the "
+    "source checkpoint (median penalty under 1 nat at 8x): a head that forgets by age keeps its walk (the "
+    "control's h0 does, and lost it in nowalk at +2.49% text), the others learn to drop by content",
   },
   "utility": {
     "set": {"utility_weight": 1.0, "utility_keep": 0.1},

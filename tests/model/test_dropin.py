@@ -81,7 +81,7 @@ def test_readme_recipe_trains_then_decodes_with_the_learned_rule(readme_recipe_r
   attn = ns["model"].attn
   lm = C.gate_recipe("lm", "model")
   assert {k: getattr(attn.cfg, k) for k in lm} == lm
-  assert all(np.isfinite(ns["evict_losses"]))
+  assert all(np.isfinite(ns["recipe_losses"]))
   assert float(jnp.abs(attn.gate.offset.w[...]).max()) > 0  # zero at init (FoX), moved by the recipe's ramp
   new, stats = ns["new"], ns["stats"]
   assert new.shape == (2, 8) and stats["policy"] == "fpa_budget" and stats["capacity"] == 6

@@ -30,6 +30,25 @@ def test_nowalk_rows_hold_the_upper_layer_only():
   assert cfg.objective_layers == "" and cfg.objective_layer_ids is None
 
 
+def test_quiet_rows_take_the_walk_from_heads_that_forget_nothing(tmp_path):
+  """`nowalk_quiet`: "n" only on the upper heads whose median penalty on the source is under
+  QUIET_NATS (read from the seed's kept heads file), the lower layer untouched."""
+  stats = [
+    {"layer": 0, "head": 0, "median_penalty": 0.0},
+    {"layer": 0, "head": 1, "median_penalty": 0.0},
+    {"layer": 1, "head": 1, "median_penalty": 0.3},
+    {"layer": 1, "head": 0, "median_penalty": 80.0},
+  ]
+  assert F.quiet_letters(stats) == "pn" and F.quiet_letters(stats, nats=0.1) == "pp"
+  args = F.parse_args(TINY + ["--out-dir", str(tmp_path)])
+  src = F.source_checkpoint(args, 0)
+  (tmp_path / "heads").mkdir()
+  rec = {"source": str(src), "quiet_nats": F.QUIET_NATS, "upper": F.quiet_letters(stats), "needle": stats}
+  (tmp_path / "heads" / "s0.json").write_text(json.dumps(rec))
+  cfg = F.config("quiet_hinge_top", args, 0)
+  assert cfg.head_gates == "pp,pn" and cfg.objective_layers == "1" and cfg.evict_weight == 1.0
+
+
 def test_verdict_reads_the_targets():
   cell = lambda a: {"accuracy": a}
   row = {
