@@ -71,7 +71,7 @@ def _methods(block_size):
 ACCEL_METHODS = ("fpa_pallas", "fox_pallas", "cudnn_softmax_bf16")
 
 
-def _backend_methods(backend):
+def backend_methods(backend):
   """Default methods for --backend: the CPU sweep, or the side-by-side accelerator table. Exits
   with a clear message when the backend is not the one JAX runs on."""
   have = jax.default_backend()
@@ -494,7 +494,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   command = "python -m experiments.bench_attention " + " ".join(argv if argv is not None else sys.argv[1:])
   if a.backend is not None:
-    default = _backend_methods(a.backend)  # exits when the backend is not there
+    default = backend_methods(a.backend)  # exits when the backend is not there
   else:
     default = [m for m in _methods(None) if m not in ACCEL_METHODS]
   a.methods = a.methods or default

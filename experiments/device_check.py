@@ -166,12 +166,12 @@ def timing(seq_lens, repeats, mem_budget_gib, methods, done, save, budget_s, t_s
 
 def timed_methods(backend: str) -> list[str]:
   """bench_attention's method names: the Pallas and chunked kernels, XLA's dense softmax and, on a
-  GPU where it compiles, cuDNN's (`bench_attention._backend_methods` probes it)."""
+  GPU where it compiles, cuDNN's (`bench_attention.backend_methods` probes it)."""
   methods = ["fpa_pallas", "fox_pallas", "fpa_chunked", "fox_chunked", "xla_dense_softmax"]
   if backend == "gpu":
-    from experiments.bench_attention import _backend_methods
+    from experiments.bench_attention import backend_methods
 
-    methods += [m for m in _backend_methods("gpu") if m == "cudnn_softmax_bf16"]
+    methods += [m for m in backend_methods("gpu") if m == "cudnn_softmax_bf16"]
   return methods
 
 

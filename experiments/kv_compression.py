@@ -142,6 +142,159 @@ def figure(res: dict, path: Path) -> None:
   plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------------------
+# Claims: this study's row of the README's claims table (`experiments.report` collects it), and
+# results/kv_lengths.md (the 100-prompt studies by length)
+# ------------------------------------------------------------------------------------------------
+
+CLAIM_BUDGETS = ("0.25", "0.125")  # the budgets the claim reads: 25% / 12.5% of the cache
+LENGTHS = (1, 2, 4, 8)  # the multiples of the training length of the 100-prompt studies
+
+
+def _stale(doc) -> str:
+  """The pre-fix label for a KV study whose models' text rows predate the text-pipeline fix
+  (rows drawn one file at a time): its `model_steps`
+  entries are (steps, text_rows, commit) since the fix, a bare step count before it."""
+  steps = doc.get("model_steps", {}).values()
+  return "" if steps and all(isinstance(s, list) and "windows" in s for s in steps) else U.STALE_TEXT
+
+
+def _claim_cells(doc, policies=BUDGETED, ci=False) -> str:
+  """Per model: the tolerance policy, then each budgeted policy at 25% / 12.5% of the cache."""
+  fmt = lambda c: (
+    f"{c['accuracy']:.2f}"
+    + (  # noqa: E731
+      f" [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if ci and c.get("ci95") else ""
+    )
+  )
+  models = {}
+  for key, cell in sorted(doc["cells"].items()):
+    model, policy = key.split("/")
+    out = models.setdefault(model, [])
+    if policy == "fpa" and "tol" in cell:
+      out.insert(
+        0, f"fpa ε={doc['tolerance']:g} {fmt(cell['tol'])} at {cell['tol']['cache_fraction']:.2f} of the cache"
+      )
+    if policy in policies and any(b in cell for b in CLAIM_BUDGETS):
+      out.append(f"{policy} " + " / ".join(fmt(cell[b]) if b in cell else "—" for b in CLAIM_BUDGETS))
+  parts = [f"**{m}**: " + ", ".join(cells) for m, cells in models.items() if cells]
+  return f"exact match at {doc['multiple']}x (prefill {doc['prefill']}; budgets 25% / 12.5%): " + "; ".join(parts)
+
+
+def _detail(doc, decode=None, more=None, decode_more=None) -> str:
+  if doc is None:
+    return "not run yet (`python -m experiments.kv_compression`)"
+  text = _claim_cells(doc) + _stale(doc)
+  if more is not None and more.get("cells"):
+    text += (
+      f"; with {more['n_prompts']} prompts per cell (95% intervals): " + _claim_cells(more, ci=True) + _stale(more)
+    )
+  if decode is not None and decode.get("cells"):
+    text += f"; with every prompt token decoded under the policy ({decode['n_prompts']} prompts per cell): "
+    text += _claim_cells(decode) + _stale(decode)
+  if decode_more is not None and decode_more.get("cells"):
+    text += f"; decoded so, with {decode_more['n_prompts']} prompts per cell (95% intervals): "
+    text += _claim_cells(decode_more, ci=True) + _stale(decode_more)
+  return text
+
+
+def _length_docs(root: Path) -> list[tuple[int, str, dict]]:
+  """(multiple, prefill, doc) of the 100-prompt passkey cache studies: results/kv_compression_n100 (8x)
+  and its _x<m> siblings, parallel and decode prefill."""
+  out = []
+  for m in LENGTHS:
+    tail = "" if m == 8 else f"_x{m}"
+    for prefill, name in (("parallel", "kv_compression_n100"), ("decode", "kv_compression_decode_n100")):
+      doc = U.load_result(root, f"{name}{tail}/kv_compression")
+      if doc is not None and doc.get("cells"):
+        out.append((m, prefill, doc))
+  return out
+
+
+def kv_lengths_table(root: Path = U.ROOT) -> str | None:
+  """Passkey exact match [95% interval] by length (columns) for every (model, policy, budget) of the
+  100-prompt cache studies, both prefill modes (decode rows say so): results/kv_lengths.md."""
+  docs = _length_docs(root)
+  if not docs:
+    return None
+  lengths = sorted({m for m, _, _ in docs})
+  cells: dict[tuple, dict] = {}
+  for m, prefill, doc in docs:
+    for key, cell in doc["cells"].items():
+      model, policy = key.split("/")
+      for budget, c in cell.items():
+        if policy == "full" or budget in CLAIM_BUDGETS:
+          name = policy if policy == "full" else f"{policy} {float(budget):.1%}".replace(".0%", "%")
+          if prefill == "decode":
+            name += " (decode)"
+          cells.setdefault((model, name, policy, budget, prefill), {})[m] = c
+  fmt = lambda c: f"{c['accuracy']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if c else "—"
+  rank = {p: i for i, p in enumerate(("full",) + BUDGETED)}
+  order = lambda k: (k[0], -float(k[3]), rank.get(k[2], len(rank)), k[4] == "decode")  # model, budget, policy
+  rows = [[k[0], k[1]] + [fmt(cells[k].get(m)) for m in lengths] for k in sorted(cells, key=order)]
+  cmds = sorted({f"`{d['meta']['command']}`" for _, _, d in docs})
+  head = (
+    "Passkey exact match by length (training length 512), 100 prompts per cell (depths 0-100%), with the "
+    "cache cut to 25% / 12.5% of the sequence by each policy at equal cache bytes [95% Wilson interval]; "
+    "parallel prefill unless marked decode (every prompt token decoded under the policy). Commands: "
+    + ", ".join(cmds)
+    + ".\n\n"
+  )
+  return head + U.md_table(["model", "cache"] + [f"{m}x" for m in lengths], rows)
+
+
+def _by_length(root: Path, model: str = "fpa_fox5_evict") -> str:
+  """The claim's part from the shorter lengths: `model`'s learned rule (parallel prefill) at 25% / 12.5%."""
+  parts = []
+  for m, prefill, doc in _length_docs(root):
+    cell = doc["cells"].get(f"{model}/fpa_budget", {})
+    if m != 8 and prefill == "parallel" and all(b in cell for b in CLAIM_BUDGETS):
+      parts.append(f"{m}x " + " / ".join(f"{cell[b]['accuracy']:.2f}" for b in CLAIM_BUDGETS))
+  if not parts:
+    return ""
+  return f"; shorter prompts (100 per cell, `results/kv_lengths.md`): {model} fpa_budget 25% / 12.5% at " + ", ".join(
+    parts
+  )
+
+
+def _claim_row(root: Path) -> tuple[str, str]:
+  doc = U.load_result(root, "kv_compression_n100/kv_compression") or U.load_result(root, "kv_compression")
+  if doc is None or not doc.get("cells"):
+    return "not run", "`python -m experiments.kv_compression`"
+  acc = lambda m, p, b: doc["cells"].get(f"{m}/{p}", {}).get(b, {}).get("accuracy")  # noqa: E731
+  models = sorted({k.split("/")[0] for k in doc["cells"]})
+  fpa = [m for m in models if not m.startswith("fox") and acc(m, "fpa_budget", "0.25") is not None]
+  if not fpa:
+    return "not run", "no FPA model under `fpa_budget` yet"
+  best = max(fpa, key=lambda m: (acc(m, "fpa_budget", "0.25"), acc(m, "fpa_budget", "0.125") or 0))
+  a25, a12 = acc(best, "fpa_budget", "0.25"), acc(best, "fpa_budget", "0.125")
+  fox = [acc(m, p, "0.25") for m in models if m.startswith("fox") for p in BUDGETED]
+  fox = [x for x in fox if x is not None]
+  return U.seed_verdict([a25 >= 0.99]), (
+    f"`{best}` (one seed) at {doc['multiple']}x, {doc['n_prompts']} prompts: {a25:.2f} at 25% of the cache, "
+    + (f"{a12:.2f} at 12.5%" if a12 is not None else "12.5% not run")
+    + (f"; FoX's best policy at 25%: {max(fox):.2f}" if fox else "")
+  )
+
+
+def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
+  """The cache claim, with everything the study measured for it: every prompt count, both prefills, every length."""
+  detail = _detail(
+    U.load_result(root, "kv_compression"),
+    U.load_result(root, "kv_compression_decode/kv_compression"),
+    U.load_result(root, "kv_compression_n100/kv_compression"),
+    U.load_result(root, "kv_compression_decode_n100/kv_compression"),
+  ) + _by_length(root)
+  return [
+    U.ClaimRow(
+      "... and keeps it with the KV cache cut to 25% by the learned rule",
+      *_claim_row(root),
+      "docs/results/kv_compression.md",
+      ("... and keeps that with the KV cache compressed to ~25%", detail),
+    )
+  ]
+
+
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
   ap.add_argument("--passkey-results", default=str(U.ROOT / "results" / "passkey.json"))

@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from experiments import _common as U
 from experiments import recipes
 from fpa_jax import configs as C
 from fpa_jax.data import dips as dips_data
@@ -691,6 +692,130 @@ def run_ablations(
     for suffix in (".json", ".md"):
       out.with_name(f"{out.stem}.{task}{suffix}").unlink(missing_ok=True)
   return doc
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims: this study's rows of the README's claims table (`experiments.report` collects them), and
+# results/dips_limits.md (what limits FPA on `dips`)
+
+
+LIVE_KEYS = ("target_mass_1x", "target_mass_2x", "coverage_1x", "coverage_2x")
+
+
+def live_set_seeds(doc: dict, method: str, thr: float = THRESHOLD) -> dict[int, bool]:
+  """{seed: the method's heads reach mass and coverage >= thr at 1x and 2x} of a live-set study."""
+  e = doc[method]
+  ids = e.get("seed_ids", list(range(e["seeds"])))
+  return {s: all(e[k][i] >= thr for k in LIVE_KEYS if k in e) for i, s in enumerate(ids)}
+
+
+def _dips_variant_runs(root: Path) -> list[tuple[str, dict]]:
+  """(variant, its dips.json) of every run under results/dips_limits/ that holds an FPA head."""
+  docs = [
+    (d.name, U.load_result(root, f"dips_limits/{d.name}/dips"))
+    for d in sorted((root / "results" / "dips_limits").glob("*"))
+  ]
+  return [(name, doc) for name, doc in docs if doc is not None and "fpa" in doc]
+
+
+def _head_dim_steps(doc: dict, method: str) -> tuple[int, int]:
+  cfg = doc[method]["config"]
+  return cfg["d_model"] // cfg["n_heads"], doc["meta"]["settings"]["steps"]
+
+
+def _dips_variants(root: Path) -> str:
+  """The `dips` variants run with every method (results/dips_limits/<variant>), as the claim's detail."""
+  out = []
+  for name, doc in _dips_variant_runs(root):
+    ms = [m for m in METHODS if m in doc]
+    if len(ms) < 2:
+      continue
+    hd, steps = _head_dim_steps(doc, "fpa")
+    out.append(
+      f"with head dim {hd} and {steps} steps (`{name}`): "
+      + ", ".join(f"{m} {doc[m]['successes']}/{doc[m]['seeds']}" for m in ms)
+    )
+  return "".join(f"; {o}" for o in out)
+
+
+def _dips_variant_short(root: Path) -> str:
+  out = []
+  for name, doc in _dips_variant_runs(root):
+    if "fox" in doc:
+      hd, steps = _head_dim_steps(doc, "fpa")
+      out.append(f"; head dim {hd}, {steps} steps: fpa {doc['fpa']['successes']}/{doc['fpa']['seeds']}")
+  return "".join(out)
+
+
+def dips_limits_table(root: Path = ROOT) -> str | None:
+  """results/dips_limits.md: FPA's coverage on `dips` (what limits it: head dim, steps, ...) under each variant run into
+  results/dips_limits/<variant>/dips.json (`python -m experiments.live_sets --task dips --methods fpa
+  --seeds 5 ... --out-dir results/dips_limits/<variant>`), beside the study's default row."""
+  default, variants = U.load_result(root, "dips"), _dips_variant_runs(root)
+  if default is None or "fpa" not in default or not variants:
+    return None
+  rows = []
+  for name, doc in [("default (study 1)", default)] + variants:
+    cmd = doc["meta"]["command"].replace("python -m experiments.live_sets ", "")
+    # FPA first; the other methods of a variant run too (heads of the same dimension) follow it
+    for m in ["fpa"] + [m for m in METHODS if m != "fpa" and m in doc and doc is not default]:
+      e = doc[m]
+      hd, steps = _head_dim_steps(doc, m)
+      rows.append(
+        f"| {name} | {m} | `{cmd}` | {hd} | {steps} | {_ms(e['coverage_1x'])} | {_ms(e['coverage_2x'])} | "
+        f"{e['successes_coverage']}/{e['seeds']} |"
+      )
+  head = (
+    "FPA's coverage head on `dips` (1 - TV to uniform over the live set; a seed succeeds at >= 0.95 at both "
+    "1x and 2x), single head, d_model = head dim:\n\n"
+    "| variant | method | command | head dim | steps | coverage 1x | coverage 2x | seeds >= 0.95 |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|\n"
+  )
+  return head + "\n".join(rows) + "\n"
+
+
+def _live_sets(doc, task: str) -> str:
+  if doc is None:
+    return f"not run yet (`python -m experiments.live_sets --task {task}`)"
+  parts = [f"{m} {doc[m]['successes']}/{doc[m]['seeds']}" for m in U.result_methods(doc) if "successes" in doc[m]]
+  return "seeds succeeding (mass and coverage >= 0.95 at 1x and 2x): " + ", ".join(parts)
+
+
+def _live_row(doc, task: str, variants: str = "") -> tuple[str, str]:
+  if doc is None or "fpa" not in doc:
+    return "not run", f"`python -m experiments.live_sets --task {task}`"
+  fpa = live_set_seeds(doc, "fpa")
+  rivals = [live_set_seeds(doc, m) for m in ("fox", "softmax") if m in doc]
+  ok = [fpa[s] and not any(r.get(s) for r in rivals) for s in fpa]
+  counts = ", ".join(f"{m} {sum(live_set_seeds(doc, m).values())}/{doc[m]['seeds']}" for m in METHODS if m in doc)
+  return U.seed_verdict(ok), f"seeds succeeding: {counts}{variants}"
+
+
+def claim_rows(root: Path = ROOT) -> list[U.ClaimRow]:
+  """The live-set claims, judged seed by seed against FoX and softmax: scopes, then dips with its variant runs."""
+  scopes, dips = U.load_result(root, "scopes"), U.load_result(root, "dips")
+  link = "docs/results/live_sets.md"
+  return [
+    U.ClaimRow(
+      "Single-layer FPA heads learn nested-scope live-key sets where softmax and FoX fail",
+      *_live_row(scopes, "scopes"),
+      link,
+      (
+        "Single-layer FPA heads converge to target live-key sets where softmax and FoX fail on every seed "
+        "(nested scopes)",
+        _live_sets(scopes, "scopes"),
+      ),
+    ),
+    U.ClaimRow(
+      "... and the general case (levels per key, dips per token)",
+      *_live_row(dips, "dips", _dips_variant_short(root)),
+      link,
+      (
+        "... and on the general case (levels set per key, dips per token)",
+        _live_sets(dips, "dips") + _dips_variants(root),
+      ),
+    ),
+  ]
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
+from experiments import perplexity
 
 MODULE = "experiments.text_pareto"
 BITS = 1.0 / np.log(2.0)
@@ -82,7 +83,8 @@ def smallest_within(s: dict, meth: str, m: int, policy: str, tol: float = 0.01) 
 def claims(s: dict) -> list[str]:
   out = []
   # The objective's cost at 1x with the full cache is claimed from the perplexity study's 512 held-out
-  # windows (`perplexity._evict_cost`), not from these few rows.
+  # windows (`perplexity.evict_cost_claim`, and its seed-by-seed row in `perplexity.claim_rows`; the
+  # claim's detail below leads with it), not from these few rows.
   low = min(s["budgets"])
   pct = lambda b: f"{100 * b:g}%"  # noqa: E731
   for meth in ("fpa_lm_evict", "fpa_lm", "fox"):
@@ -153,6 +155,54 @@ def plot(res: dict, path: Path) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# Claims: this study's row of the README's claims table (`experiments.report` collects it)
+# ------------------------------------------------------------------------------------------------
+
+
+def _detail(doc, ppl) -> str:
+  """Everything measured for the claim, led by the objective's text cost (`perplexity.evict_cost_claim`)."""
+  cost = perplexity.evict_cost_claim(ppl).strip() if ppl is not None else ""
+  if doc is None:
+    return (cost + " " if cost else "") + "Pareto curves not run yet (`python -m experiments.text_pareto`)"
+  return (cost + " " if cost else "") + (
+    "Held-out bits per byte of those byte LMs under each cache (`text_pareto`): " + " ".join(claims(doc["summary"]))
+  )
+
+
+def _claim_row(root: Path, meth: str = "fpa_lm_evict") -> tuple[str, str]:
+  doc = U.load_result(root, "text_pareto")
+  if doc is None or meth not in doc.get("runs", {}):
+    return "not run", f"`python -m {MODULE}`"
+  budgets, ok, parts = doc["recipe"]["budgets"], [], []
+  for seed, run in sorted(doc["runs"][meth].items()):
+    s = {"budgets": budgets} | {f"{meth}/{k}/{p}": c["bpb"] for k, cells in run.items() for p, c in cells.items()}
+    pair = [(smallest_within(s, meth, k, "fpa_budget"), smallest_within(s, meth, k, "window")) for k in run]
+    ok.append(all(r is not None and (w is None or r < w) for r, w in pair))
+    pct = lambda xs: "/".join(f"{100 * x:g}%" if x else "none" for x in xs)  # noqa: E731
+    parts.append(f"{pct(r for r, _ in pair)} (window {pct(w for _, w in pair)})")
+  return U.seed_verdict(ok), (
+    f"`{meth}`: smallest cache within 1% of the full cache's bits per byte at {'x / '.join(run)}x, by seed: "
+    + ", ".join(parts)
+  )
+
+
+def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
+  """The text-cache claim (the learned rule against a window, seed by seed), its detail led by the
+  objective's text cost (results/perplexity_T3000.json)."""
+  return [
+    U.ClaimRow(
+      "On text the learned rule needs a smaller cache than a window",
+      *_claim_row(root),
+      "docs/results/text_pareto.md",
+      (
+        "On text, a model trained to forget gives up little for it, and its rule cuts the cache",
+        _detail(U.load_result(root, "text_pareto"), U.load_result(root, "perplexity_T3000")),
+      ),
+    )
+  ]
 
 
 def parse_args(argv=None):

@@ -49,9 +49,9 @@ def load_model(workdir: str | os.PathLike, *, step: int | None = None) -> tuple[
     if step not in steps:
       raise FileNotFoundError(f"no checkpoint for step {step} in {ckdir}; have {sorted(steps)}")
     cfg = config_from_dict(ckpt.saved_config(step))
-    from fpa_jax.train import _init_fn, make_optimizer  # the exact state layout the trainer saved
+    from fpa_jax.train import abstract_state  # the exact state layout the trainer saved
 
-    abstract = nnx.state(nnx.eval_shape(_init_fn(cfg, make_optimizer(cfg))))
+    _, abstract = abstract_state(cfg)  # (model, optimizer) as shapes, with the run's own optimizer
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abstract)
     state, _, _ = ckpt.restore(step, target)

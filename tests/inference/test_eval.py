@@ -7,6 +7,7 @@ import json
 import math
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 from _tol import assert_close
@@ -27,12 +28,18 @@ def run_dir(tmp_path_factory):
   layout (what `load_model` restores; tests/inference/test_decode.py checks it against a trained run).
   Large weights and random gates: losses and greedy continuations depend on the context."""
   from fpa_jax.checkpoint import Checkpointer
-  from fpa_jax.train import _init_fn, make_optimizer
+  from fpa_jax.models import DecoderLM
+  from fpa_jax.train import abstract_state, make_optimizer
 
   cfg = C.get_config("tiny", attention="fpa", task="synthetic", vocab_size=VOCAB, init_std=0.5, **RANDOM_GATE)
+  lm = DecoderLM(cfg.model, rngs=nnx.Rngs(params=cfg.seed))  # initialised as the trainer does it
+  state = nnx.state((lm, nnx.Optimizer(lm, make_optimizer(cfg), wrt=nnx.Param)))
+  layout = abstract_state(cfg)[1]  # what the trainer saves and `load_model` restores
+  assert jax.tree.structure(state) == jax.tree.structure(layout)
+  assert [(a.shape, a.dtype) for a in jax.tree.leaves(state)] == [(a.shape, a.dtype) for a in jax.tree.leaves(layout)]
   wd = tmp_path_factory.mktemp("run")
   ck = Checkpointer(wd / "checkpoints", async_save=False)
-  ck.save(1, nnx.state(_init_fn(cfg, make_optimizer(cfg))()), {}, cfg.to_dict())
+  ck.save(1, state, {}, cfg.to_dict())
   ck.close()
   return wd
 

@@ -1,5 +1,6 @@
-"""What the studies and notebooks may use: the package's public names only (a private name is free to
-change under them), and their command lines' flags spelled with dashes."""
+"""What the studies and notebooks may use: the package's public names only, and of another study only
+its public names (a private name is free to change under them; `experiments._common` is the studies'
+shared module), and their command lines' flags spelled with dashes."""
 
 from __future__ import annotations
 
@@ -28,26 +29,34 @@ def _private(name: str) -> bool:
   return name.startswith("_") and not name.startswith("__")
 
 
+SHARED = {"experiments._common"}  # private by its name, public to every study
+
+
 def _ours(module: str) -> bool:
-  return module.split(".")[0] == "fpa_jax"
+  return module.split(".")[0] in ("fpa_jax", "experiments")
+
+
+def _private_module(module: str) -> bool:
+  parts = module.split(".")
+  return any(_private(p) and ".".join(parts[: i + 1]) not in SHARED for i, p in enumerate(parts))
 
 
 def private_uses(src: str) -> list[str]:
-  """The private names of fpa_jax that `src` imports or reads off a module of it that it imported
-  (`from fpa_jax.train import _x`, `T._x` after `from fpa_jax import train as T`)."""
+  """The private names of fpa_jax or of a study that `src` imports or reads off a module of them that
+  it imported (`from fpa_jax.train import _x`, `T._x` after `from fpa_jax import train as T`,
+  `from experiments.bench_attention import _x`)."""
   found, modules = [], set()
   for node in ast.walk(ast.parse(src)):
     if isinstance(node, ast.ImportFrom) and node.module and _ours(node.module):
-      parts = node.module.split(".")
-      found += [f"{node.module} (module)" for p in parts if _private(p)]
+      found += [f"{node.module} (module)"] if _private_module(node.module) else []
       for a in node.names:
-        if _private(a.name):
+        if _private(a.name) and f"{node.module}.{a.name}" not in SHARED:
           found.append(f"{node.module}.{a.name}")
         modules.add(a.asname or a.name)  # a submodule, or a name read off below
     elif isinstance(node, ast.Import):
       for a in node.names:
         if _ours(a.name):
-          found += [f"{a.name} (module)" for p in a.name.split(".") if _private(p)]
+          found += [f"{a.name} (module)"] if _private_module(a.name) else []
           modules.add(a.asname or a.name.split(".")[0])
   for node in ast.walk(ast.parse(src)):
     if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name):
@@ -65,7 +74,11 @@ def test_private_use_is_found():
   assert private_uses("from fpa_jax.train import _init_fn, make_optimizer") == ["fpa_jax.train._init_fn"]
   assert private_uses("from fpa_jax import train as T\nT._init_fn(1)") == ["T._init_fn"]
   assert private_uses("import fpa_jax.ops._x as m") == ["fpa_jax.ops._x (module)"]
-  assert private_uses("from experiments import _common as U\nfrom fpa_jax.ops import bias as _bias\nU._y") == []
+  assert private_uses("from experiments import _common as U\nfrom fpa_jax.ops import bias as _bias\nU.y") == []
+  assert private_uses("from experiments._common import ROOT") == []
+  assert private_uses("from experiments import _common as U\nU._y") == ["U._y"]
+  assert private_uses("def f():\n  from experiments.bench_attention import _m") == ["experiments.bench_attention._m"]
+  assert private_uses("from experiments import passkey as P\nP._passkey(1)") == ["P._passkey"]
 
 
 def test_study_flags_are_dashed():

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from experiments import _common as U
-from experiments import bench_attention, passkey, perplexity, report
+from experiments import bench_attention, kv_compression, live_sets, passkey, perplexity, report, text_pareto
 
 
 @pytest.mark.slow
@@ -252,18 +252,18 @@ def test_forget_speed_records_every_layer_and_rebuilds_with_skipping():
 
 
 def test_dips_limits_table_collects_the_variant_runs(tmp_path):
-  """`report.dips_limits_table`: the study's default FPA row, then one row per results/dips_limits/<variant>."""
+  """`live_sets.dips_limits_table`: the study's default FPA row, then one row per results/dips_limits/<variant>."""
   run = lambda cmd, d, steps, cov: {  # noqa: E731
     "fpa": {"coverage_1x": cov, "coverage_2x": cov, "successes_coverage": 1, "seeds": 2, "config": {"d_model": d, "n_heads": 1}},
     "meta": {"command": f"python -m experiments.live_sets {cmd}", "settings": {"steps": steps}},
   }  # fmt: skip
   (tmp_path / "results" / "dips_limits" / "d64").mkdir(parents=True)
-  assert report.dips_limits_table(tmp_path) is None  # nothing to compare yet
+  assert live_sets.dips_limits_table(tmp_path) is None  # nothing to compare yet
   (tmp_path / "results" / "dips.json").write_text(json.dumps(run("--task all", 16, 1500, [0.9, 0.92])))
   d64 = run("--set d_model=64", 64, 1500, [0.96, 0.94])
   d64["fox"] = {**d64["fpa"], "coverage_1x": [0.7, 0.7], "successes_coverage": 0}  # a variant's other heads
   (tmp_path / "results" / "dips_limits" / "d64" / "dips.json").write_text(json.dumps(d64))
-  md = report.dips_limits_table(tmp_path)
+  md = live_sets.dips_limits_table(tmp_path)
   assert "| default (study 1) | fpa | `--task all` | 16 | 1500 | 0.910 ± 0.010 | 0.910 ± 0.010 | 1/2 |" in md
   assert "| d64 | fpa | `--set d_model=64` | 64 | 1500 | 0.950 ± 0.010 |" in md
   assert "| d64 | fox | `--set d_model=64` | 64 | 1500 | 0.700 ± 0.000 | 0.950 ± 0.010 | 0/2 |" in md
@@ -395,8 +395,8 @@ def test_report_claims_table_one_line_per_claim(tmp_path):
   (tmp_path / "results").mkdir()
   (tmp_path / "results" / "scopes.json").write_text(
     json.dumps({
-      "fpa": {"seeds": 2, "seed_ids": [0, 1], **{k: [0.99, 0.99] for k in report.LIVE_KEYS}},
-      "fox": {"seeds": 2, "seed_ids": [0, 1], **{k: [0.99, 0.5] for k in report.LIVE_KEYS}},
+      "fpa": {"seeds": 2, "seed_ids": [0, 1], **{k: [0.99, 0.99] for k in live_sets.LIVE_KEYS}},
+      "fox": {"seeds": 2, "seed_ids": [0, 1], **{k: [0.99, 0.5] for k in live_sets.LIVE_KEYS}},
       "meta": {},
     })
   )  # fmt: skip
@@ -430,19 +430,26 @@ def test_report_claims_table_one_line_per_claim(tmp_path):
 
 
 def test_report_collects_the_claim_rows_each_study_exports(tmp_path):
-  """report.py reads no study's results schema of its own where the study exports its rows
-  (`claim_rows`): it collects them, in the README's order; with nothing run every row says so."""
+  """report.py reads no study's results schema of its own: every study exports its rows
+  (`claim_rows`) and report.py collects them, in the README's order; with nothing run every row says so."""
   from experiments import bindings_lm, forget_speed, forget_train
 
   rows = report.claims_rows(tmp_path)
+  ppl, evict_cost = perplexity.claim_rows(tmp_path)
   exported = [
+    *live_sets.claim_rows(tmp_path),
     *passkey.claim_rows(tmp_path),
-    *perplexity.claim_rows(tmp_path),
+    *kv_compression.claim_rows(tmp_path),
+    ppl,
     *bindings_lm.claim_rows(tmp_path),
+    evict_cost,
+    *text_pareto.claim_rows(tmp_path),
     *forget_speed.claim_rows(tmp_path),
     *forget_train.claim_rows(tmp_path),
   ]
-  assert len(rows) == 10 and all(r in rows for r in exported)
+  assert len(rows) == 10 and rows == exported
+  report_src = (U.ROOT / "experiments" / "report.py").read_text()
+  assert "load_result" not in report_src  # no results file read but through a study's claim_rows
   assert all(r.verdict == "not run" for r in rows) and all(r.link.startswith("docs/results/") for r in rows)
   detail = report.claims_detail(tmp_path).splitlines()[2:]
   assert [ln.split(" | ")[0][2:] for ln in detail] == [r.detail[0] for r in rows if r.detail]
