@@ -8,7 +8,7 @@ study's `recipe_fh0_no_objective`, step 3000, from `--source-dir` or else the co
 `experiments/assets/one_recipe`) for `--retrofit-steps` (600) more steps on the same data mix, with
 its own settings on top of the recipe's, as DMS retrofits a trained model. `control` is the same
 checkpoint continued as long with no mechanism: the paired control every row's text cost is read
-against. All rows share the retrofit's optimizer settings (`RETROFIT_RUN`: a constant lr, the gate
+against (a row with its own `steps` is read against the control of that length, its `control_for`). All rows share the retrofit's optimizer settings (`RETROFIT_RUN`: a constant lr, the gate
 read-outs at the full lr), so the control differs from a mechanism only in the mechanism.
 
 Each row is scored at 8x the training length (100 passkey prompts over 5 depths, parallel prefill)
@@ -103,7 +103,18 @@ def config(mechanism: str, args, seed: int):
     over.setdefault("evict_ramp_start", args.source_step)
   if "budget_loop_prob" in over:
     over.setdefault("budget_loop_start", args.source_step)
-  return replace(cfg, steps=args.source_step + args.retrofit_steps, **over)
+  return replace(cfg, steps=args.source_step + retrofit_steps(mechanism, args), **over)
+
+
+def retrofit_steps(mechanism: str, args) -> int:
+  """The row's retrofit length: its own `steps` (a longer retrofit, paired with a control as long),
+  else `--retrofit-steps`."""
+  return SCREEN[mechanism].get("steps", args.retrofit_steps)
+
+
+def control_of(mechanism: str) -> str:
+  """The row a mechanism's text cost is read against: the control continued as long (`control_for`)."""
+  return SCREEN[mechanism].get("control_for", "control")
 
 
 def workdir(args, mechanism: str, seed: int) -> Path:
@@ -126,7 +137,7 @@ def train_one(mechanism: str, seed: int, args, argv, log) -> dict:
     "seed": seed,
     "source": f"{RECOMMENDED}_s{seed}@{args.source_step}",
     "steps": out["step"],
-    "retrofit_steps": args.retrofit_steps,
+    "retrofit_steps": retrofit_steps(mechanism, args),
     "settings": {**RETROFIT_RUN, **SCREEN[mechanism]["set"]},
     "train_wall_s": out["train_wall_s"],
     "last": {k: hist[-1][k] for k in hist[-1] if isinstance(hist[-1][k], (int, float))} if hist else {},
@@ -150,7 +161,7 @@ def eval_one(mechanism: str, seed: int, args, argv, log) -> dict | None:
   from fpa_jax.inference import load_model
 
   tr = U.read_json(Path(args.out_dir) / "train" / f"{mechanism}_s{seed}.json")
-  if not tr or tr["steps"] < args.source_step + args.retrofit_steps:
+  if not tr or tr["steps"] < args.source_step + retrofit_steps(mechanism, args):
     log(f"[forget_screen] {mechanism} seed {seed}: not retrofitted to its steps yet, not scored")
     return None
   path = Path(args.out_dir) / "eval" / f"{mechanism}_s{seed}.json"
@@ -252,7 +263,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
       r = rows.get((m, s))
       if r is None:
         continue
-      ctl = rows.get(("control", s))
+      ctl = rows.get((control_of(m), s))
       c = r.get("cache", {})
       a = lambda k: "—" if k not in c else f"{c[k]['accuracy']:.2f}"
       bpb = r.get("text", {}).get("bpb")
@@ -296,7 +307,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
   (every target, every seed it ran)? Evidence: each scored mechanism's best learned rule at 25% / 12.5%
   and its text cost against the paired control."""
   rows = load(root / "results" / "forget_screen")
-  mech = [m for m in SCREEN if m != "control" and any(k[0] == m for k in rows)]
+  mech = [m for m in SCREEN if not m.startswith("control") and any(k[0] == m for k in rows)]
   if not mech:
     return []
   seeds = sorted({s for _, s in rows})
@@ -309,11 +320,11 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
   held, words = [], []
   for m in mech:
     per = [(s, rows[(m, s)]) for s in seeds if (m, s) in rows]
-    ok = [verdict(r, rows.get(("control", s)))[0] == "holds" for s, r in per]
+    ok = [verdict(r, rows.get((control_of(m), s)))[0] == "holds" for s, r in per]
     if ok and all(ok):
       held.append(m)
     for s, r in per:
-      ctl = rows.get(("control", s), {}).get("text", {}).get("bpb")
+      ctl = rows.get((control_of(m), s), {}).get("text", {}).get("bpb")
       bpb = r.get("text", {}).get("bpb")
       cost = "" if not (ctl and bpb) else f", text {100 * (bpb / ctl - 1):+.2f}%"
       words.append(f"`{m}` seed {s}: {best(r, '0.25')} / {best(r, '0.125')}{cost}")

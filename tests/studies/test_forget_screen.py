@@ -47,6 +47,11 @@ def test_quiet_rows_take_the_walk_from_heads_that_forget_nothing(tmp_path):
   (tmp_path / "heads" / "s0.json").write_text(json.dumps(rec))
   cfg = F.config("quiet_hinge_top", args, 0)
   assert cfg.head_gates == "pp,pn" and cfg.objective_layers == "1" and cfg.evict_weight == 1.0
+  # a longer retrofit is read against the control continued as long
+  long = F.config("quiet_hinge_top_1200", args, 0)
+  assert long.steps == args.source_step + 1200 == F.config("control_1200", args, 0).steps
+  assert F.control_of("quiet_hinge_top_1200") == "control_1200" and F.control_of("quiet_hinge_top") == "control"
+  assert cfg.steps == args.source_step + args.retrofit_steps
 
 
 def test_verdict_reads_the_targets():
