@@ -652,7 +652,7 @@ class FirstPassageAttention(nnx.Module):
     positions: jax.Array | None = None,
     *,
     cache: AttentionCache | CacheByLayer | None = None,
-    budget=None,
+    cut=None,
     decode: bool | None = None,
     mask=None,
     is_causal: bool = True,
@@ -660,8 +660,8 @@ class FirstPassageAttention(nnx.Module):
     """Parallel: x [B, T, D] -> y [B, T, D]. Under `nnx.capture(..., nnx.Intermediate)` the layer
     sows `gates` = (field, level), the gate outputs the attention used, each [B, T, KVH] fp32
     (zeros without a gate), from the same forward pass (`sow_gates`; `with_gates`,
-    `fpa_jax.losses`). budget=(capacity, recent[, soft]): attend only over the keys
-    an `fpa_budget` cache of that size would hold (`ops.budget.budgeted_attention`, quadratic
+    `fpa_jax.losses`). cut=(capacity, recent[, soft]), the training cut: attend only over the keys
+    an `fpa_budget` cache of `capacity` keys would hold (`ops.budget.budgeted_attention`, quadratic
     whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
     `AttentionCache` or a whole model's `CacheByLayer`): -> (y, the cache after x); see the class
     docstring. decode (None: `self.decode`): flax's convention, the layer's own cache
@@ -680,9 +680,9 @@ class FirstPassageAttention(nnx.Module):
     if not (is_causal or decode):
       raise ValueError("FirstPassageAttention is causal attention: is_causal=False has no meaning here (drop it)")
     if decode:
-      if cache is not None or budget is not None or segment_ids is not None:
+      if cache is not None or cut is not None or segment_ids is not None:
         raise ValueError(
-          "decode=True attends against the layer's own cache (init_cache): pass no cache=, budget= or segment_ids "
+          "decode=True attends against the layer's own cache (init_cache): pass no cache=, cut= or segment_ids "
           "with it (the threaded form: cache=, without decode)"
         )
       return self._decode_call(x, positions, b, t)
@@ -698,18 +698,20 @@ class FirstPassageAttention(nnx.Module):
     if cache is not None:
       o, cache = cache.attend(spec, q, k, v, g)
       return self.output(o, x), (cache if whole is None else whole.put(self, cache))
-    if budget is not None:
+    if cut is not None:
       if self.gate is None:
-        raise ValueError(f"a cache budget in the loop needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
+        raise ValueError(f"cut= (budget in the loop) needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
       # FoX too: field = level = its cumulative log forget
-      cap, recent, *soft = budget
-      budgeted = lambda: budgeted_attention(  # noqa: E731
+      cap, recent, *soft = cut
+      through_cut = lambda: budgeted_attention(  # noqa: E731
         q, k, v, g.field, g.level, capacity=cap, recent=recent, segment_ids=segment_ids, soft=soft[0] if soft else 0.0
       )
-      # The step's capacity is traced (drawn per step): the quadratic budgeted path runs only where it
+      # The step's capacity is traced (drawn per step): the quadratic cut path runs only where it
       # evicts; a cache of the whole row is the layer's own kernel (the same attention, at its cost).
       op, args = spec.op_args(g)
-      o = jax.lax.cond(jnp.asarray(cap) < t, budgeted, lambda: self.parallel_attention(op, q, k, v, args, segment_ids))
+      o = jax.lax.cond(
+        jnp.asarray(cap) < t, through_cut, lambda: self.parallel_attention(op, q, k, v, args, segment_ids)
+      )
     else:
       # softmax / nope run the same tiled kernel as FoX with a zero log-gate (memory-efficient, and
       # throughput comparisons then measure only the gate's cost); FoX's field == level ==

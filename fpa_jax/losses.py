@@ -53,8 +53,8 @@ decode of round(rho * T) keys would hold, rho ~ U[budget_loop_min, budget_loop_m
 (`fpa_jax.ops.budget`; the mask is not differentiated, the LM loss over what is kept is; with
 budget_loop_soft > 0 the evicted keys stay at a soft bias beyond the cache's threshold, so the loss
 reaches the penalties of keys it needed and lost; budget_loop_start: no budgeted step before that
-optimizer step). Metric:
-budget_kept (capacity / T of the step; 1 = no budget). Both terms can be on together.
+optimizer step; the step's cut, `cut=(capacity, recent[, soft])`, is what the model is called with).
+Metric: budget_kept (capacity / T of the step; 1 = no cut). Both terms can be on together.
 
 The model must have a gate (`ModelConfig.attention` in `configs.GATED`; `Config.validate` checks).
 Shapes: B batch, T sequence, V vocab, L layers, KVH kv heads, Q sampled queries.
@@ -311,39 +311,39 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
   """-> (value to differentiate, aux): aux holds lm_sum (sum of CEs), count (target tokens) and, with
   an objective on, its metrics (see the module docstring). `cfg`: anything with the TrainConfig
   evict_*, utility_* and budget_loop_* fields (a run Config); `step`: the optimizer step (the target's
-  ramp); `key`: a PRNG key for the query positions and the step's budget (needed when any is on)."""
-  budget_on = bool(cfg.budget_loop_prob)
+  ramp); `key`: a PRNG key for the query positions and the step's cut (needed when any is on)."""
+  cut_on = bool(cfg.budget_loop_prob)
   utility_on = bool(cfg.utility_weight)
-  if not cfg.evict_weight and not budget_on and not utility_on:
+  if not cfg.evict_weight and not cut_on and not utility_on:
     s, n = lm_loss(model, batch)
     return s, {"lm_sum": s, "count": n}
   if key is None:
     raise ValueError("objective with evict_weight, utility_weight or budget_loop_prob > 0 needs a PRNG `key`")
-  # the evict queries' stream as before budgets; the utility's its own
-  k_evict, k_budget, k_utility = key, jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
-  metrics, budget = {}, None
-  if budget_on:
+  # the evict queries' stream as before budget in the loop; the cut's and the utility's their own
+  k_evict, k_cut, k_utility = key, jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
+  metrics, cut = {}, None
+  if cut_on:
     t = batch["inputs"].shape[1]
     prob = jnp.where(jnp.asarray(step) >= cfg.budget_loop_start, cfg.budget_loop_prob, 0.0)
-    budget = BL.draw_capacity(k_budget, t, prob, cfg.budget_loop_min, cfg.budget_loop_max)
+    cut = BL.draw_capacity(k_cut, t, prob, cfg.budget_loop_min, cfg.budget_loop_max)
     if cfg.budget_loop_soft:
-      budget = (*budget, float(cfg.budget_loop_soft))
-    metrics["budget_kept"] = budget[0].astype(jnp.float32) / t
+      cut = (*cut, float(cfg.budget_loop_soft))
+    metrics["budget_kept"] = cut[0].astype(jnp.float32) / t
   if not cfg.evict_weight and not utility_on:
-    logits = model(batch["inputs"], batch["segment_ids"], budget=budget)
+    logits = model(batch["inputs"], batch["segment_ids"], cut=cut)
     s, n = _ce_sum(logits, batch)
     return s, {"lm_sum": s, "count": n, **metrics}
   seg = batch["segment_ids"]
   pick = cfg.objective_layer_ids  # None: every layer
   if utility_on:
-    logits, per_layer = gated_attention_inputs(model, batch["inputs"], seg, budget=budget)
+    logits, per_layer = gated_attention_inputs(model, batch["inputs"], seg, cut=cut)
     if pick is not None:
       if len(per_layer) != cfg.n_layers:  # indices would not name layers
         raise ValueError(f"objective_layers needs every layer gated; {len(per_layer)} of {cfg.n_layers} are")
       per_layer = [per_layer[i] for i in pick]
     gates = tuple(jnp.stack([c[i] for c in per_layer]) for i in (3, 4))  # [L', B, T, KVH]
   else:
-    logits, gates = with_gates(model, batch["inputs"], seg, budget=budget)
+    logits, gates = with_gates(model, batch["inputs"], seg, cut=cut)
     if pick is not None:
       gates = tuple(g[jnp.asarray(pick)] for g in gates)
   s, n = _ce_sum(logits, batch)

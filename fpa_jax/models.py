@@ -121,12 +121,12 @@ class Block(nnx.Module):
     positions: jax.Array | None = None,
     *,
     cache: AttentionCache | None = None,
-    budget=None,
+    cut=None,
   ):
     """x [B, T, D] -> [B, T, D]; with a cache (an `AttentionCache`) -> (x, the cache after x);
-    budget: see `FirstPassageAttention`."""
+    cut: the training cut, see `FirstPassageAttention`."""
     x = constrain(x, BTD)  # block boundary: batch over `data` under the trainer's mesh
-    h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, budget=budget)
+    h = self.attn(self.attn_norm(x), segment_ids, positions, cache=cache, cut=cut)
     if cache is not None:
       h, cache = h
     x = constrain(x + h, BTD)  # [B, T, D]
@@ -164,7 +164,7 @@ class DecoderLM(nnx.Module):
     *,
     cache: ModelCache | None = None,
     return_gates: bool = False,
-    budget=None,
+    cut=None,
   ):
     """tokens int [B, T] (+ segment_ids int [B, T]) -> logits fp32 [B, T, V].
 
@@ -177,9 +177,9 @@ class DecoderLM(nnx.Module):
     from the same forward pass: `layers.with_gates(model, tokens, ...)`, what the layers sow (the
     evictability objective, `fpa_jax.losses`). Parallel mode only.
 
-    budget=(capacity, recent) int32 scalars (parallel mode, gated attention): every layer attends
-    only over the keys an `fpa_budget` cache of `capacity` keys per (row, kv head), with `recent`
-    protected, would hold (`fpa_jax.ops.budget`): the logits equal `cached_logits(policy=
+    cut=(capacity, recent) int32 scalars, the training cut (parallel mode, gated attention): every
+    layer attends only over the keys an `fpa_budget` cache of `capacity` keys per (row, kv head), with
+    `recent` protected, would hold (`fpa_jax.ops.budget`): the logits equal `cached_logits(policy=
     "fpa_budget", budget=capacity, recent=recent)`'s. Training with budget in the loop. An optional
     third element `soft` (a Python float, nats) relaxes the cut (`ops.budget.budgeted_attention`).
 
@@ -188,12 +188,12 @@ class DecoderLM(nnx.Module):
     as fpa_global's slot pool, passes from one layer to the next), `positions` [B, T] the tokens'
     positions; returns (logits, the updated cache).
     """
-    if (return_gates or budget is not None) and cache is not None:
-      raise ValueError("return_gates and budget are for the parallel (training) forward, not cached mode")
-    if budget is not None and (not isinstance(budget, (tuple, list)) or len(budget) not in (2, 3)):
-      raise ValueError(f"budget must be (capacity, recent) int scalars [, soft float], got {budget!r}")
+    if (return_gates or cut is not None) and cache is not None:
+      raise ValueError("return_gates and cut= are for the parallel (training) forward, not cached mode")
+    if cut is not None and (not isinstance(cut, (tuple, list)) or len(cut) not in (2, 3)):
+      raise ValueError(f"cut= must be (capacity, recent) int scalars [, soft float], got {cut!r}")
     if return_gates:
-      return with_gates(self, tokens, segment_ids, positions, budget=budget)
+      return with_gates(self, tokens, segment_ids, positions, cut=cut)
     tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete
     x = constrain(embed_tokens(self.embed[...], tokens).astype(self.dtype), BTD)  # [B, T, D]
     if cache is not None:
@@ -204,24 +204,24 @@ class DecoderLM(nnx.Module):
         cache = cache.update(i, new)
       return self.logits(x), cache
 
-    def apply(block, x, segment_ids, positions, budget):
-      return block(x, segment_ids, positions, budget=budget)
+    def apply(block, x, segment_ids, positions, cut):
+      return block(x, segment_ids, positions, cut=cut)
 
     if self.cfg.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.cfg.remat])
     if not self.cfg.scan_layers:
       for block in self.blocks:
-        x = apply(block, x, segment_ids, positions, budget)
+        x = apply(block, x, segment_ids, positions, cut)
       return self.logits(x)
 
     # The block is traced once and looped by XLA (compile time flat in depth); segment_ids and
     # positions are the same for every layer (in_axes None). What the layers sow (`with_gates`)
     # comes out stacked [L, ...] with the scanned state.
     @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS)
-    def scan(x, block, segment_ids, positions, budget):
-      return apply(block, x, segment_ids, positions, budget)
+    def scan(x, block, segment_ids, positions, cut):
+      return apply(block, x, segment_ids, positions, cut)
 
-    return self.logits(scan(x, self.blocks, segment_ids, positions, budget))
+    return self.logits(scan(x, self.blocks, segment_ids, positions, cut))
 
   def layer_blocks(self) -> list[Block]:
     """The L per-layer Blocks: the list itself, or (scan_layers) views sliced out of the stack.

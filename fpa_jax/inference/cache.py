@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax import ops
-from fpa_jax.inference.policies import POLICY_CLASSES, Policy, as_policy, snapkv_scores  # noqa: F401
+from fpa_jax.inference.policies import POLICY_CLASSES, PolicyRule, as_policy, snapkv_scores  # noqa: F401
 from fpa_jax.layers import register_nnx_decoding
 from fpa_jax.ops import first_passage as fp  # the first-passage state and the eviction rule
 from fpa_jax.ops.common import F32
@@ -123,13 +123,13 @@ def reset_rows(cache: LayerCache, rows: jax.Array) -> LayerCache:
 # ------------------------------------------------------------------------------------------------
 
 
-def evict_slot(policy: Policy, cache: LayerCache, pen: jax.Array, alive: jax.Array, now: jax.Array) -> jax.Array:
+def evict_slot(policy: PolicyRule, cache: LayerCache, pen: jax.Array, alive: jax.Array, now: jax.Array) -> jax.Array:
   """[B, H] slot of the key to evict from a full (row, head); `now` [B] is the current position.
 
   The protected window (`policy.recent` = W): the new key at `now` and the W - 1 before it stay, so
   the candidates are the keys at positions <= now - W (all alive keys if none is; make_policy keeps
   W below the capacity, so a full cache always has one). Every policy evicts in
-  `first_passage.oldest_max` order (ties: the oldest) of the rank its `Policy.evict_rank` gives (the
+  `first_passage.oldest_max` order (ties: the oldest) of the rank its `PolicyRule.evict_rank` gives (the
   fpa ones: the largest penalty, `first_passage.victim`).
   """
   pos, now = cache.pos, now[:, None, None]
@@ -182,7 +182,7 @@ def decode_attend(
   level,
   cum,
   *,
-  policy: Policy,
+  policy: PolicyRule,
   scale: float,
   positions: jax.Array,
   step: jax.Array | None = None,
@@ -286,7 +286,7 @@ def decode_attend(
 # ------------------------------------------------------------------------------------------------
 
 
-def _keep_order(policy: Policy, pen, pos, valid, thr, lengths, score=None):
+def _keep_order(policy: PolicyRule, pen, pos, valid, thr, lengths, score=None):
   """[B, T, H] -> slot order (most wanted first) and whether each token is kept at all.
 
   The protected window: the prompt's last W = `policy.recent` keys (positions >= L - W) come first.
@@ -312,7 +312,7 @@ def prefill_attend(
   level,
   cum,
   *,
-  policy: Policy,
+  policy: PolicyRule,
   scale: float,
   lengths: jax.Array,
   block_size: int | None = None,
@@ -352,7 +352,9 @@ def prefill_attend(
   return out, _keep_best(cache, policy, k, v, level, run_min, pen, pos, valid, lengths, last, score)
 
 
-def _keep_best(cache: LayerCache, policy: Policy, k, v, level, run_min, pen, pos, valid, lengths, carry, score=None):
+def _keep_best(
+  cache: LayerCache, policy: PolicyRule, k, v, level, run_min, pen, pos, valid, lengths, carry, score=None
+):
   """The cache of the keys the policy keeps among N candidates: k, v [B, N, KVH, K]; level, run_min,
   pen, score [B, N, KVH] fp32; pos [B, N, KVH] int; valid [B, N, KVH] bool (a real key); lengths [B]
   the keys each row has seen (positions >= lengths - W are protected); carry [B, KVH] the gate's
@@ -398,7 +400,7 @@ def _keep_best(cache: LayerCache, policy: Policy, k, v, level, run_min, pen, pos
 CHUNKABLE = tuple(name for name, cls in POLICY_CLASSES.items() if cls.chunkable)
 
 
-def check_chunk_policy(policy: Policy) -> None:
+def check_chunk_policy(policy: PolicyRule) -> None:
   """The policies `prefill_chunk` runs: those that rank keys by their penalty, position or nothing.
   h2o (attention mass received), snapkv (a prompt's last window) and fpa_global (a budget across
   layers) rank by what one chunk cannot see: ValueError naming what to use."""
@@ -439,7 +441,7 @@ def prefill_chunk(
   level,
   cum,
   *,
-  policy: Policy,
+  policy: PolicyRule,
   scale: float,
   lengths: jax.Array,
   offsets: jax.Array,
@@ -509,7 +511,7 @@ def prefill_chunk(
 # ------------------------------------------------------------------------------------------------
 
 
-def global_evict(caches, policy: Policy, now: jax.Array, slots: int) -> tuple[LayerCache, ...]:
+def global_evict(caches, policy: PolicyRule, now: jax.Array, slots: int) -> tuple[LayerCache, ...]:
   """fpa_global on per-layer caches (`cached_logits`' measuring layout and a parallel prefill's
   candidates; `pool.pool_evict` is the same rule on the pool): evict across all layers and heads
   of a row down to G - L*KVH keys.
@@ -547,7 +549,7 @@ class Decode:
   (static), positions [B] of the tokens, for the measuring layout the slot `step` [] and `measure`
   (static), and the rows that take the token, `active` [B] (None: all; see `decode_attend`)."""
 
-  policy: Policy = dataclasses.field(metadata=dict(static=True))
+  policy: PolicyRule = dataclasses.field(metadata=dict(static=True))
   positions: jax.Array
   step: jax.Array | None = None
   measure: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -565,7 +567,7 @@ class Prefill:
   kernel (`spec.parallel`: the impl, tiles and skipping of the parallel forward), then the cache
   the policy keeps."""
 
-  policy: Policy = dataclasses.field(metadata=dict(static=True))
+  policy: PolicyRule = dataclasses.field(metadata=dict(static=True))
   lengths: jax.Array
 
   def attend(self, state: LayerCache, spec, q, k, v, gates):
@@ -584,7 +586,7 @@ class Extend:
   its tile and, with a skip tolerance, the keys dead for the whole chunk are left out
   (`dead_for_chunk`)."""
 
-  policy: Policy = dataclasses.field(metadata=dict(static=True))
+  policy: PolicyRule = dataclasses.field(metadata=dict(static=True))
   lengths: jax.Array
   offsets: jax.Array
 
@@ -736,7 +738,7 @@ class NNXDecoding:
   own kernel while the cache is empty)."""
 
   def init(self, layer, batch: int, max_len: int, dtype, policy, policy_kw: dict):
-    if isinstance(policy, Policy) and policy.resolved and not policy_kw:
+    if isinstance(policy, PolicyRule) and policy.resolved and not policy_kw:
       pol = policy
     else:
       pol = as_policy(policy, **policy_kw).resolve(max_len)
@@ -755,7 +757,7 @@ class NNXDecoding:
     )
     return cache, pol
 
-  def attend(self, state: LayerCache, policy: Policy, start, spec, q, k, v, gates):
+  def attend(self, state: LayerCache, policy: PolicyRule, start, spec, q, k, v, gates):
     b, t = q.shape[:2]
     at = jnp.full((b,), start, jnp.int32)
     run = Decode(policy, at) if t == 1 else Extend(policy, jnp.full((b,), t, jnp.int32), at)

@@ -31,7 +31,7 @@ from flax import nnx
 from fpa_jax.inference.cache import LayerCaches, check_chunk_policy
 from fpa_jax.inference.decode import Decoder, _split_on_one_device
 from fpa_jax.inference.graph import check_decodable, vocab_size
-from fpa_jax.inference.policies import CachePolicy, Policy, as_policy
+from fpa_jax.inference.policies import CachePolicy, PolicyRule, as_policy
 from fpa_jax.models import check_tokens
 
 TRACES = {"extend": 0}  # Python traces of the program (tests: one per shape)
@@ -47,7 +47,7 @@ class Conversation:
 
   caches: LayerCaches
   seen: np.ndarray
-  policy: Policy
+  policy: PolicyRule
   max_len: int
 
   def keys_held(self) -> np.ndarray:
@@ -62,7 +62,7 @@ class Conversation:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "max_len"))
-def extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: Policy, max_len: int):
+def extend_program(graphdef, state, caches, tokens, lengths, seen, *, policy: PolicyRule, max_len: int):
   """The jitted program of one `extend` chunk (graphdef, policy, max_len static): `Decoder.extend`
   -> (logits, caches). Public so that a benchmark can lower it (`.lower(...).compile().memory_analysis()`)."""
   TRACES["extend"] += 1

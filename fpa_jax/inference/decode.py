@@ -48,7 +48,7 @@ from fpa_jax.inference.cache import (
 from fpa_jax.inference.graph import call_cached, check_decodable, layer_configs, vocab_size
 from fpa_jax.inference.policies import (  # noqa: F401  (the bounds: importable from here, as before)
   CachePolicy,
-  Policy,
+  PolicyRule,
   as_policy,
   layer_logit_bounds,
   layer_query_bounds,
@@ -63,9 +63,9 @@ TRACES = {"cached_logits": 0, "generate": 0}  # Python traces of each program (t
 # ------------------------------------------------------------------------------------------------
 
 
-def _check_model_policy(model, policy: Policy) -> None:
+def _check_model_policy(model, policy: PolicyRule) -> None:
   """Before tracing: a model of your own decodes (`graph.check_decodable`) and suits the policy
-  (`Policy.check_model`: fpa needs bounded layers; fpa_global's one pool the same kv heads, head dim
+  (`PolicyRule.check_model`: fpa needs bounded layers; fpa_global's one pool the same kv heads, head dim
   and dtype in every layer). A `DecoderLM` always does."""
   if isinstance(model, DecoderLM):
     return
@@ -73,7 +73,7 @@ def _check_model_policy(model, policy: Policy) -> None:
   policy.check_model(model)
 
 
-def init_caches(model, batch: int, policy: Policy, n_keys: int, slots: int | None = None) -> DecodeState:
+def init_caches(model, batch: int, policy: PolicyRule, n_keys: int, slots: int | None = None) -> DecodeState:
   """An empty `DecodeState` for `policy`: one `LayerCache` per attention layer with the policy's
   thresholds (`LayerCaches`), each of its layer's kv heads, head dim and dtype; fpa_global: the
   shared pool (`pool.GlobalCache`).
@@ -111,13 +111,13 @@ def init_caches(model, batch: int, policy: Policy, n_keys: int, slots: int | Non
   )
 
 
-def cache_bytes(model, batch: int, policy: Policy, n_keys: int | None = None) -> int:
+def cache_bytes(model, batch: int, policy: PolicyRule, n_keys: int | None = None) -> int:
   """Bytes every array of `generate`'s reused-slot cache allocates (fpa_global: its pool; no allocation)."""
   shapes = jax.eval_shape(lambda: init_caches(model, batch, policy, n_keys or policy.capacity))
   return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
 
-def slots_per_row(model, policy: Policy) -> int:
+def slots_per_row(model, policy: PolicyRule) -> int:
   """Key slots one row's cache allocates over all layers and kv heads (fpa_global: the pool, G)."""
   return policy.slots_per_row(layer_configs(model))
 
@@ -134,7 +134,7 @@ def _split_on_one_device(model):
   return graphdef, state
 
 
-def prefill_parallel(model, prompt, lengths, policy: Policy, n_keys: int):
+def prefill_parallel(model, prompt, lengths, policy: PolicyRule, n_keys: int):
   """The prompt [B, P] (right-padded, `lengths` [B]) through the layers' parallel kernel (their
   impl, tiles and skipping: `layers.AttentionSpec`), then the cache the policy keeps -> (logits
   [B, P, V], `DecodeState`). fpa_global: every layer's prompt keys are
@@ -168,16 +168,16 @@ class Decoder:
 
   `model`: a `DecoderLM` or an NNX model of `FirstPassageAttention` layers whose `__call__` hands
   `cache=` to them (`inference.graph`). `policy`: a name with its keywords, a `CachePolicy`, an
-  unresolved `Policy` (resolved here for `max_len`, the most tokens a row holds: the N of the
+  unresolved `PolicyRule` (resolved here for `max_len`, the most tokens a row holds: the N of the
   tolerance bound and what a float budget is a fraction of) or a resolved one (used as it is).
   Checked here, before any tracing: the model decodes and suits the policy.
   """
 
-  def __init__(self, model, policy: str | CachePolicy | Policy = "full", *, max_len: int, **policy_kw):
+  def __init__(self, model, policy: str | CachePolicy | PolicyRule = "full", *, max_len: int, **policy_kw):
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
       raise ValueError(f"max_len must be an int >= 1 (the most tokens a row holds), got {max_len!r}")
     check_decodable(model)
-    if isinstance(policy, Policy) and policy.resolved:
+    if isinstance(policy, PolicyRule) and policy.resolved:
       given = sorted(k for k, v in policy_kw.items() if v is not None)
       if given:
         raise ValueError(f"policy is a resolved {type(policy).__name__}: its arguments are in it, drop {given}")
@@ -281,7 +281,7 @@ def _mean(kept: np.ndarray) -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy"))
-def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: Policy):
+def _cached_logits_program(graphdef, state, tokens, segment_ids, *, policy: PolicyRule):
   TRACES["cached_logits"] += 1
   b, t = tokens.shape
   dec = Decoder(nnx.merge(graphdef, state), policy, max_len=t)
@@ -392,7 +392,7 @@ def _generate_program(
   lengths,
   key,
   *,
-  policy: Policy,
+  policy: PolicyRule,
   max_new: int,
   temperature: float,
   top_k: int | None,

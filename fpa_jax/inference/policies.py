@@ -1,9 +1,9 @@
 """KV-cache eviction policies and the bounds behind the `fpa` tolerance policy.
 
-One class per policy (`POLICY_CLASSES`; `Policy` says which methods the cache and the decoder call,
-so that neither branches on a name): `Full`, `FPATolerance`, `FPAThreshold`, `FPABudget`,
+One class per policy (`POLICY_CLASSES`; their base `PolicyRule` says which methods the cache and the
+decoder call, so that neither branches on a name): `Full`, `FPATolerance`, `FPAThreshold`, `FPABudget`,
 `FPAGlobal`, `Window`, `SinkWindow`, `H2O`, `SnapKV`, and `ScorePolicy` for a policy of your own
-(subclass it and write `score()`). By name (`Policy.name`, `CachePolicy(name, ...)`, the CLIs):
+(subclass it and write `score()`). By name (`PolicyRule.name`, `CachePolicy(name, ...)`, the CLIs):
   full          keep every key (the cache must hold the whole sequence).
   fpa           evict a key once its first-passage penalty reaches a threshold that makes all evicted
                 keys together carry at most eps of any later query's attention (`tolerance_threshold`).
@@ -50,7 +50,8 @@ so that neither branches on a name): `Full`, `FPATolerance`, `FPAThreshold`, `FP
 Users hold a policy as a `CachePolicy` (a name and its arguments, checked when built; kvpress's
 presses are the model), sized by `budget` (the keys kept: a fraction or a count) or by
 `compression_ratio` (the fraction removed, kvpress's convention); `resolve(seq_len)` (what
-`make_policy` does) gives the static `Policy` the cache runs.
+`make_policy` does) gives the resolved rule the cache runs (its `PolicyRule` subclass, sizes filled
+in, static under jit).
 
 Eviction is per (row, head) except for `fpa_global`: heads forget on their own schedule. A key's
 penalty never decreases as decoding goes on (its running min of the field can only fall), so an
@@ -130,7 +131,7 @@ class CachePolicy:
   """A KV-cache policy with its arguments, before it meets a sequence (as kvpress's presses): pass
   it as `policy=` to `generate`, `cached_logits` and the `fpa_jax.eval` functions, on `DecoderLM` or
   a model of your own. Checked when built (ValueError naming the argument); `resolve(seq_len)` adds
-  the checks that need the length and gives the static `Policy` the cache runs.
+  the checks that need the length and gives the resolved rule (a `PolicyRule` subclass) the cache runs.
 
       CachePolicy("fpa_budget", budget=0.25)          # keep a quarter of the keys (a fraction kept)
       CachePolicy("window", compression_ratio=0.75)   # the same size, as kvpress says it (removed)
@@ -243,12 +244,12 @@ class CachePolicy:
     return self.budget
 
   @property
-  def kind(self) -> type[Policy]:
-    """The policy's class (`POLICY_CLASSES`): what it supports (`Policy.prefills`, `keeps_all`, ...)."""
+  def kind(self) -> type[PolicyRule]:
+    """The policy's class (`POLICY_CLASSES`): what it supports (`PolicyRule.prefills`, `keeps_all`, ...)."""
     return policy_class(self.name)
 
-  def resolve(self, seq_len: int, *, into: type[Policy] | None = None, **own) -> Policy:
-    """The static `Policy` for sequences of up to `seq_len` keys (see `make_policy`); raises what to change.
+  def resolve(self, seq_len: int, *, into: type[PolicyRule] | None = None, **own) -> PolicyRule:
+    """The resolved rule (static) for sequences of up to `seq_len` keys (see `make_policy`); raises what to change.
     `into`: the class to build (default `kind`; a subclass of your own), `own`: its other fields."""
     name = self.name
     cap = resolve_budget(self.kept, seq_len)
@@ -303,9 +304,10 @@ class CachePolicy:
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
-  """A KV-cache policy: one subclass per rule (`POLICY_CLASSES`), with the few methods the cache and
-  the decoder call, so that neither branches on a name. Built by a user it holds the arguments
+class PolicyRule:
+  """The base class of the policy rules: one subclass per rule (`POLICY_CLASSES`), with the few
+  methods the cache and the decoder call, so that neither branches on a name (a `CachePolicy` is a
+  policy by name and arguments; it resolves to one of these). Built by a user it holds the arguments
   (`FPABudget(budget=0.25)`, checked when built, as `CachePolicy`); `resolve(seq_len)` gives the
   same class with the sizes filled in (static under jit). A policy of your own subclasses
   `ScorePolicy` and writes `score()` (kvpress's `ScorerPress`).
@@ -344,7 +346,7 @@ class Policy:
 
   # -------------------------------------------------------------------------------- the user's side
   @property
-  def kind(self) -> type[Policy]:
+  def kind(self) -> type[PolicyRule]:
     return type(self)
 
   @property
@@ -359,7 +361,7 @@ class Policy:
   def record(self) -> dict[str, Any]:
     return self.spec().record()
 
-  def resolve(self, seq_len: int) -> Policy:
+  def resolve(self, seq_len: int) -> PolicyRule:
     """This policy sized for sequences of up to `seq_len` keys (`CachePolicy.resolve`), same class."""
     if self.resolved:
       raise ValueError(f"{type(self).__name__} is already resolved (capacity={self.capacity}): pass the unresolved one")
@@ -427,7 +429,7 @@ class Policy:
     return self.capacity * sum(c.kv_heads for c in layers)
 
 
-class _ByPosition(Policy):
+class _ByPosition(PolicyRule):
   """Order by position alone: the oldest candidate goes, the newest are kept."""
 
   def evict_rank(self, cache, pen, cand, now):
@@ -451,7 +453,7 @@ class Window(_ByPosition):
 
 
 @dataclasses.dataclass(frozen=True)
-class SinkWindow(Policy):
+class SinkWindow(PolicyRule):
   """The first `n_sink` keys and the last C - n_sink (StreamingLLM)."""
 
   name = "sink_window"
@@ -465,7 +467,7 @@ class SinkWindow(Policy):
     return (pos < self.n_sink).astype(jnp.float32)
 
 
-class H2O(Policy):
+class H2O(PolicyRule):
   """The C/2 most recent keys plus the heaviest by attention received (H2O); decode prefill only."""
 
   name = "h2o"
@@ -484,7 +486,7 @@ class H2O(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(PolicyRule):
   """The prompt keys its last `obs_window` queries attend to most (SnapKV); parallel prefill only."""
 
   name = "snapkv"
@@ -508,13 +510,13 @@ class SnapKV(Policy):
     return snapkv_scores(q, k, field, level, lengths, scale=scale, window=self.obs_window, kernel=self.kernel)
 
 
-class FPABudget(Policy):
+class FPABudget(PolicyRule):
   """At most C keys; when full the largest penalty goes (ties: the oldest), never one of the last W."""
 
   name = "fpa_budget"
 
 
-class FPAThreshold(Policy):
+class FPAThreshold(PolicyRule):
   """Keys whose penalty is below `threshold`."""
 
   name = "fpa_threshold"
@@ -525,7 +527,7 @@ class FPAThreshold(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class FPATolerance(Policy):
+class FPATolerance(PolicyRule):
   """`fpa`: keys whose penalty is below the threshold that keeps evicted keys' share of any later
   query's attention <= `tolerance` (`bound`: "keys" per key, "params" per layer)."""
 
@@ -549,7 +551,7 @@ class FPATolerance(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class FPAGlobal(Policy):
+class FPAGlobal(PolicyRule):
   """One budget per row over every layer and kv head: a slot pool in the bytes of keys * L * KVH
   cached keys (`pool_slots`), the largest penalties across layers and heads out first
   (`fpa_jax.inference.pool`).
@@ -618,7 +620,7 @@ class FPAGlobal(Policy):
 
 
 @dataclasses.dataclass(frozen=True)
-class ScorePolicy(Policy):
+class ScorePolicy(PolicyRule):
   """A policy of your own: capacity C; when full, the lowest-scored key outside the last W goes
   (ties: the oldest); a parallel prefill and each chunk of `extend` keep the best-scored keys.
   Subclass it and write `score` (kvpress's `ScorerPress.score`), or give `score_fn`
@@ -670,7 +672,7 @@ class ScorePolicy(Policy):
     return self._at_end(q, k, field, level, pen, pos, lengths)
 
 
-POLICY_CLASSES: dict[str, type[Policy]] = {
+POLICY_CLASSES: dict[str, type[PolicyRule]] = {
   c.name: c for c in (Full, FPATolerance, FPAThreshold, FPABudget, FPAGlobal, Window, SinkWindow, H2O, SnapKV)
 }
 POLICY_CLASSES[SCORE] = ScorePolicy
@@ -678,31 +680,33 @@ SPEC_ARGS = ("budget", "compression_ratio", "tolerance", "threshold", "recent", 
 RESOLVED = ("capacity", "keys", "score_fn")  # what `CachePolicy.resolve` sets (with recent, head_cap, bound)
 
 
-def policy_class(name: str) -> type[Policy]:
+def policy_class(name: str) -> type[PolicyRule]:
   """The class of a policy name (`POLICY_CLASSES`); ValueError on an unknown name."""
   if name not in POLICY_CLASSES:
     raise ValueError(f"unknown policy {name!r}; use one of {POLICIES}")
   return POLICY_CLASSES[name]
 
 
-def as_policy(policy: str | CachePolicy | Policy | type[Policy] = "full", **policy_kw) -> CachePolicy | Policy:
+def as_policy(
+  policy: str | CachePolicy | PolicyRule | type[PolicyRule] = "full", **policy_kw
+) -> CachePolicy | PolicyRule:
   """The policy object every entry point runs: from a policy name and its keywords (None values
-  ignored; a `CachePolicy`), from a `Policy` class and its keywords (`FPABudget, budget=0.25`), or
-  an object itself, a `CachePolicy` or an unresolved `Policy` (then no keywords: ValueError, the
+  ignored; a `CachePolicy`), from a `PolicyRule` class and its keywords (`FPABudget, budget=0.25`), or
+  an object itself, a `CachePolicy` or an unresolved `PolicyRule` (then no keywords: ValueError, the
   arguments belong in the object). Either has `resolve(seq_len)`, `record()` and `kind`."""
   given = {k: v for k, v in policy_kw.items() if v is not None}
-  if isinstance(policy, type) and issubclass(policy, Policy):
+  if isinstance(policy, type) and issubclass(policy, PolicyRule):
     return policy(**given)
-  if isinstance(policy, (CachePolicy, Policy)):
+  if isinstance(policy, (CachePolicy, PolicyRule)):
     if given:
       raise ValueError(
         f"policy is a {type(policy).__name__}: give its arguments in it "
         f"({'CachePolicy(%r, ...)' % policy.name if isinstance(policy, CachePolicy) else type(policy).__name__ + '(...)'}), "
         f"not as keywords {sorted(given)}"
       )
-    if isinstance(policy, Policy) and policy.resolved:
+    if isinstance(policy, PolicyRule) and policy.resolved:
       raise ValueError(
-        "policy is a resolved Policy (make_policy); pass a policy name, a CachePolicy or an unresolved one"
+        "policy is a resolved PolicyRule (make_policy); pass a policy name, a CachePolicy or an unresolved one"
       )
     return policy
   return CachePolicy(policy, **given)
@@ -721,7 +725,7 @@ def make_policy(
   bound: str | None = None,
   score: Callable | None = None,
   pool_impl: str | None = None,
-) -> Policy:
+) -> PolicyRule:
   """Check the arguments of a policy for sequences of up to `seq_len` keys; raise what to change.
 
   `name`: a policy name (or a `CachePolicy`, then no other argument). The capacity is the budget for
@@ -749,7 +753,7 @@ def make_policy(
   return as_policy(name, **kw).resolve(seq_len)
 
 
-def score_keys(policy: Policy, q, k, field, level, penalty, positions) -> jax.Array:
+def score_keys(policy: PolicyRule, q, k, field, level, penalty, positions) -> jax.Array:
   """The `score` policy's scores of the cached keys -> [B, S, KVH] fp32 (arguments: `CachePolicy`);
   ValueError, while tracing, when the function's result does not broadcast to penalty's shape."""
   s = jnp.asarray(policy.score(q, k, field, level, penalty, positions))

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from fpa_jax.inference.cache import Decode, LayerCache, _sanitize, pick_rows
-from fpa_jax.inference.policies import Policy
+from fpa_jax.inference.policies import PolicyRule
 from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops.common import F32
 
@@ -187,7 +187,7 @@ class PoolView:
   pool: SlotPool
   carry: jax.Array  # [B, KVH] the gate's running sum of field increments
   layer: int = dataclasses.field(metadata=dict(static=True))
-  policy: Policy | None = dataclasses.field(default=None, metadata=dict(static=True))
+  policy: PolicyRule | None = dataclasses.field(default=None, metadata=dict(static=True))
   positions: jax.Array | None = None  # [B] the step's token positions
   index: PackIndex | None = None  # pool_impl "packed": where each owner's keys lie
 
@@ -247,7 +247,7 @@ def _free_slots(free: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
   return jnp.where(no_room, g, slot).astype(jnp.int32), no_room
 
 
-def _head_limit(policy: Policy, slots: int) -> int:
+def _head_limit(policy: PolicyRule, slots: int) -> int:
   """The most keys one (layer, kv head) can hold during a step: its per-head limit, the sequence
   length (`policy.capacity` without one) or the whole pool, whichever is least."""
   return min(policy.capacity, slots)
@@ -366,7 +366,7 @@ def _attend_window(c: int, scale: float, lo: int, qg, pool: SlotPool, pen, start
   return jnp.einsum("bhgc,bhck->bhgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
 
 
-def repack(cache: GlobalCache, policy: Policy) -> GlobalCache:
+def repack(cache: GlobalCache, policy: PolicyRule) -> GlobalCache:
   """The pool sorted by owner (free slots last) and a fresh `PackIndex`: each owner's keys side by
   side in [start, start + count), nothing written since (since: one past the newest key held,
   positions only grow). One sort of the G slots per row, every `policy.pack_steps` steps
@@ -395,7 +395,7 @@ def repack(cache: GlobalCache, policy: Policy) -> GlobalCache:
   return cache._replace(pool=pool, index=index)
 
 
-def prepare(cache: GlobalCache, policy: Policy) -> GlobalCache:
+def prepare(cache: GlobalCache, policy: PolicyRule) -> GlobalCache:
   """A `GlobalCache` ready for `policy`'s implementation: "packed" repacks it and adds its
   `PackIndex`; the other implementations need no index (None)."""
   if policy.pool_impl == "packed":
@@ -403,7 +403,7 @@ def prepare(cache: GlobalCache, policy: Policy) -> GlobalCache:
   return cache._replace(index=None)
 
 
-def scan_steps(body, init, xs, policy: Policy):
+def scan_steps(body, init, xs, policy: PolicyRule):
   """`lax.scan(body, init, xs)` for a decode loop whose carry's first element is the step's cache
   (per-layer caches or a `GlobalCache`); `body(carry, x, repack=...)` passes `repack` on to
   `pool_evict`. pool_impl "packed": the steps run in blocks of `policy.pack_steps`, the pool
@@ -433,7 +433,7 @@ def scan_steps(body, init, xs, policy: Policy):
   return carry, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
 
 
-def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Policy, scale: float, positions):
+def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: PolicyRule, scale: float, positions):
   """One token per row for layer `view.layer` against the shared pool: advance, cap, insert, attend.
 
   Args as `cache.decode_attend`: q [B, 1, H, K]; k, v [B, 1, KVH, K]; field, level, cum [B, 1, KVH];
@@ -500,7 +500,7 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   return out.reshape(b, h, dk).astype(q.dtype)[:, None], new
 
 
-def pool_evict(cache: GlobalCache, policy: Policy, now: jax.Array, *, repack_due: bool = True) -> GlobalCache:
+def pool_evict(cache: GlobalCache, policy: PolicyRule, now: jax.Array, *, repack_due: bool = True) -> GlobalCache:
   """Between steps: evict across all layers and heads of a row down to G - L * KVH keys.
 
   The rule of `decode.global_evict` on the pool: the keys that may go are those outside every

@@ -1,8 +1,11 @@
 """Budget in the loop: train through the cache an `fpa_budget` decode would keep (pure math, no Flax).
 
-The second form of the evictability objective (Expire-Span's random caps, with FPA's own
-rule): in a training step, every (row, kv head) gets a KV cache of `capacity` keys managed exactly as
-`fpa_jax.inference` manages `policy="fpa_budget"` while decoding token by token:
+The training cut, `cut=(capacity, recent[, soft])` of `DecoderLM` / `FirstPassageAttention`: attend
+only over the keys an `fpa_budget` cache of `capacity` keys would hold (`budget` is the inference
+word, the keys a cache policy keeps; the cut is that cache simulated in a training step). The second
+form of the evictability objective (Expire-Span's random caps, with FPA's own rule): in a training
+step, every (row, kv head) gets a KV cache of `capacity` keys managed exactly as `fpa_jax.inference`
+manages `policy="fpa_budget"` while decoding token by token:
 
     at query i: advance every held key's running min of the field with field_i; if the cache holds
     `capacity` keys, evict the one with the largest penalty (ties: the oldest) among the keys at
@@ -12,8 +15,9 @@ rule): in a training step, every (row, kv head) gets a KV cache of `capacity` ke
 (a new segment starts with an empty cache, as `generate` resets a row.) `budget_keep` simulates that
 for every query of a training sequence at once (a scan over positions, O(B H T^2) time, O(B H T)
 carry) and returns which keys query i sees; `budgeted_attention` is the quadratic attention over
-exactly those keys, with the exact penalty on the logits. Its outputs equal the decode's
-(`tests/ops/test_budget.py` checks the logits of a model against `cached_logits(policy="fpa_budget")`).
+exactly those keys, with the exact penalty on the logits (what a model's layers run under `cut=`).
+Its outputs equal the decode's (`tests/ops/test_budget.py` checks the logits of a model against
+`cached_logits(policy="fpa_budget")`).
 
 The keep mask is not differentiated (as Expire-Span's hard cut): the LM loss flows through the kept
 keys' logits and penalties as usual, so the gate learns what survives the cut and the rest of the
@@ -160,9 +164,9 @@ def budgeted_attention(
 def draw_capacity(
   key: jax.Array, seq: int, prob: float | jax.Array, low: float, high: float
 ) -> tuple[jax.Array, jax.Array]:
-  """A random cache for one training step: with probability `prob` a capacity of round(rho * seq)
-  keys, rho ~ U[low, high] (at least 2), else seq (no eviction). -> (capacity, recent) int32
-  scalars, recent = capacity // 8 (the decode default, `inference.policies`)."""
+  """A random cut for one training step: with probability `prob` a capacity of round(rho * seq)
+  keys, rho ~ U[low, high] (at least 2), else seq (no eviction). -> the cut (capacity, recent), int32
+  scalars, recent = capacity // 8 (the decode default, `inference.policies`): pass it as `cut=`."""
   k_on, k_rho = jax.random.split(key)
   rho = jax.random.uniform(k_rho, (), F32, low, high)
   cap = jnp.maximum(jnp.round(rho * seq).astype(jnp.int32), 2)

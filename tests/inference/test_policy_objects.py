@@ -20,7 +20,7 @@ from fpa_jax.inference import (
   CachePolicy,
   FPABudget,
   FPAGlobal,
-  Policy,
+  PolicyRule,
   ScorePolicy,
   Window,
   as_policy,
@@ -134,4 +134,4 @@ def test_both_clis_take_the_same_policy_flags():
   assert policy_from_args(generate_args(["--workdir", "w", "--prompt", "x"])) == CachePolicy("full")
   with pytest.raises(ValueError, match="given twice"):
     policy_from_args(e, recent=3)
-  assert isinstance(want.resolve(64), FPAGlobal) and isinstance(want.resolve(64), Policy)
+  assert isinstance(want.resolve(64), FPAGlobal) and isinstance(want.resolve(64), PolicyRule)

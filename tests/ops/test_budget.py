@@ -1,7 +1,7 @@
 """Budget in the loop (`fpa_jax.ops.budget`): the keep mask against a loop simulation of the
 `fpa_budget` decode cache, the budgeted attention against a float64 loop reference (values and
-gradients), a model's budgeted forward against `cached_logits(policy="fpa_budget")` itself, and the
-training objective's settings."""
+gradients), a model's forward under the training cut (`cut=`) against
+`cached_logits(policy="fpa_budget")` itself, and the training objective's settings."""
 
 from __future__ import annotations
 
@@ -238,45 +238,45 @@ def tiny(**kw):
     pytest.param("stack", True, None, marks=pytest.mark.slow),
   ],
 )
-def test_model_budget_forward_equals_fpa_budget_decode(attention, scan, kv):
+def test_model_cut_forward_equals_fpa_budget_decode(attention, scan, kv):
   from fpa_jax.inference import cached_logits
 
   extra = {} if kv is None else {"n_kv_heads": kv}
   model = build_model(tiny(attention=attention, scan_layers=scan, vocab_size=32, **extra), seed=1)
   toks = np.random.default_rng(0).integers(0, 32, (2, 20))
   for cap, w in [(5, 0), (6, 2), (20, 2)]:
-    got = model(jnp.asarray(toks), budget=(jnp.int32(cap), jnp.int32(w)))
+    got = model(jnp.asarray(toks), cut=(jnp.int32(cap), jnp.int32(w)))
     want, _ = cached_logits(model, toks, policy="fpa_budget", budget=cap, recent=w)
     assert_close(np.asarray(got), np.asarray(want), dtype=np.float32, n=64 * 64)
   full = np.asarray(model(jnp.asarray(toks)))
-  assert np.abs(np.asarray(model(jnp.asarray(toks), budget=(jnp.int32(5), jnp.int32(0)))) - full).max() > 1e-3
+  assert np.abs(np.asarray(model(jnp.asarray(toks), cut=(jnp.int32(5), jnp.int32(0)))) - full).max() > 1e-3
 
 
 @pytest.mark.parametrize("scan,remat", [(True, "none"), pytest.param(False, "full", marks=pytest.mark.slow)])
-def test_soft_budget_through_scanned_and_rematerialised_models(scan, remat):
-  """The soft width rides in the budget tuple, which nnx.scan / remat trace: a traced 0 is the hard
+def test_soft_cut_through_scanned_and_rematerialised_models(scan, remat):
+  """The soft width rides in the cut tuple, which nnx.scan / remat trace: a traced 0 is the hard
   cut, a traced width the soft one (= the plain model's with a Python float)."""
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 20)))
   model = build_model(tiny(scan_layers=scan, remat=remat, vocab_size=32), seed=1)
   cap, w = jnp.int32(5), jnp.int32(0)
   gdef, state = nnx.split(model)
-  fwd = jax.jit(lambda st, t, s: nnx.merge(gdef, st)(t, budget=(cap, w, s)))
+  fwd = jax.jit(lambda st, t, s: nnx.merge(gdef, st)(t, cut=(cap, w, s)))
   run = lambda t, s: fwd(state, t, s)  # noqa: E731
-  hard = np.asarray(model(toks, budget=(cap, w)))
+  hard = np.asarray(model(toks, cut=(cap, w)))
   assert_close(np.asarray(run(toks, jnp.float32(0.0))), hard, dtype=np.float32, n=64 * 64)
   soft = np.asarray(run(toks, jnp.float32(1.0)))
   assert np.abs(soft - hard).max() > 1e-4
   if not scan:  # the same layers unscanned: the soft width as a Python float
     plain = build_model(tiny(vocab_size=32), seed=1)
-    assert_close(np.asarray(plain(toks, budget=(cap, w, 1.0))), soft, dtype=np.float32, n=64 * 64)
+    assert_close(np.asarray(plain(toks, cut=(cap, w, 1.0))), soft, dtype=np.float32, n=64 * 64)
 
 
-def test_budget_needs_a_gate_and_a_pair():
+def test_cut_needs_a_gate_and_a_pair():
   model = build_model(tiny(attention="softmax", vocab_size=32), seed=0)
   with pytest.raises(ValueError, match="gated"):
-    model(jnp.zeros((1, 8), jnp.int32), budget=(jnp.int32(4), jnp.int32(0)))
+    model(jnp.zeros((1, 8), jnp.int32), cut=(jnp.int32(4), jnp.int32(0)))
   with pytest.raises(ValueError, match="capacity, recent"):
-    build_model(tiny(vocab_size=32), seed=0)(jnp.zeros((1, 8), jnp.int32), budget=4)
+    build_model(tiny(vocab_size=32), seed=0)(jnp.zeros((1, 8), jnp.int32), cut=4)
 
 
 # ------------------------------------------------------------------------------------------------
