@@ -192,11 +192,12 @@ def eval_one(mechanism: str, seed: int, args, argv, log) -> dict | None:
   cells += [(p, f"{b:g}", {"budget": b}) for b in args.budgets for p in ("fpa_budget", "fpa_global")]
   for pol, lab, kw in cells:
     key = f"{pol}/{lab}"
-    # a tolerance cell from before the mean share was recorded is scored again
-    if key not in cache or (pol == "fpa" and cache[key].get("kept_fraction_mean") is None):
+    # a tolerance cell from before the per-layer share was recorded is scored again
+    if key not in cache or (pol == "fpa" and cache[key].get("kept_fraction_per_layer") is None):
       t = time.perf_counter()
       c = ev.passkey_cell(model, exs, policy=pol, prefill="parallel", batch_size=args.cache_batch, **kw)
       keep = ("n", "correct", "accuracy", "ci95", "cache_fraction", "kept_fraction_mean", "overflow")
+      keep += ("kept_fraction_per_layer",) * (pol == "fpa")
       cache[key] = {k: c.get(k) for k in keep} | {"wall_s": round(time.perf_counter() - t, 1)}
       save("cache", cache)
       log(f"[forget_screen] {mechanism} seed {seed}: {M}x {key} {c['accuracy']:.2f}")
@@ -242,6 +243,12 @@ def _share(x: float | None) -> str:
   return "—" if x is None else f"{x:.3f}"
 
 
+def layer_words(tol: dict) -> str:
+  """ " (0.30 / 0.76)": the tolerance cell's mean share kept per layer, where it was recorded."""
+  per = tol.get("kept_fraction_per_layer")
+  return "" if not per else " (" + " / ".join(f"{x:.2f}" for x in per) + ")"
+
+
 def needle_words(needle: list[dict] | None) -> str:
   """The upper layer's heads: needle penalty / median penalty, per head."""
   if not needle:
@@ -279,7 +286,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
           a("fpa_global/0.25"),
           a("fpa_global/0.125"),
           "—" if "passkey_full" not in r else f"{r['passkey_full']['accuracy']:.2f}",
-          "—" if not tol else f"{tol['accuracy']:.2f} / " + _share(tol.get("kept_fraction_mean")),
+          "—" if not tol else f"{tol['accuracy']:.2f} / " + _share(tol.get("kept_fraction_mean")) + layer_words(tol),
           "—" if bpb is None else f"{bpb:.4f}",
           d,
           needle_words(r.get("needle")),
@@ -288,7 +295,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
       )
   head = [
     "mechanism", "seed", "fpa_budget 25%", "fpa_budget 12.5%", "fpa_global 25%", "fpa_global 12.5%", "full 8x",
-    "tolerance: acc / mean kept", "bpb", "bpb vs control", "upper layer: needle / median penalty", "verdict",
+    "tolerance: acc / mean kept (per layer)", "bpb", "bpb vs control", "upper layer: needle / median penalty", "verdict",
   ]  # fmt: skip
   what = "\n".join(f"- `{m}`: {SCREEN[m]['why']}" for m in order)
   return (
@@ -297,7 +304,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
     f"the cache; the targets: >= {TARGET_25} / >= {TARGET_125}, the full cache >= {TARGET_FULL}, bits per byte "
     f"<= +{100 * TARGET_BPB:g}% against `control` of the same seed, the tolerance policy >= {TARGET_FULL} keeping "
     f"<= {TARGET_TOL_SHARE:.0%} of the keys on average ('mean kept': keys held at the end / keys seen, over layers, "
-    f"heads and rows). 'needle / median penalty': the upper layer's "
+    f"heads and rows; in brackets per layer, lower first). 'needle / median penalty': the upper layer's "
     f"heads at 8x (`experiments.needle_penalty`).\n\n" + U.md_table(head, body) + "\n\n" + what + "\n"
   )
 

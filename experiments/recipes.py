@@ -216,6 +216,14 @@ SCREEN: dict[str, dict[str, Any]] = {
     "set": {"nowalk_quiet": True, **_HINGE, "evict_weight": 0.1, "objective_top": True},
     "why": "quiet_hinge_top at a tenth of the hinge's weight: the LM loss weighs more against forgetting",
   },
+  "quiet_hinge_top_tau120": {
+    "set": {"nowalk_quiet": True, **_HINGE, "evict_tau": 120.0, "evict_temp": 30.0, "objective_top": True},
+    "why": "quiet_hinge_top with the hinge's half-life at 120 nats (width 30, so keys at ~12 nats still feel "
+    "it), not 4: the tolerance policy evicts a key only past its bound (~104-131 nats upstairs at 1e-3, 8x), "
+    "where the 4-nat hinge left the filler (~12 nats), and the LM cannot tell 12 nats from 120 (on the source "
+    "checkpoint the bound keeps 0.32 of the lower layer's keys and all the upper one's: the upper layer "
+    "must keep <= ~0.18 for a mean <= 0.25)",
+  },
   "control_1200": {
     "set": {},
     "steps": 1200,

@@ -97,11 +97,12 @@ def generated_exact_match(
   compile per cell). -> (correct bool [n], generated answer tokens per example, merged stats:
   `cache_fraction` max over batches (the fullest head's peak), `kept_fraction_mean` the mean over
   batches, layers, kv heads and rows of the keys held at the end / keys seen (the share of the
-  cache a policy keeps on average, where a threshold's peak head may keep it all), `overflow` any).
+  cache a policy keeps on average, where a threshold's peak head may keep it all),
+  `kept_fraction_per_layer` [L] the same mean per layer (which layer a threshold keeps), `overflow` any).
   """
   spans = [answer_span(ex) for ex in examples]
   n_new = max(n for _, n in spans)
-  ok, preds, frac, overflow, kept = [], [], 0.0, False, []
+  ok, preds, frac, overflow, kept, layers = [], [], 0.0, False, [], []
   for i in range(0, len(examples), batch_size):
     chunk = examples[i : i + batch_size]
     prompts = [np.asarray(ex["tokens"][:a0]) for ex, (a0, _) in zip(chunk, spans[i : i + batch_size])]
@@ -113,7 +114,13 @@ def generated_exact_match(
       ok.append(bool(np.array_equal(out[r, :n], np.asarray(ex["tokens"][a0 : a0 + n]))))
     frac, overflow = max(frac, stats["cache_fraction"]), overflow or stats["overflow"]
     kept.append(float(np.mean(stats["kept_fraction_per_head"])))
-  stats = {"cache_fraction": frac, "kept_fraction_mean": float(np.mean(kept)), "overflow": overflow}
+    layers.append([float(np.mean(h)) for h in stats["kept_fraction_per_head"]])
+  stats = {
+    "cache_fraction": frac,
+    "kept_fraction_mean": float(np.mean(kept)),
+    "kept_fraction_per_layer": [float(x) for x in np.mean(layers, axis=0)],
+    "overflow": overflow,
+  }
   return np.asarray(ok, bool), preds, stats
 
 

@@ -214,6 +214,8 @@ def test_teacher_forced_cached_scoring_is_greedy_generation_under_the_policy(mod
   assert tf["correct"] == gen["correct"] == sum(want) and tf["n"] == 4
   assert tf["cache_fraction"] == gen["cache_fraction"] == 6 / 16
   assert gen["kept_fraction_mean"] == pytest.approx(6 / 15)  # the mean share: 6 held of the 15 keys the last step saw
+  # a window: every layer keeps alike
+  assert gen["kept_fraction_per_layer"] == pytest.approx([6 / 15] * model.cfg.n_layers)
   with pytest.raises(ValueError, match="prefill='decode'"):
     ev.passkey_cell(model, exs, policy="h2o", budget=6, prefill="parallel")
 

@@ -68,6 +68,8 @@ def test_verdict_reads_the_targets():
   assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("fails", ["tolerance"])
   row["cache"]["fpa/tol"]["kept_fraction_mean"] = 0.2
   assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
+  assert F.layer_words(row["cache"]["fpa/tol"]) == ""  # a cell from before the per-layer share
+  assert F.layer_words({"kept_fraction_per_layer": [0.301, 0.76]}) == " (0.30 / 0.76)"
   row["cache"]["fpa_global/0.125"] = cell(0.94)
   assert F.verdict(row, None) == ("fails", ["12.5%"])
 
@@ -85,6 +87,7 @@ def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
   md = F.main(argv)
   row = json.loads((tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text())
   assert set(row["cache"]) == {"fpa/tol", "fpa_budget/0.25", "fpa_budget/0.125", "fpa_global/0.25", "fpa_global/0.125"}
+  assert len(row["cache"]["fpa/tol"]["kept_fraction_per_layer"]) == 2  # which layer the bound keeps
   assert row["step"] == 4 and "bpb" in row["text"] and row["passkey_full"]["n"] == 5 and row["needle"]
   cfg = json.loads((tmp_path / "runs" / "nowalk_hinge_s0" / "config.json").read_text())
   assert cfg["head_gates"] == "pp,nn" and cfg["evict_weight"] == 1.0
