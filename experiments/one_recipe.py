@@ -236,10 +236,14 @@ def eval_one(method: str, seed: int, args, argv, log) -> dict | None:
   cache = res.get("cache", {})
   for pre, pol, lab, kw in cache_cells(args):
     key = f"{pre}/{pol}/{lab}"
-    if key not in cache:
+    # the tolerance policy's mean share kept (not only its fullest head's peak): a parallel-prefill
+    # cell from before it was recorded is scored again (~1 min; the decode one would take ~10)
+    if key not in cache or (key == "parallel/fpa/tol" and "kept_fraction_mean" not in cache[key]):
       t = time.perf_counter()
       c = ev.passkey_cell(model, exs, policy=pol, prefill=pre, batch_size=args.cache_batch, **kw)
-      cache[key] = {k: c.get(k) for k in ("n", "correct", "accuracy", "ci95", "cache_fraction", "overflow")}
+      keep = ("n", "correct", "accuracy", "ci95", "cache_fraction", "overflow")
+      keep += ("kept_fraction_mean", "kept_fraction_per_layer") * (pol == "fpa" and pre == "parallel")
+      cache[key] = {k: c.get(k) for k in keep}
       cache[key]["wall_s"] = round(time.perf_counter() - t, 1)
       save("cache", cache)
       log(f"[one_recipe] {method} seed {seed}: {M}x {key} {c['accuracy']:.3f} ({cache[key]['wall_s']:.0f} s)")
@@ -597,7 +601,9 @@ def _tolerance_kept(e: dict) -> str:
   so a budget must evict keys the rule cannot tell apart)."""
   c = _cell(e, "parallel/fpa/tol")
   if c and c.get("kept_fraction_mean") is not None:
-    return f" (tolerance policy keeps {c['kept_fraction_mean']:.3f} of the keys on average)"
+    per = c.get("kept_fraction_per_layer")
+    layers = "" if not per else ": " + " / ".join(f"{x:.2f}" for x in per) + " by layer"
+    return f" (tolerance policy keeps {c['kept_fraction_mean']:.3f} of the keys on average{layers})"
   return (
     ""
     if not c or "cache_fraction" not in c

@@ -221,8 +221,8 @@ SCREEN: dict[str, dict[str, Any]] = {
     "why": "quiet_hinge_top with the hinge's half-life at 120 nats (width 30, so keys at ~12 nats still feel "
     "it), not 4: the tolerance policy evicts a key only past its bound (~104-131 nats upstairs at 1e-3, 8x), "
     "where the 4-nat hinge left the filler (~12 nats), and the LM cannot tell 12 nats from 120 (on the source "
-    "checkpoint the bound keeps 0.32 of the lower layer's keys and all the upper one's: the upper layer "
-    "must keep <= ~0.18 for a mean <= 0.25)",
+    "checkpoint the bound keeps 0.29 of the lower layer's keys and 0.90 of the upper one's: the upper layer "
+    "must keep <= ~0.21 for a mean <= 0.25)",
   },
   "control_1200": {
     "set": {},

@@ -172,3 +172,15 @@ def test_speed_table_and_models_index():
   runs = {("r", 0): _train("r", 0, 600) | {"workdir": "runs/r0"}, ("r", 1): _train("r", 1, None, steps=900)}
   idx = O.models_index(runs)  # only finished runs, in both the text_pareto and evict_cost forms
   assert idx == {"r": {"seeds": [0], "workdirs": ["runs/r0"]}, "r_s0": {"workdir": "runs/r0", "steps": 3000}}
+
+
+def test_tolerance_words_give_the_mean_share_where_recorded():
+  """The cache row says what the tolerance policy keeps on average (and by layer), not only its
+  fullest head's peak, which reads as if it were the share."""
+  peak = {"cache": {"parallel/fpa/tol": {"cache_fraction": 0.99976}}}
+  assert O._tolerance_kept(peak) == " (tolerance policy: its fullest head keeps 0.9998)"
+  mean = {"cache": {"parallel/fpa/tol": {"cache_fraction": 0.99976, "kept_fraction_mean": 0.5321}}}
+  assert O._tolerance_kept(mean) == " (tolerance policy keeps 0.532 of the keys on average)"
+  mean["cache"]["parallel/fpa/tol"]["kept_fraction_per_layer"] = [0.304, 0.76]
+  assert O._tolerance_kept(mean) == " (tolerance policy keeps 0.532 of the keys on average: 0.30 / 0.76 by layer)"
+  assert O._tolerance_kept({"cache": {}}) == ""
