@@ -81,7 +81,8 @@ def quiet_heads(args, seed: int) -> str:
     per = max(1, args.needle_prompts // len(DEPTHS))
     exs = [e for d in DEPTHS for e in passkey_eval_examples(args.train_len, args.cache_multiple, d, n=per, seed=0)]
     stats = needle_stats(model, exs)
-    rec = {"source": str(src), "quiet_nats": QUIET_NATS, "upper": quiet_letters(stats), "needle": stats}
+    rec = {"source": str(src), "source_params": U.params_digest(model), "quiet_nats": QUIET_NATS}
+    rec |= {"upper": quiet_letters(stats), "needle": stats}
     U.write_json(path, rec)
   return rec["upper"]
 

@@ -52,6 +52,8 @@ def test_quiet_rows_take_the_walk_from_heads_that_forget_nothing(tmp_path):
   assert long.steps == args.source_step + 1200 == F.config("control_1200", args, 0).steps
   assert F.control_of("quiet_hinge_top_1200") == "control_1200" and F.control_of("quiet_hinge_top") == "control"
   assert cfg.steps == args.source_step + args.retrofit_steps
+  tau = F.config("quiet_hinge_top_tau120", args, 0)  # the hinge at the tolerance bound's scale
+  assert (tau.evict_tau, tau.evict_temp, tau.head_gates) == (120.0, 30.0, "pp,pn")
 
 
 def test_verdict_reads_the_targets():
