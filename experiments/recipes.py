@@ -224,6 +224,12 @@ SCREEN: dict[str, dict[str, Any]] = {
     "checkpoint the bound keeps 0.29 of the lower layer's keys and 0.90 of the upper one's: the upper layer "
     "must keep <= ~0.21 for a mean <= 0.25)",
   },
+  "quiet_hinge_top_w128": {
+    "set": {"nowalk_quiet": True, **_HINGE, "evict_window": 128, "objective_top": True},
+    "why": "quiet_hinge_top with the hinge's recent window at 128 keys, not 16: only keys older than 128 "
+    "must go (the 8x cells need the far keys ranked, the text reads its near ones), so the LM keeps its "
+    "near context whole",
+  },
   "control_1200": {
     "set": {},
     "steps": 1200,
