@@ -67,23 +67,28 @@ def quiet_letters(stats: list[dict], nats: float = QUIET_NATS) -> str:
 def quiet_heads(args, seed: int) -> str:
   """The upper layer's gate letters for `nowalk_quiet`: "n" (no walk) on the source checkpoint's heads
   whose median penalty at 8x is under QUIET_NATS, "p" (the walk kept) on the heads that already forget
-  by age. Measured once per seed (`--needle-prompts` prompts) and kept in <out>/heads/s<seed>.json."""
+  by age. Measured once per source checkpoint (`--needle-prompts` prompts) and kept in
+  <out>/heads/s<seed>.json with the source's parameter digest, so the same parameters found
+  elsewhere (the committed copy, a run's) are not measured again."""
+  from fpa_jax.inference import load_model
+
   path = Path(args.out_dir) / "heads" / f"s{seed}.json"
-  rec = U.read_json(path)
+  rec = U.read_json(path) or {}
   src = source_checkpoint(args, seed)
-  if not rec or rec.get("source") != str(src):
+  model, _ = load_model(src.parent.parent, step=int(src.name))
+  digest = U.params_digest(model)
+  # a file from before the digest was recorded is matched by its path
+  if rec.get("source_params", digest if rec.get("source") == str(src) else None) != digest:
     from experiments.needle_penalty import needle_stats
     from experiments.passkey import DEPTHS
     from fpa_jax.data import passkey_eval_examples
-    from fpa_jax.inference import load_model
 
-    model, _ = load_model(src.parent.parent, step=int(src.name))
     per = max(1, args.needle_prompts // len(DEPTHS))
     exs = [e for d in DEPTHS for e in passkey_eval_examples(args.train_len, args.cache_multiple, d, n=per, seed=0)]
     stats = needle_stats(model, exs)
-    rec = {"source": str(src), "source_params": U.params_digest(model), "quiet_nats": QUIET_NATS}
-    rec |= {"upper": quiet_letters(stats), "needle": stats}
-    U.write_json(path, rec)
+    rec = {"source": str(src), "quiet_nats": QUIET_NATS, "upper": quiet_letters(stats), "needle": stats}
+  if rec.get("source_params") != digest:
+    U.write_json(path, rec | {"source_params": digest})
   return rec["upper"]
 
 

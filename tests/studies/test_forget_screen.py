@@ -47,6 +47,12 @@ def test_quiet_rows_take_the_walk_from_heads_that_forget_nothing(tmp_path):
   (tmp_path / "heads" / "s0.json").write_text(json.dumps(rec))
   cfg = F.config("quiet_hinge_top", args, 0)
   assert cfg.head_gates == "pp,pn" and cfg.objective_layers == "1" and cfg.evict_weight == 1.0
+  # a file from before the digest, matched by its path, gains the source's digest (not measured again)
+  kept = json.loads((tmp_path / "heads" / "s0.json").read_text())
+  assert kept["upper"] == "pn" and len(kept["source_params"]) == 16
+  kept["source"] = "elsewhere"  # the same parameters found at another path: still this file's
+  (tmp_path / "heads" / "s0.json").write_text(json.dumps(kept))
+  assert F.config("quiet_hinge_top", args, 0).head_gates == "pp,pn"
   # a longer retrofit is read against the control continued as long
   long = F.config("quiet_hinge_top_1200", args, 0)
   assert long.steps == args.source_step + 1200 == F.config("control_1200", args, 0).steps
