@@ -342,7 +342,8 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
       cost = "" if not (ctl and bpb) else f", text {100 * (bpb / ctl - 1):+.2f}%"
       words.append(f"`{m}` seed {s}: {best(r, '0.25')} / {best(r, '0.125')}{cost}")
   seed_words = ", ".join(map(str, seeds))
-  verdict_words = f"holds (`{held[0]}`)" if held else f"not met (0 of {len(mech)} mechanisms, seed {seed_words})"
+  seed_words = ("seeds " if len(seeds) > 1 else "seed ") + seed_words
+  verdict_words = f"holds (`{held[0]}`)" if held else f"not met (0 of {len(mech)} mechanisms, {seed_words})"
   return [
     U.ClaimRow(
       "forgetting by content: a retrofit whose learned rule keeps passkey at 8x with 25% / 12.5% of the cache "
