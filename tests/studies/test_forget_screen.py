@@ -108,7 +108,8 @@ def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
 
 def test_committed_recipe_checkpoint_is_the_scored_one():
   """The recipe checkpoint a fresh clone retrofits from (experiments/assets/one_recipe) is the one the
-  one-recipe study scored: the same parameters, bit for bit, as its eval file records."""
+  one-recipe study scored: the same parameters, bit for bit, as its eval file records; seeds 1-2 (retrained
+  for the screen) are the ones the screen's heads files record."""
   from experiments import _common as U
   from fpa_jax.inference import load_model
 
@@ -119,6 +120,12 @@ def test_committed_recipe_checkpoint_is_the_scored_one():
   model, _ = load_model(str(src.parent.parent))
   scored = json.loads((U.ROOT / "results" / "one_recipe" / "eval" / f"{RECOMMENDED}_s0.json").read_text())
   assert U.params_digest(model) == scored["params"]
+  for seed in (1, 2):  # retrained for the screen: the parameters its rows of that seed retrofitted
+    src = F.source_checkpoint(args, seed)
+    kept = json.loads((U.ROOT / "results" / "forget_screen" / "heads" / f"s{seed}.json").read_text())
+    assert (
+      src.is_relative_to(F.ASSETS) and U.params_digest(load_model(str(src.parent.parent))[0]) == kept["source_params"]
+    )
 
 
 def test_claim_row_judges_every_target(tmp_path):
