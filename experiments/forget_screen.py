@@ -252,7 +252,7 @@ def _share(x: float | None) -> str:
 def layer_words(tol: dict) -> str:
   """ " (0.30 / 0.76)": the tolerance cell's mean share kept per layer, where it was recorded."""
   per = tol.get("kept_fraction_per_layer")
-  return "" if not per else " (" + " / ".join(f"{x:.2f}" for x in per) + ")"
+  return "" if not per else f" ({R.shares_by_layer(per)})"
 
 
 def needle_words(needle: list[dict] | None) -> str:
@@ -341,8 +341,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
       bpb = r.get("text", {}).get("bpb")
       cost = "" if not (ctl and bpb) else f", text {100 * (bpb / ctl - 1):+.2f}%"
       words.append(f"`{m}` seed {s}: {best(r, '0.25')} / {best(r, '0.125')}{cost}")
-  seed_words = ", ".join(map(str, seeds))
-  seed_words = ("seeds " if len(seeds) > 1 else "seed ") + seed_words
+  seed_words = ("seeds " if len(seeds) > 1 else "seed ") + ", ".join(map(str, seeds))
   verdict_words = f"holds (`{held[0]}`)" if held else f"not met (0 of {len(mech)} mechanisms, {seed_words})"
   return [
     U.ClaimRow(

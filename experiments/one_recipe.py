@@ -595,6 +595,11 @@ def _rule_cells(e: dict) -> str:
   return words + (f", fpa_global {pair('parallel', 'fpa_global')}" if glob else "")
 
 
+def shares_by_layer(per: list[float]) -> str:
+  """ "0.30 / 0.76": a share kept per layer (lower first), as the studies' tables write it."""
+  return " / ".join(f"{x:.2f}" for x in per)
+
+
 def _tolerance_kept(e: dict) -> str:
   """Why a cut cache may fail: what the sound tolerance policy keeps: its mean share of the keys where
   recorded, else its fullest head's peak (near 1: the penalties rule out almost no key in that head,
@@ -602,7 +607,7 @@ def _tolerance_kept(e: dict) -> str:
   c = _cell(e, "parallel/fpa/tol")
   if c and c.get("kept_fraction_mean") is not None:
     per = c.get("kept_fraction_per_layer")
-    layers = "" if not per else ": " + " / ".join(f"{x:.2f}" for x in per) + " by layer"
+    layers = "" if not per else f": {shares_by_layer(per)} by layer"
     return f" (tolerance policy keeps {c['kept_fraction_mean']:.3f} of the keys on average{layers})"
   return (
     ""
