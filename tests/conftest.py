@@ -1,5 +1,5 @@
-"""Test-wide setup (must precede `import jax`): 8 simulated CPU devices for the sharding tests, and
-one persistent compilation cache shared by the run's processes.
+"""Test-wide setup (must precede `import jax`): 8 simulated CPU devices for the sharding tests, XLA
+flags that compile fast, and one persistent compilation cache shared by the run's processes.
 
 Compiles are three quarters of the suite's time, and tests in different files (so on different
 xdist workers, or in the CLI tests' subprocesses) compile some identical programs: a cache that
@@ -13,7 +13,14 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's CPU backend at optimisation level 0 with the legacy elemental emitters instead of the MLIR fusion
+# emitters: a tiny model's train-step grad compiles in ~5 s instead of ~20 s (the two together; either
+# alone saves a third), and compiling is most of the suite (docs/testing.md, "Time"). The programs'
+# HLO is the same; only their machine code is less optimised, which these shapes do not feel.
+TEST_XLA_FLAGS = (
+  "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+)
+os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # true in the controller only
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fpa_jax_test_cache_")

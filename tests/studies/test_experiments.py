@@ -541,3 +541,35 @@ def test_forget_speed_workdirs_schedules_and_profile(tmp_path):
   md = open(out + ".md").read()
   assert "Where the key-sparse prefill's time goes" in md and "| tiny | 0.5 |" in md
   assert "- `tiny`: `python -m experiments.forget_speed --workdirs" in md  # each row names its run
+
+
+def test_bench_compile_measures_the_suites_own_flags():
+  """The benchmark's "tests" flag set is what conftest.py compiles the suite with, and its verdict
+  reads the loss and every gradient leaf at one scale (a leaf of rounding noise cannot dominate)."""
+  import conftest
+  from experiments import bench_compile as B
+
+  ours = {f for f in conftest.TEST_XLA_FLAGS.split() if "device_count" not in f}
+  assert set(B.FLAG_SETS["level 0, no fusion emitters (tests)"].split()) == ours
+  base = {"loss": 2.0, "grads": [[1.0, -0.5], [1e-9]]}
+  noisy = {"loss": 2.0, "grads": [[1.0, -0.5], [3e-9]]}  # the tiny leaf off by 200% of itself
+  assert B.largest_difference(noisy, base) == pytest.approx(2e-9)
+  worse = {"loss": 2.2, "grads": [[1.0, -0.3], [1e-9]]}
+  assert B.largest_difference(worse, base) == pytest.approx(0.2)
+  timing = {"grad_compile_s": 4.0, "forward_compile_s": 1.0, "grad_run_s": 0.01, "forward_run_s": 0.005}
+  runs = {name: [{**base, **timing}] for name in B.FLAG_SETS}
+  runs["default"] = [{**base, **timing, "grad_compile_s": 16.0}, {**base, **timing, "grad_compile_s": 20.0}]
+  out = B.summarise(runs)
+  assert out["default"]["grad_compile_s"] == 16.0  # best of the repeats
+  assert out["level 0"]["grad_compile_vs_default"] == pytest.approx(0.25)
+
+
+@pytest.mark.slow  # its functions: test_bench_compile_measures_the_suites_own_flags
+def test_bench_compile_tiny_run_writes_results(tmp_path):
+  from experiments import bench_compile
+
+  res = bench_compile.main(["--repeats", "1", "--seq-len", "12", "--out", str(tmp_path / "bc")])
+  assert set(res["flag_sets"]) == set(bench_compile.FLAG_SETS)
+  for row in res["flag_sets"].values():
+    assert row["grad_compile_s"] > 0 and row["max_rel_difference"] < 1e-4  # other machine code, same program
+  assert "python -m experiments.bench_compile --repeats 1" in (tmp_path / "bc.md").read_text()

@@ -32,7 +32,8 @@ def _free_port() -> int:
 
 def _env(devices: int, **extra) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+  rest = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)  # conftest's compile flags
+  env.update(XLA_FLAGS=f"{rest} --xla_force_host_platform_device_count={devices}".strip(), JAX_PLATFORMS="cpu", **extra)
   return env
 
 
