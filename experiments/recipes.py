@@ -246,6 +246,34 @@ SCREEN: dict[str, dict[str, Any]] = {
     "set": {"utility_weight": 1.0, "utility_keep": 0.1},
     "why": "the utility labels alone, every head keeping its walk: does a rank by use need the walk gone?",
   },
+  "quiet_hinge_top_distill": {
+    "set": {
+      "nowalk_quiet": True,
+      "evict_weight": 1.0,
+      "evict_target": 0.1,
+      "evict_window": 16,
+      "evict_ramp_steps": 300,
+      "objective_top": True,
+      "budget_loop_prob": 1.0,
+      "budget_loop_min": 0.125,
+      "budget_loop_max": 0.5,
+      "budget_loop_soft": 1.0,
+      "distill_weight": 1.0,
+    },
+    "why": (
+      "DMS's retrofit on the best row: quiet_hinge_top's hinge (its compression ramp) plus every step through a"
+      " soft-cut fpa_budget cache of 12.5-50% distilled to the model's own full forward (the LM loss stays on the"
+      " full forward): the cut cells learned from the cache the model will have, the text from the whole one"
+    ),
+  },
+  "utility_top": {
+    "set": {"utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
+    "why": (
+      "`utility` (0.98 in every cache cell with the walk kept, at +22.7% text) at a tenth of the weight, a quarter"
+      " labelled keep and on the upper layer only, as nowalk_utility_top but keeping the walk (no-walk heads"
+      " alone cost +2.49%): is the rank by use kept where the text pays less?"
+    ),
+  },
 }
 
 # ------------------------------------------------------------------------------------------------

@@ -420,6 +420,10 @@ class TrainConfig(_Part):
   budget_loop_soft: float = _field(0.0, V.real(0, why="0 = the hard cut; > 0 = its soft ramp's width in nats"))
   # optimizer step from which budgeted steps are drawn (before it every step is the plain one)
   budget_loop_start: int = _field(0, V.integer(0))
+  # 0: a budgeted step's LM loss is taken through the cut. > 0: self-distillation through the cut (DMS's
+  # objective, the model's own full-cache forward its teacher): the LM loss on the full forward, plus this
+  # weight times KL(full forward, no gradient || the cut forward) per target token (`losses.distill_kl`)
+  distill_weight: float = _field(0.0, V.real(0, why="0 = off; > 0 needs budget_loop_prob > 0"))
 
   @property
   def train(self) -> TrainConfig:
@@ -502,6 +506,11 @@ class Config(TrainConfig, DataConfig, ModelConfig):
           f"objective_layers={self.objective_layers!r}: comma-separated layer indices in [0, n_layers="
           f"{self.n_layers}), e.g. objective_layers='{self.n_layers - 1}' (the top layer), or '' for every layer"
         )
+    if self.distill_weight > 0 and self.budget_loop_prob == 0:
+      raise ValueError(
+        f"distill_weight={self.distill_weight} distils the full forward into the budgeted one, but budget_loop_prob=0 "
+        "draws no budget: set budget_loop_prob > 0 (1.0: every step) or distill_weight=0"
+      )
     if self.budget_loop_prob > 0 and self.attention not in GATED:
       raise ValueError(
         f"budget_loop_prob > 0 (training through an fpa_budget cache) needs a gated attention {GATED}, got "

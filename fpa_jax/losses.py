@@ -56,6 +56,17 @@ reaches the penalties of keys it needed and lost; budget_loop_start: no budgeted
 optimizer step; the step's cut, `cut=(capacity, recent[, soft])`, is what the model is called with).
 Metric: budget_kept (capacity / T of the step; 1 = no cut). Both terms can be on together.
 
+Self-distillation through the cut (`TrainConfig.distill_weight` > 0, with budget in the loop): DMS
+trains its student through the evicting cache against the full-cache teacher's distribution; here
+the teacher is the model's own full forward (no gradient), so the LM loss stays on the full forward
+(the text keeps learning, as the paired control does) and the cut forward is pulled to it:
+
+    total = sum of CEs (full forward) + distill_weight * sum over target tokens of KL(full || cut)
+
+(`distill_kl`; a step that draws no cut has KL 0). A frozen teacher (DMS's own) would hold the text at
+the source checkpoint's loss, which a retrofit's control moves past (docs/objective.md). Metric:
+distill_kl (per target token). The hinge and the utility term read the full forward's gates.
+
 The model must have a gate (`ModelConfig.attention` in `configs.GATED`; `Config.validate` checks).
 Shapes: B batch, T sequence, V vocab, L layers, KVH kv heads, Q sampled queries.
 """
@@ -329,10 +340,14 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
     if cfg.budget_loop_soft:
       cut = (*cut, float(cfg.budget_loop_soft))
     metrics["budget_kept"] = cut[0].astype(jnp.float32) / t
+  student = None
+  if cut_on and cfg.distill_weight:  # the cut forward is the student; every other term reads the full one
+    student, cut = model(batch["inputs"], batch["segment_ids"], cut=cut), None
   if not cfg.evict_weight and not utility_on:
     logits = model(batch["inputs"], batch["segment_ids"], cut=cut)
     s, n = _ce_sum(logits, batch)
-    return s, {"lm_sum": s, "count": n, **metrics}
+    total, metrics = _with_distill(s, n, logits, student, batch, cfg, metrics)
+    return total, {"lm_sum": s, "count": n, **metrics}
   seg = batch["segment_ids"]
   pick = cfg.objective_layer_ids  # None: every layer
   if utility_on:
@@ -347,7 +362,7 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
     if pick is not None:
       gates = tuple(g[jnp.asarray(pick)] for g in gates)
   s, n = _ce_sum(logits, batch)
-  total = s
+  total, metrics = _with_distill(s, n, logits, student, batch, cfg, metrics)
   if cfg.evict_weight:
     hinge, ev = evict_terms(gates, seg, cfg, step, k_evict)
     total = total + jax.lax.stop_gradient(n) * (cfg.evict_weight * hinge)
@@ -357,6 +372,28 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
     total = total + jax.lax.stop_gradient(n) * (cfg.utility_weight * u)
     metrics |= um
   return total, {"lm_sum": s, "count": n, **metrics}
+
+
+def distill_kl(teacher_logits: jax.Array, student_logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """Sum over the masked positions of KL(softmax(teacher) || softmax(student)), fp32; no gradient
+  reaches the teacher. teacher_logits, student_logits [B, T, V]; mask [B, T] (the loss mask)."""
+  if teacher_logits.shape != student_logits.shape or mask.shape != teacher_logits.shape[:-1]:
+    raise ValueError(
+      f"distill_kl: teacher {teacher_logits.shape} and student {student_logits.shape} logits must match "
+      f"[B, T, V] and the mask {mask.shape} be their [B, T]"
+    )
+  log_t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), -1)
+  log_s = jax.nn.log_softmax(student_logits.astype(jnp.float32), -1)
+  kl = jnp.sum(jnp.exp(log_t) * (log_t - log_s), -1)
+  return jnp.sum(kl * mask.astype(jnp.float32))
+
+
+def _with_distill(s, n, logits, student, batch, cfg, metrics):
+  """-> (s + distill_weight * KL sum, metrics with distill_kl) when the step has a student, else (s, metrics)."""
+  if student is None:
+    return s, metrics
+  kl = distill_kl(logits, student, batch["loss_mask"])
+  return s + cfg.distill_weight * kl, {**metrics, "distill_kl": kl / jnp.maximum(n, 1.0)}
 
 
 def gate_stats(gates: tuple[jax.Array, jax.Array], segment_ids: jax.Array | None) -> dict[str, jax.Array]:

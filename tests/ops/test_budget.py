@@ -350,9 +350,63 @@ def test_train_logs_budget_kept(tmp_path):
   assert out["history"][-1]["budget_kept"] == 0.5 and out["traces"] == 1
 
 
+def distill_kl_np(teacher, student, mask):
+  """float64 loop reference of `losses.distill_kl`: sum over masked (b, t) of KL(p_teacher || p_student)."""
+  total = 0.0
+  for b in range(teacher.shape[0]):
+    for t in range(teacher.shape[1]):
+      if mask[b, t]:
+        p = np.exp(teacher[b, t] - teacher[b, t].max())
+        p /= p.sum()
+        q = np.exp(student[b, t] - student[b, t].max())
+        q /= q.sum()
+        total += float(np.sum(p * (np.log(p) - np.log(q))))
+  return np.asarray(total)
+
+
+def test_distill_kl_matches_loop_reference_and_finite_differences():
+  rng = np.random.default_rng(0)
+  teacher, student = rng.normal(size=(2, 3, 5)) * 2, rng.normal(size=(2, 3, 5)) * 2
+  mask = np.array([[1, 1, 0], [1, 0, 1]])
+  want = distill_kl_np(teacher, student, mask)
+  got = losses.distill_kl(jnp.asarray(teacher, jnp.float32), jnp.asarray(student, jnp.float32), jnp.asarray(mask))
+  assert_close(got, want, dtype=np.float32, n=5 * 4)
+  g_t, g_s = jax.grad(losses.distill_kl, argnums=(0, 1))(
+    jnp.asarray(teacher, jnp.float32), jnp.asarray(student, jnp.float32), jnp.asarray(mask)
+  )
+  assert float(jnp.abs(g_t).max()) == 0.0  # the teacher is a target, not trained by it
+  (fd_s,) = finite_differences(lambda s_: distill_kl_np(teacher, s_, mask), [student], np.ones(()))
+  assert_close(g_s, fd_s, dtype=np.float32, n=5 * 4, scale=np.abs(fd_s).max())
+  assert float(losses.distill_kl(jnp.asarray(teacher), jnp.asarray(teacher), jnp.asarray(mask))) == pytest.approx(
+    0, abs=1e-6
+  )
+  with pytest.raises(ValueError, match="must match"):
+    losses.distill_kl(jnp.zeros((2, 3, 5)), jnp.zeros((2, 3, 4)), jnp.ones((2, 3)))
+
+
+def test_distill_objective_is_the_full_lm_loss_plus_the_weighted_kl(batch):
+  """Self-distillation through the cut: the LM loss on the full forward plus the weight times the KL
+  of the cut forward from it; a cut of the whole sequence has nothing to distil."""
+  cut = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25)
+  (v, aux), g = _objective(tiny(**cut, distill_weight=0.5), batch)
+  (v_lm, aux_lm), _ = _objective(tiny(), batch)
+  assert_close(aux["lm_sum"], aux_lm["lm_sum"], n=64 * 64)  # the text loss is the full forward's
+  kl = float(aux["distill_kl"]) * float(aux["count"])
+  assert kl > 0 and float(aux["budget_kept"]) == 0.25
+  assert float(v) == pytest.approx(float(aux_lm["lm_sum"]) + 0.5 * kl, rel=1e-5)
+  gate = [np.asarray(x) for p, x in nnx.to_flat_state(g) if "gate" in map(str, p)]
+  assert gate and all(np.isfinite(x).all() for x in gate)
+  whole = dict(budget_loop_prob=1.0, budget_loop_min=1.0, budget_loop_max=1.0)
+  (v_whole, aux_whole), _ = _objective(tiny(**whole, distill_weight=0.5), batch)
+  assert float(aux_whole["distill_kl"]) == pytest.approx(0, abs=1e-5)
+  assert_close(v_whole, v_lm, n=64 * 64, scale=float(v_lm))
+
+
 @pytest.mark.parametrize(
   "kw,match",
   [
+    (dict(distill_weight=1.0), "budget_loop_prob > 0"),
+    (dict(distill_weight=-1.0, budget_loop_prob=1.0), "distill_weight"),
     (dict(budget_loop_prob=1.5), "budget_loop_prob"),
     (dict(budget_loop_prob=-0.1), "budget_loop_prob"),
     (dict(budget_loop_min=0.0), "budget_loop_min"),
