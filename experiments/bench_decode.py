@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments._common import ROOT, md_table, run_meta, write_json
+from experiments._common import ROOT, md_table, run_meta, study_parser, write_json
 from fpa_jax import configs as C
 from fpa_jax.inference import Decoder, cached_logits, load_model, make_policy, stand_in
 from fpa_jax.models import build_model
@@ -65,6 +65,8 @@ POLICIES: dict[str, tuple[str, dict]] = {
   "fpa_global_sort": ("fpa_global", {"budget": 0.25, "pool_impl": "reference"}),
 }
 QUICK = ("full", "fpa_budget", "window", "fpa_global", "fpa_global_masked")
+
+MODULE = "experiments.bench_decode"
 
 
 def plot_kept_heatmap(kept, path: str, title: str) -> None:
@@ -191,7 +193,7 @@ def tolerance_prompts(kind: str, random_prompts: np.ndarray, length: int) -> jax
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = study_parser(MODULE, __doc__)
   ap.add_argument("--workdir", help="a training run to load (default: an untrained --config model)")
   ap.add_argument("--config", default="small", choices=sorted(C.CONFIGS))
   ap.add_argument("--multiples", type=int, nargs="+", default=[1, 2, 4, 8])

@@ -15,7 +15,6 @@ each run's loss-by-position table under results/evict_cost/.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ BITS = 1.0 / 0.6931471805599453  # nats -> bits
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--models", nargs="+", default=["fpa_fox5", "fpa_fox5_cont", "fpa_fox5_evict"])
   ap.add_argument("--passkey-results", default=str(U.ROOT / "results" / "passkey.json"))
   ap.add_argument("--multiples", type=int, nargs="+", default=[1, 4])

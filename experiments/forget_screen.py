@@ -360,7 +360,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--phase", choices=PHASES, nargs="+", default=list(PHASES))
   ap.add_argument("--mechanisms", nargs="+", choices=list(SCREEN), default=list(SCREEN))
   ap.add_argument("--seeds", type=int, nargs="+", default=[0])

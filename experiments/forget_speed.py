@@ -34,7 +34,6 @@ them alike. Rows are merged into the results file by name (a rerun of one model 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -520,7 +519,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--models", nargs="+", default=["fpa_fox5_evict", "fpa_fox5", "fox_b5"])
   ap.add_argument("--passkey-results", default=str(U.ROOT / "results" / "passkey.json"))
   ap.add_argument("--multiple", type=int, default=8)

@@ -17,7 +17,6 @@ Writes results/kv_compression.{json,md,png}; reruns skip cells already in the JS
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -296,7 +295,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--passkey-results", default=str(U.ROOT / "results" / "passkey.json"))
   ap.add_argument("--models", nargs="*", help="methods of the passkey study (default: all with a workdir)")
   ap.add_argument("--multiple", type=int, default=8)

@@ -28,7 +28,6 @@ Shape legend: R replicas (seeds x heads), N examples, B batch, T sequence, H hea
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -63,6 +62,8 @@ DEFAULTS = dict(steps=1500, batch=16, lr=3e-3, pool=2048, n_eval=256, chunk=50)
 SMALL = dict(steps=600, pool=512, n_eval=64)  # ~70 s for 4 methods x 2 seeds on scopes (2-core CPU)
 # Study 5: gate choices on the coverage objective (3 seeds), `experiments.recipes`
 ABLATIONS = recipes.LIVE_SETS_ABLATIONS
+
+MODULE = "experiments.live_sets"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -819,7 +820,7 @@ def claim_rows(root: Path = ROOT) -> list[U.ClaimRow]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--task", default="all", choices=TASKS + ("all",))
   ap.add_argument("--seeds", type=int, default=None, help="default 5 (3 with --ablations)")
   ap.add_argument("--steps", type=int, default=None, help=f"default {DEFAULTS['steps']}")

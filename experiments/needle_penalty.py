@@ -15,7 +15,6 @@ cumsum of the log forget gate). Writes <out>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -81,7 +80,7 @@ def needle_stats(model, examples) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument(
     "--passkey-results",
     nargs="+",

@@ -723,7 +723,7 @@ def json_words(cov: dict) -> str:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--phase", choices=PHASES, nargs="+", default=list(PHASES))
   ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -28,7 +28,6 @@ checkpoints. Writes results/passkey.{json,md} and results/passkey_<method>.png.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -776,11 +775,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(
-    prog=f"python -m {MODULE}",
-    description=__doc__.split("\n\n")[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument(
     "--methods",
     nargs="+",

@@ -410,11 +410,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(
-    prog=f"python -m {MODULE}",
-    description=__doc__.split("\n\n")[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   ap.add_argument(

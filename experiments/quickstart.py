@@ -21,7 +21,6 @@ Output is line-buffered, so a log file or CI shows each step as it happens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -41,6 +40,8 @@ LM_LEN = 128  # step 3's training length
 LM_METHOD = "fpa_evict"
 # step 3's model as `--train` exports it (`fpa_jax.inference.export_model`)
 ASSET = ROOT / "experiments" / "assets" / "quickstart_lm"
+
+MODULE = "experiments.quickstart"
 
 
 def check_loss(model) -> float:
@@ -156,7 +157,7 @@ def train_step3(a, argv) -> tuple[object, object, dict]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = U.study_parser(MODULE, __doc__)
   ap.add_argument("--workdir", default="runs/quickstart", help="checkpoints of the step-3 model (resumes)")
   ap.add_argument("--out", default=str(ROOT / "results" / "quickstart"))
   ap.add_argument("--seeds", type=int, default=2)
