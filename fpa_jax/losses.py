@@ -63,7 +63,7 @@ the teacher is the model's own full forward (no gradient), so the LM loss stays 
 
     total = sum of CEs (full forward) + distill_weight * sum over target tokens of KL(full || cut)
 
-(`distill_kl`; a step that draws no cut has KL 0). A frozen teacher (DMS's own) would hold the text at
+(`distill_kl`; a step that draws no cut has KL 0 up to rounding: its cut forward is the full one). A frozen teacher (DMS's own) would hold the text at
 the source checkpoint's loss, which a retrofit's control moves past (docs/objective.md). Metric:
 distill_kl (per target token). The hinge and the utility term read the full forward's gates.
 
