@@ -15,8 +15,9 @@ skipped (logged, moved to checkpoints.corrupt/) in favour of the newest one that
 (`Checkpointer.restore_newest`); if none does, the run stops with one error naming the fix.
 
 Outputs in the workdir: metrics.jsonl (one JSON object per logged step: step, loss, tokens_per_s,
-lr, grad_norm, ...; evict_* with the evictability objective on, utility_* with the utility one, budget_kept with budget in the loop
-(whose steps' loss is the loss through that step's cache), eval_loss and gate_* statistics of a
+lr, grad_norm, ...; evict_* with the evictability objective on, utility_* with the utility one,
+budget_kept with budget in the loop (whose steps' loss is the loss through that step's cache, or
+with self-distillation the full forward's, and distill_kl), eval_loss and gate_* statistics of a
 gated model at each periodic eval, `fpa_jax.losses`), TensorBoard events
 under tb/, checkpoints/ (orbax), config.json.
 
@@ -404,7 +405,7 @@ def train(
           "lr": last["lr"],
           "grad_norm": last["grad_norm"],
           "loss_tokens": last["tokens"],
-          **{k: v for k, v in last.items() if k.startswith(("evict_", "utility_", "budget_"))},
+          **{k: v for k, v in last.items() if k.startswith(("evict_", "utility_", "budget_", "distill_"))},
         }
         if cfg.eval_every and done % cfg.eval_every == 0:
           with jax.transfer_guard_device_to_host("allow"):

@@ -348,6 +348,8 @@ def test_train_logs_budget_kept(tmp_path):
   cfg = tiny(budget_loop_prob=1.0, budget_loop_min=0.5, budget_loop_max=0.5, steps=2, ckpt_every=100, log_every=1)
   out = train_fixed(cfg, str(tmp_path))
   assert out["history"][-1]["budget_kept"] == 0.5 and out["traces"] == 1
+  distil = tiny(budget_loop_prob=1.0, distill_weight=1.0, steps=2, ckpt_every=100, log_every=1)
+  assert train_fixed(distil, str(tmp_path / "distil"))["history"][-1]["distill_kl"] >= 0
 
 
 def distill_kl_np(teacher, student, mask):
