@@ -332,37 +332,43 @@ def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: floa
   kvh = qg.shape[1]
   lo = layer * kvh
   own = slice(lo, lo + kvh)
-  pen = fp.penalty(pool.level, pool.run_min)  # [B, G]
   caps = _widths(limit)
   pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(index.count[:, own]))  # the least width >= every range
   branches = [functools.partial(_attend_window, c, scale, lo) for c in caps]
-  return jax.lax.switch(pick, branches, qg, pool, pen, index.start[:, own], index.count[:, own], index)
+  return jax.lax.switch(pick, branches, qg, pool, index.start[:, own], index.count[:, own], index)
 
 
-def _attend_window(c: int, scale: float, lo: int, qg, pool: SlotPool, pen, start, count, index: PackIndex):
+def _window(x: jax.Array, start: jax.Array, c: int) -> jax.Array:
+  """x [B, G, ...], start [B, KVH] -> [B, KVH, c, ...]: each (row, kv head)'s c slots from its start,
+  one contiguous slice each (a gather of B * KVH slices: far cheaper on CPU than c * B * KVH
+  single-slot gathers)."""
+  one = lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, c, axis=0)
+  return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(x, start)
+
+
+def _attend_window(c: int, scale: float, lo: int, qg, pool: SlotPool, start, count, index: PackIndex):
   """`_attend_packed` at window width c: start, count [B, KVH] the layer's ranges."""
   b, g = pool.pos.shape
   kvh = qg.shape[1]
   ns = index.new_slot[:, lo : lo + kvh]  # [B, KVH, N]
-  n = ns.shape[-1]
   s0 = jnp.clip(start, 0, g - c)  # the window stays inside the pool; it then starts before the range
   win = s0[..., None] + jnp.arange(c, dtype=jnp.int32)  # [B, KVH, C]
-  idx = jnp.concatenate([win, jnp.minimum(ns, g - 1)], axis=-1).reshape(b, kvh * (c + n))
-  take = lambda x: jnp.take_along_axis(x, idx if x.ndim == 2 else idx[..., None], axis=1).reshape(
-    (b, kvh, c + n) + x.shape[2:]
-  )
+  # The window: contiguous slices. The N slots written since: single-slot gathers (N is small).
+  idx = jnp.minimum(ns, g - 1).reshape(b, kvh * ns.shape[-1])
+  new = lambda x: jnp.take_along_axis(x, idx if x.ndim == 2 else idx[..., None], axis=1).reshape(ns.shape + x.shape[2:])
+  both = lambda x: jnp.concatenate([_window(x, s0, c), new(x)], axis=2)  # [B, KVH, C + N, ...]
   # A range's own keys: its slots alive with pos < since (they have not moved since the repack; a
   # key written since sits in a free slot anywhere, its own range's included, and is listed in ns).
   inside = (win >= start[..., None]) & (win < (start + count)[..., None])  # not a neighbour's range
-  pos = take(pool.pos)
-  old = inside & take(pool.alive)[..., :c] & (pos[..., :c] < index.since[:, None, None])
+  old = inside & _window(pool.alive, s0, c) & (_window(pool.pos, s0, c) < index.since[:, None, None])
   tags = (lo + jnp.arange(kvh, dtype=jnp.int32))[None, :, None]
-  live = (ns < g) & (take(pool.owner)[..., c:] == tags) & (pos[..., c:] == index.new_pos[:, None, :])
+  live = (ns < g) & (new(pool.owner) == tags) & (new(pool.pos) == index.new_pos[:, None, :])
   held = jnp.concatenate([old, live], axis=-1)  # [B, KVH, C + N]
-  s = jnp.einsum("bhgk,bhck->bhgc", qg, take(pool.k), preferred_element_type=F32) * scale
-  logits = jnp.where(held[:, :, None, :], s - take(pen)[:, :, None, :], -jnp.inf)
+  pen = fp.penalty(both(pool.level), both(pool.run_min))  # [B, KVH, C + N]
+  s = jnp.einsum("bhgk,bhck->bhgc", qg, both(pool.k), preferred_element_type=F32) * scale
+  logits = jnp.where(held[:, :, None, :], s - pen[:, :, None, :], -jnp.inf)
   p = jax.nn.softmax(logits, axis=-1)
-  vv = take(pool.v)
+  vv = both(pool.v)
   return jnp.einsum("bhgc,bhck->bhgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
 
 
@@ -531,29 +537,40 @@ def pool_evict(cache: GlobalCache, policy: PolicyRule, now: jax.Array, *, repack
 
 def evict_few(pen, pos, owner, cand, count, most: int) -> jax.Array:
   """`fp.evict_largest` (largest penalty first, ties oldest, then lower owner) when each row
-  evicts at most `most` keys, as after a decode step (L * KVH new keys): three `lax.top_k`s of
-  `most` over the row instead of one sort of all of it. pen, pos, owner, cand [B, N]; count [B]
-  -> bool [B, N]. Rows evicting more, NaN penalties or positions / owners from 2**24 on take the
-  sort, so the result is always `fp.evict_largest`'s.
+  evicts at most `most` keys, as after a decode step (L * KVH new keys): a `lax.top_k` of `most`
+  over the row by penalty, and a second by age and owner (one float, pos * O + owner, O one past
+  the largest owner) only when a row's cut falls inside a tie, instead of one sort of all of it.
+  pen, pos, owner, cand [B, N]; count [B] -> bool [B, N]. Rows evicting more, NaN penalties, or
+  pos * O + owner from 2**24 on take the sort, so the result is always `fp.evict_largest`'s.
   """
   n = pen.shape[1]
   k = min(most, n)
+  span = jnp.max(jnp.where(cand, owner, 0)) + 1  # O
+  age = pos.astype(F32) * span.astype(F32) + owner.astype(F32)  # unique per key, exact below 2**24
   ok = (jnp.max(count) <= k) & ~jnp.any(cand & jnp.isnan(pen))
-  ok &= jnp.all(~cand | ((pos < _EXACT) & (owner < _EXACT)))
+  ok &= jnp.all(~cand | ((pos >= 0) & (owner >= 0) & (pos < _EXACT // span) & (age < _EXACT)))
+
+  def one_pass(gone, tie, need, key):
+    # Keeps the larger-is-first key's need-th best value v: keys above v go, those at v are tied
+    # and the next key decides among them; (pos, owner) is unique, so two passes do.
+    x = jnp.where(tie, key, -jnp.inf)
+    top = jax.lax.top_k(x, k)[0]  # [B, k] descending
+    v = jnp.take_along_axis(top, jnp.clip(need - 1, 0, k - 1)[:, None], axis=1)
+    above = tie & (x > v) & (need > 0)[:, None]
+    need = need - jnp.sum(above, axis=1)
+    return gone | above, tie & (x == v) & (need > 0)[:, None], need
 
   def few(pen, pos, owner, cand, count):
-    # Each pass keeps the larger-is-first key's need-th best value v: keys above v go, those at v
-    # are tied and the next key decides among them; (pos, owner) is unique, so three passes do.
-    gone, tie, need = jnp.zeros_like(cand), cand, count
-    for key in (pen, -pos.astype(F32), -owner.astype(F32)):
-      x = jnp.where(tie, key, -jnp.inf)
-      top = jax.lax.top_k(x, k)[0]  # [B, k] descending
-      v = jnp.take_along_axis(top, jnp.clip(need - 1, 0, k - 1)[:, None], axis=1)
-      above = tie & (x > v) & (need > 0)[:, None]
-      gone |= above
-      need = need - jnp.sum(above, axis=1)
-      tie = tie & (x == v) & (need > 0)[:, None]
-    return gone | tie
+    gone, tie, need = one_pass(jnp.zeros_like(cand), cand, count, pen)
+
+    def ties(gone, tie, need):
+      gone, tie, need = one_pass(gone, tie, need, -age)  # oldest first, then lower owner
+      return gone | tie
+
+    # Where every key tied at the row's cut is needed (distinct penalties: the usual case), the
+    # penalty pass alone decides: the age pass runs only when a row has more.
+    more = jnp.any(jnp.sum(tie, axis=1) > need)
+    return jax.lax.cond(more, ties, lambda gone, tie, need: gone | tie, gone, tie, need)
 
   return jax.lax.cond(ok, few, fp.evict_largest, pen, pos, owner, cand, count)
 

@@ -516,15 +516,16 @@ def test_key_bound_evicts_more_and_loses_at_most_eps(tiny_qk):
 
 def test_evict_few_is_evict_largest():
   """pool_evict's top-k eviction (at most L * KVH keys a step) picks exactly fp.evict_largest's keys:
-  many exact penalty and position ties, (position, owner) unique as in a pool, counts from none to
-  more than the rows' candidates; more than `most` takes the sort."""
+  many exact penalty and position ties or none, (position, owner) unique as in a pool, counts from
+  none to more than the rows' candidates; more than `most` takes the sort."""
   from fpa_jax.ops import first_passage as fp
 
   rng = np.random.default_rng(0)
   for trial in range(20):
     b, n, most = 3, 96, 8
     u = np.stack([rng.permutation(40 * 6)[:n] for _ in range(b)])  # unique (pos, owner) per row
-    pen = jnp.asarray(rng.integers(0, 3, (b, n)) * rng.random((b, 1)), jnp.float32)
+    ties = trial % 2  # odd trials: exact ties; even: distinct penalties (the penalty pass alone decides)
+    pen = jnp.asarray((rng.integers(0, 3, (b, n)) if ties else rng.random((b, n))) * rng.random((b, 1)), jnp.float32)
     pos, owner = jnp.asarray(u // 6, jnp.int32), jnp.asarray(u % 6, jnp.int32)
     cand = jnp.asarray(rng.random((b, n)) < rng.choice([0.05, 0.5, 1.0]))
     count = jnp.asarray(rng.integers(0, most + 1, b) if trial % 5 else [most + 3, 0, n], jnp.int32)
