@@ -320,22 +320,27 @@ def _attend_slots(c: int, scale: float, q, k, v, pen, mine):
 
 def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: float, limit: int):
   """Each kv head's query heads over its range of the repacked pool plus the keys it wrote since:
-  O(KVH * (C + N)) per layer, C the widest of its heads' ranges (rounded up), no per-step listing.
+  O(C_h + N) per kv head, C_h its range's width (rounded up, steps of 2^1/4), no per-step listing.
 
-  The least width C of `_widths(limit)` that holds every range of the layer's heads in every row
-  is picked at run time (`lax.switch`: static shapes, only the chosen branch runs); per head, the
-  C slots from its range's start (a window that may reach into its neighbours' ranges, masked)
-  and the N slots its keys of the steps since the repack went to are gathered in one index
-  [B, KVH, C + N]: one gather per pool array and one batched attention for the whole layer.
+  Per kv head, the least width C_h of `_widths(limit)` that holds its range in every row is picked
+  at run time (`lax.switch`: static shapes, only the chosen branch runs): the C_h slots from the
+  range's start (a window that may reach into its neighbours' ranges, masked) and the N slots its
+  keys of the steps since the repack went to. Each head has its own width because a global budget
+  makes the ranges unequal (a retrieval head may hold most of the pool): one width per layer, its
+  widest head's, made every head read as much (on a trained model, 1.42x `full`'s time per token;
+  per head about 1.0x, docs/inference.md), for a little more per token where heads are alike.
   qg [B, KVH, H/KVH, K] -> [B, KVH, H/KVH, K] fp32.
   """
   kvh = qg.shape[1]
-  lo = layer * kvh
-  own = slice(lo, lo + kvh)
   caps = _widths(limit)
-  pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(index.count[:, own]))  # the least width >= every range
-  branches = [functools.partial(_attend_window, c, scale, lo) for c in caps]
-  return jax.lax.switch(pick, branches, qg, pool, index.start[:, own], index.count[:, own], index)
+  outs = []
+  for h in range(kvh):
+    lo = layer * kvh + h
+    one = slice(lo, lo + 1)
+    pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(index.count[:, lo]))  # the least width >= its ranges
+    branches = [functools.partial(_attend_window, c, scale, lo) for c in caps]
+    outs.append(jax.lax.switch(pick, branches, qg[:, h : h + 1], pool, index.start[:, one], index.count[:, one], index))
+  return jnp.concatenate(outs, axis=1)
 
 
 def _window(x: jax.Array, start: jax.Array, c: int) -> jax.Array:
