@@ -92,9 +92,40 @@ def quiet_heads(args, seed: int) -> str:
   return rec["upper"]
 
 
+def training_args(mechanism: str, args) -> argparse.Namespace:
+  """args with the row's own training shape (`train`: e.g. DMS's longer rows at the same tokens per
+  batch); the scoring keeps the recipe's training length, so 8x stays 8x the recipe's."""
+  return argparse.Namespace(**{**vars(args), **SCREEN[mechanism].get("train", {})})
+
+
+class _NewShape:
+  """A row's data when it trains at another shape than the source: the source checkpoint's data
+  position is for the recipe's rows (the text pipeline refuses it), so the row's stream starts
+  afresh; the row's own checkpoints restore exactly."""
+
+  def __init__(self, data, log):
+    self.data, self.log = data, log
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self.data)
+
+  def get_state(self) -> dict:
+    return self.data.get_state()
+
+  def set_state(self, state: dict) -> None:
+    info = lambda st: (st.get("text") or {}).get("info")
+    if info(state) != info(self.data.get_state()):
+      self.log(f"[forget_screen] the source's data position is for {info(state)}: this row's stream starts afresh")
+      return
+    self.data.set_state(state)
+
+
 def config(mechanism: str, args, seed: int):
   """The trainer config of (mechanism, seed): the recipe's, continued to source + retrofit steps."""
-  ns = argparse.Namespace(**{**vars(args), "seed": seed, "steps": args.source_step})
+  ns = argparse.Namespace(**{**vars(training_args(mechanism, args)), "seed": seed, "steps": args.source_step})
   cfg = R.study_config(RECOMMENDED, ns, args.source_step)
   from fpa_jax.configs import replace
 
@@ -136,7 +167,10 @@ def train_one(mechanism: str, seed: int, args, argv, log) -> dict:
     ckpt.mkdir(parents=True)
     shutil.copytree(src, ckpt / src.name)
     log(f"[forget_screen] {mechanism} seed {seed}: seeded from {src}")
-  out = U.train_lm(config(mechanism, args, seed), str(wd), R.train_data(args, seed), progress_bar=False)
+  data = R.train_data(training_args(mechanism, args), seed)
+  if "train" in SCREEN[mechanism]:
+    data = _NewShape(data, log)
+  out = U.train_lm(config(mechanism, args, seed), str(wd), data, progress_bar=False)
   hist = out["history"]
   rec = {
     "mechanism": mechanism,

@@ -266,6 +266,27 @@ SCREEN: dict[str, dict[str, Any]] = {
       " full forward): the cut cells learned from the cache the model will have, the text from the whole one"
     ),
   },
+  "distill_long": {
+    "set": {
+      "evict_weight": 1.0,
+      "evict_target": 0.1,
+      "evict_window": 16,
+      "evict_ramp_steps": 300,
+      "objective_top": True,
+      "budget_loop_prob": 1.0,
+      "budget_loop_min": 0.125,
+      "budget_loop_max": 0.5,
+      "budget_loop_soft": 1.0,
+      "distill_weight": 1.0,
+    },
+    "train": {"train_len": 2048, "batch_size": 2, "passkey_rows": 1},
+    "why": (
+      "DMS's retrofit as DMS trains it, at 4x the training length (2048-token rows, a quarter as many, one of two a"
+      " passkey row: the same tokens per step): quiet_hinge_top_distill with every head keeping its walk (no architecture change, whose"
+      " no-walk heads cost the text), so that a field drifting by age loses the passkey answers of the training"
+      " rows themselves and only forgetting by content pays"
+    ),
+  },
   "utility_top": {
     "set": {"utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
     "why": (

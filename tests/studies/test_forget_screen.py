@@ -62,6 +62,35 @@ def test_quiet_rows_take_the_walk_from_heads_that_forget_nothing(tmp_path):
   assert (tau.evict_tau, tau.evict_temp, tau.head_gates) == (120.0, 30.0, "pp,pn")
 
 
+def test_a_row_may_train_at_its_own_shape():
+  """`train` overrides the rows' shape for training only (DMS's longer rows); the source's data position,
+  for the recipe's shape, is not restored into the row's stream, the row's own is."""
+  args = F.parse_args(TINY)
+  cfg = F.config("distill_long", args, 0)
+  shape = SCREEN["distill_long"]["train"]
+  assert (cfg.seq_len, cfg.batch_size) == (shape["train_len"], shape["batch_size"]) != (args.train_len, args.batch_size)
+  assert cfg.head_gates == "" and cfg.distill_weight == 1.0 and cfg.objective_layers == "1"
+  assert F.config("control", args, 0).seq_len == args.train_len  # the other rows: the recipe's shape
+
+  class Data:
+    def __init__(self, seq_len):
+      self.state = {"passkey_count": 0, "text": {"iterator": {"next_index": 0}, "info": {"seq_len": seq_len}}}
+
+    def get_state(self):
+      return self.state
+
+    def set_state(self, state):
+      self.state = state
+
+  logs = []
+  data = F._NewShape(Data(2048), logs.append)
+  data.set_state(Data(512).state | {"passkey_count": 9})  # the source's: another shape, not restored
+  assert data.get_state()["passkey_count"] == 0 and "starts afresh" in logs[0]
+  own = Data(2048).state | {"passkey_count": 7}  # the row's own checkpoint: restored
+  data.set_state(own)
+  assert data.get_state() == own and len(logs) == 1
+
+
 def test_verdict_reads_the_targets():
   cell = lambda a: {"accuracy": a}
   row = {
