@@ -158,6 +158,17 @@ _HINGE: dict[str, Any] = {"evict_weight": 1.0, "evict_target": 0.1, "evict_windo
 _NOWALK_UPPER: dict[str, Any] = {"nowalk_upper": True}
 # `nowalk_quiet`: the same, on the upper heads that forget nothing by age on the source checkpoint only
 # (`forget_screen.quiet_heads`, chosen per seed as DuoAttention picks its retrieval heads)
+# DMS's retrofit as self-distillation: the hinge on the upper layer, every step through a soft-cut
+# fpa_budget cache of 12.5-50% pulled to the model's own full forward
+_DISTILL: dict[str, Any] = {
+  **_HINGE,
+  "objective_top": True,
+  "budget_loop_prob": 1.0,
+  "budget_loop_min": 0.125,
+  "budget_loop_max": 0.5,
+  "budget_loop_soft": 1.0,
+  "distill_weight": 1.0,
+}
 SCREEN: dict[str, dict[str, Any]] = {
   "control": {"set": {}, "why": "the recipe continued as long with no mechanism: the paired control"},
   "nowalk_hinge": {
@@ -247,19 +258,7 @@ SCREEN: dict[str, dict[str, Any]] = {
     "why": "the utility labels alone, every head keeping its walk: does a rank by use need the walk gone?",
   },
   "quiet_hinge_top_distill": {
-    "set": {
-      "nowalk_quiet": True,
-      "evict_weight": 1.0,
-      "evict_target": 0.1,
-      "evict_window": 16,
-      "evict_ramp_steps": 300,
-      "objective_top": True,
-      "budget_loop_prob": 1.0,
-      "budget_loop_min": 0.125,
-      "budget_loop_max": 0.5,
-      "budget_loop_soft": 1.0,
-      "distill_weight": 1.0,
-    },
+    "set": {"nowalk_quiet": True, **_DISTILL},
     "why": (
       "DMS's retrofit on the best row: quiet_hinge_top's hinge (its compression ramp) plus every step through a"
       " soft-cut fpa_budget cache of 12.5-50% distilled to the model's own full forward (the LM loss stays on the"
@@ -267,24 +266,13 @@ SCREEN: dict[str, dict[str, Any]] = {
     ),
   },
   "distill_long": {
-    "set": {
-      "evict_weight": 1.0,
-      "evict_target": 0.1,
-      "evict_window": 16,
-      "evict_ramp_steps": 300,
-      "objective_top": True,
-      "budget_loop_prob": 1.0,
-      "budget_loop_min": 0.125,
-      "budget_loop_max": 0.5,
-      "budget_loop_soft": 1.0,
-      "distill_weight": 1.0,
-    },
+    "set": dict(_DISTILL),
     "train": {"train_len": 2048, "batch_size": 2, "passkey_rows": 1},
     "why": (
-      "DMS's retrofit as DMS trains it, at 4x the training length (2048-token rows, a quarter as many, one of two a"
-      " passkey row: the same tokens per step): quiet_hinge_top_distill with every head keeping its walk (no architecture change, whose"
-      " no-walk heads cost the text), so that a field drifting by age loses the passkey answers of the training"
-      " rows themselves and only forgetting by content pays"
+      "DMS's retrofit as DMS trains it, at 4x the training length (2048-token rows, a quarter as many, one of two"
+      " a passkey row: the same tokens per step): quiet_hinge_top_distill with every head keeping its walk (no"
+      " architecture change, whose no-walk heads cost the text), so that a field drifting by age loses the passkey"
+      " answers of the training rows themselves and only forgetting by content pays"
     ),
   },
   "utility_top": {
