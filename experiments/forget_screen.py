@@ -18,6 +18,14 @@ keeps), and on held-out bits per byte; and the per-head penalty on the needle (w
 fails). Every part is a cell of `results/forget_screen/eval/<mechanism>_s<seed>.json`, kept across
 sessions (a rerun scores only what is missing; a retrained checkpoint is scored afresh); a run
 resumes from its own checkpoints under `--runs-dir`.
+
+"The upper layers" are every layer above the first (at the recipe's 2 layers, the top one): where the
+mechanisms take the walk (`nowalk_upper`, `nowalk_quiet`) and press the objectives (`objective_top`),
+and whose heads' needle penalties the table shows. The same screen at another depth (the recipe
+pretrained at 4 layers first, `one_recipe --layers 4 --runs-dir runs/one_recipe_l4`):
+
+    python -m experiments.forget_screen --layers 4 --source-dir runs/one_recipe_l4 \
+      --runs-dir runs/forget_screen_l4 --out-dir results/forget_screen_l4 --mechanisms control quiet_hinge_top_distill
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ from experiments.recipes import RECOMMENDED, RETROFIT_RUN, SCREEN
 MODULE = "experiments.forget_screen"
 PHASES = ("train", "eval", "report")
 ASSETS = U.ROOT / "experiments" / "assets" / "one_recipe"
+ASSETS_L4 = (
+  U.ROOT / "experiments" / "assets" / "one_recipe_l4"
+)  # the recipe at 4 layers (seed 0), for the deeper screen
 # the targets of the forgetting-by-content work, judged per row: learned rule at 8x, text cost against the control
 TARGET_25, TARGET_125, TARGET_FULL, TARGET_BPB = 0.99, 0.95, 0.99, 0.005
 TARGET_TOL_SHARE = 0.25  # the tolerance policy (a bound, not a budget): >= 0.99 keeping <= 25% of the keys on average
@@ -45,27 +56,46 @@ QUIET_NATS = 1.0
 
 
 def source_checkpoint(args, seed: int) -> Path:
-  """The recipe's final checkpoint of `seed`: the one-recipe run's, else the committed copy."""
-  for root in (Path(args.source_dir) / f"{RECOMMENDED}_s{seed}", ASSETS / f"{RECOMMENDED}_s{seed}"):
+  """The recipe's final checkpoint of `seed` at `--layers` layers: the one-recipe run's, else a
+  committed copy (`ASSETS`: 2 layers, `ASSETS_L4`: 4; a checkpoint of another depth is passed over)."""
+  found = []
+  for root in (Path(args.source_dir), ASSETS, ASSETS_L4):
+    root = root / f"{RECOMMENDED}_s{seed}"
     step = root / "checkpoints" / str(args.source_step)
     if step.is_dir():
-      return step
+      depth = checkpoint_depth(step)
+      if depth == args.layers:
+        return step
+      found.append(f"{step} has {depth}")
   raise SystemExit(
-    f"no checkpoint of {RECOMMENDED} seed {seed} at step {args.source_step} under {args.source_dir} or {ASSETS}: "
-    f"train it (python -m experiments.one_recipe --phase train --methods {RECOMMENDED} --seeds {seed})"
+    f"no checkpoint of {RECOMMENDED} seed {seed} with {args.layers} layers at step {args.source_step} under "
+    f"{args.source_dir}, {ASSETS} or {ASSETS_L4}{' (' + '; '.join(found) + ')' if found else ''}: train it (python -m "
+    f"experiments.one_recipe --phase train --methods {RECOMMENDED} --seeds {seed} --layers {args.layers} "
+    f"--runs-dir {args.source_dir})"
   )
+
+
+def checkpoint_depth(step_dir: Path) -> int:
+  """The number of layers of the model saved in a checkpoint step directory (its config alone read)."""
+  from fpa_jax.checkpoint import Checkpointer
+
+  ckpt = Checkpointer(str(step_dir.parent), async_save=False)
+  try:
+    return int(ckpt.saved_config(int(step_dir.name))["n_layers"])
+  finally:
+    ckpt.close()
 
 
 def quiet_letters(stats: list[dict], nats: float = QUIET_NATS) -> str:
-  """The upper layer's gate letters from `needle_stats` rows: "n" where the median penalty < nats."""
-  top = max(r["layer"] for r in stats)
-  return "".join(
-    "n" if r["median_penalty"] < nats else "p" for r in sorted(stats, key=lambda r: r["head"]) if r["layer"] == top
-  )
+  """The upper layers' gate letters from `needle_stats` rows: "n" where the median penalty < nats, a
+  string of heads per layer above the first, joined by "," (2 layers: the top layer's string)."""
+  uppers = sorted({r["layer"] for r in stats} - {0})
+  heads = lambda i: sorted((r for r in stats if r["layer"] == i), key=lambda r: r["head"])
+  return ",".join("".join("n" if r["median_penalty"] < nats else "p" for r in heads(i)) for i in uppers)
 
 
 def quiet_heads(args, seed: int) -> str:
-  """The upper layer's gate letters for `nowalk_quiet`: "n" (no walk) on the source checkpoint's heads
+  """The upper layers' gate letters for `nowalk_quiet`: "n" (no walk) on the source checkpoint's heads
   whose median penalty at 8x is under QUIET_NATS, "p" (the walk kept) on the heads that already forget
   by age. Measured once per source checkpoint (`--needle-prompts` prompts) and kept in
   <out>/heads/s<seed>.json with the source's parameter digest, so the same parameters found
@@ -130,12 +160,18 @@ def config(mechanism: str, args, seed: int):
   from fpa_jax.configs import replace
 
   over = {**RETROFIT_RUN, **SCREEN[mechanism]["set"]}
-  if over.pop("nowalk_upper", False):  # every layer's heads FPA, the upper layer's without a walk
-    over["head_gates"] = ",".join(["p" * cfg.kv_heads] * (cfg.n_layers - 1) + ["n" * cfg.kv_heads])
+  if over.pop("nowalk_upper", False):  # every layer's heads FPA, the upper layers' without a walk
+    over["head_gates"] = ",".join(["p" * cfg.kv_heads] + ["n" * cfg.kv_heads] * (cfg.n_layers - 1))
   if over.pop("nowalk_quiet", False):  # the walk goes from the upper heads that forget nothing by age
-    over["head_gates"] = ",".join(["p" * cfg.kv_heads] * (cfg.n_layers - 1) + [quiet_heads(args, seed)])
-  if over.pop("objective_top", False):  # the objectives press the upper layer only
-    over["objective_layers"] = str(cfg.n_layers - 1)
+    quiet = quiet_heads(args, seed)
+    if quiet.count(",") != cfg.n_layers - 2:
+      raise SystemExit(
+        f"{Path(args.out_dir) / 'heads' / f's{seed}.json'} names heads for {quiet.count(',') + 2} layers, the model "
+        f"has {cfg.n_layers}: give this depth its own --out-dir"
+      )
+    over["head_gates"] = ",".join(["p" * cfg.kv_heads, quiet])
+  if over.pop("objective_top", False):  # the objectives press the upper layers only
+    over["objective_layers"] = ",".join(str(i) for i in range(1, cfg.n_layers))
   if "evict_weight" in over:  # the hinge's target ramps from where the retrofit starts (DMS)
     over.setdefault("evict_ramp_start", args.source_step)
   if "budget_loop_prob" in over:
@@ -290,16 +326,18 @@ def layer_words(tol: dict) -> str:
 
 
 def needle_words(needle: list[dict] | None) -> str:
-  """The upper layer's heads: needle penalty / median penalty, per head."""
+  """The upper layers' heads: needle penalty / median penalty, per head (per layer, "l1: ...", when
+  there are more than one)."""
   if not needle:
     return "—"
-  top = max(r["layer"] for r in needle)
-  return " ".join(
-    f"h{r['head']} {r['needle_penalty']:.1f}/{r['median_penalty']:.1f}" for r in needle if r["layer"] == top
+  uppers = sorted({r["layer"] for r in needle} - {0})
+  words = lambda i: " ".join(
+    f"h{r['head']} {r['needle_penalty']:.1f}/{r['median_penalty']:.1f}" for r in needle if r["layer"] == i
   )
+  return words(uppers[0]) if len(uppers) == 1 else "; ".join(f"l{i}: {words(i)}" for i in uppers)
 
 
-def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
+def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
   if not rows:
     return "No mechanism scored yet (`python -m experiments.forget_screen --phase train eval`).\n"
   order = [m for m in SCREEN if any(k[0] == m for k in rows)]
@@ -335,7 +373,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
       )
   head = [
     "mechanism", "seed", "fpa_budget 25%", "fpa_budget 12.5%", "fpa_global 25%", "fpa_global 12.5%", "full 8x",
-    "tolerance: acc / mean kept (per layer)", "bpb", "bpb vs control", "upper layer: needle / median penalty", "verdict",
+    "tolerance: acc / mean kept (per layer)", "bpb", "bpb vs control", "upper layers: needle / median penalty", "verdict",
   ]  # fmt: skip
   what = "\n".join(f"- `{m}`: {SCREEN[m]['why']}" for m in order)
   return (
@@ -344,39 +382,55 @@ def markdown(rows: dict[tuple[str, int], dict], argv) -> str:
     f"the cache; the targets: >= {TARGET_25} / >= {TARGET_125}, the full cache >= {TARGET_FULL}, bits per byte "
     f"<= +{100 * TARGET_BPB:g}% against `control` of the same seed, the tolerance policy >= {TARGET_FULL} keeping "
     f"<= {TARGET_TOL_SHARE:.0%} of the keys on average ('mean kept': keys held at the end / keys seen, over layers, "
-    f"heads and rows; in brackets per layer, lower first). 'needle / median penalty': the upper layer's "
-    f"heads at 8x (`experiments.needle_penalty`).\n\n" + U.md_table(head, body) + "\n\n" + what + "\n"
+    f"heads and rows; in brackets per layer, lower first). 'needle / median penalty': the upper layers' "
+    f"heads at 8x (`experiments.needle_penalty`). The recipe at {layers} layers.\n\n"
+    + U.md_table(head, body)
+    + "\n\n"
+    + what
+    + "\n"
   )
+
+
+# the screens the claims table reads: results folder -> the label of its rows (the recipe at its depth)
+SCREENS = {"forget_screen": "", "forget_screen_l4": " at 4 layers"}
 
 
 def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
   """The screen's line in the claims table: does any retrofit forget by content within the targets
   (every target, every seed it ran)? Evidence: each scored mechanism's best learned rule at 25% / 12.5%
-  and its text cost against the paired control."""
-  rows = load(root / "results" / "forget_screen")
-  mech = [m for m in SCREEN if not m.startswith("control") and any(k[0] == m for k in rows)]
-  if not mech:
+  and its text cost against the paired control, for each screen in SCREENS that has rows (the recipe at
+  2 layers; at 4)."""
+  screens = [(label, load(root / "results" / name)) for name, label in SCREENS.items()]
+  screens = [(label, rows) for label, rows in screens if rows]
+  if not screens:
     return []
-  seeds = sorted({s for _, s in rows})
 
   def best(r: dict, b: str) -> str:
     c = r.get("cache", {})
     acc = [c[k]["accuracy"] for k in (f"fpa_budget/{b}", f"fpa_global/{b}") if k in c]
     return f"{max(acc):.2f}" if acc else "—"
 
-  held, words = [], []
-  for m in mech:
-    per = [(s, rows[(m, s)]) for s in seeds if (m, s) in rows]
-    ok = [verdict(r, rows.get((control_of(m), s)))[0] == "holds" for s, r in per]
-    if ok and all(ok):
-      held.append(m)
-    for s, r in per:
-      ctl = rows.get((control_of(m), s), {}).get("text", {}).get("bpb")
-      bpb = r.get("text", {}).get("bpb")
-      cost = "" if not (ctl and bpb) else f", text {100 * (bpb / ctl - 1):+.2f}%"
-      words.append(f"`{m}` seed {s}: {best(r, '0.25')} / {best(r, '0.125')}{cost}")
+  held, words, n_mech, all_seeds = [], [], 0, set()
+  for label, rows in screens:
+    mech = [m for m in SCREEN if not m.startswith("control") and any(k[0] == m for k in rows)]
+    seeds = sorted({s for _, s in rows})
+    all_seeds |= set(seeds)
+    n_mech += len(mech)
+    for m in mech:
+      per = [(s, rows[(m, s)]) for s in seeds if (m, s) in rows]
+      ok = [verdict(r, rows.get((control_of(m), s)))[0] == "holds" for s, r in per]
+      if ok and all(ok):
+        held.append(f"`{m}`{label}")
+      for s, r in per:
+        ctl = rows.get((control_of(m), s), {}).get("text", {}).get("bpb")
+        bpb = r.get("text", {}).get("bpb")
+        cost = "" if not (ctl and bpb) else f", text {100 * (bpb / ctl - 1):+.2f}%"
+        words.append(f"`{m}`{label} seed {s}: {best(r, '0.25')} / {best(r, '0.125')}{cost}")
+  if not n_mech:
+    return []
+  seeds = sorted(all_seeds)
   seed_words = ("seeds " if len(seeds) > 1 else "seed ") + ", ".join(map(str, seeds))
-  verdict_words = f"holds (`{held[0]}`)" if held else f"not met (0 of {len(mech)} mechanisms, {seed_words})"
+  verdict_words = f"holds ({held[0]})" if held else f"not met (0 of {n_mech} mechanisms, {seed_words})"
   return [
     U.ClaimRow(
       "forgetting by content: a retrofit whose learned rule keeps passkey at 8x with 25% / 12.5% of the cache "
@@ -433,7 +487,7 @@ def main(argv=None) -> str:
         train_one(m, seed, args, argv, log)
       if "eval" in args.phase:
         eval_one(m, seed, args, argv, log)
-  md = markdown(load(out_dir), argv)
+  md = markdown(load(out_dir), argv, args.layers)
   if "report" in args.phase:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "forget_screen.md").write_text(md)

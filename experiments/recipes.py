@@ -275,6 +275,23 @@ SCREEN: dict[str, dict[str, Any]] = {
       " answers of the training rows themselves and only forgetting by content pays"
     ),
   },
+  "quiet_hinge_shared": {
+    "set": {"nowalk_quiet": True, **_HINGE, "evict_shared": True},
+    "why": (
+      "quiet_hinge_top's hinge asks every upper head to forget 90% of its old keys, the heads the text reads"
+      " included; fpa_global shares one budget across layers and heads (AdaKV, DuoAttention's retrieval heads), and"
+      " here the hinge does too (`evict_shared`: on the mean live share of every head of every layer), so that the"
+      " heads that forget by age pay for the heads that read far"
+    ),
+  },
+  "quiet_shared_distill": {
+    "set": {"nowalk_quiet": True, **{k: v for k, v in _DISTILL.items() if k != "objective_top"}, "evict_shared": True},
+    "why": (
+      "quiet_hinge_shared (+0.94% text, fpa_global 1.00 / 0.91 on seed 0) with quiet_hinge_top_distill's"
+      " self-distillation through the soft cut, which took quiet_hinge_top's 12.5% cell from 0.96 to 1.00: the"
+      " shared budget's text cost, the distillation's ranking"
+    ),
+  },
   "utility_top": {
     "set": {"utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
     "why": (

@@ -395,6 +395,8 @@ class TrainConfig(_Part):
   # softplus temperature of the penalty in the objective
   evict_soft: float = _field(0.5, V.real(0, why="0 = exact relu penalty"))
   evict_queries: int = _field(8, V.integer(1))  # sampled queries per sequence and step (stratified over the positions)
+  # one kept-fraction budget for all pressed heads together (fpa_global's), not one per (layer, kv head)
+  evict_shared: bool = _field(False, V.flag())
   # ---- utility-supervised levels (fpa_jax.losses, fpa_jax.ops.utility; off at utility_weight 0) ----
   # Old keys (outside evict_window, at evict_queries sampled queries) are labelled keep / evict by the
   # attention later queries give them (the top utility_keep share kept) and the soft live indicator

@@ -20,7 +20,9 @@ hinge is 0) to 1 / evict_target; evict_ramp_steps = 0 starts at the final target
 delays the ramp to a later step: retrofitting a trained run (DMS's recipe) starts it at the run's
 step, where the optimizer's step count resumes. The hinge is per
 (sequence, query, layer, kv head), averaged over (query, old key) pairs (`hinge_live_fraction`):
-every head must fit the budget on its own, as the per-head `fpa_budget` cache does.
+every head must fit the budget on its own, as the per-head `fpa_budget` cache does; with
+evict_shared the heads of every pressed layer share one budget, as `fpa_global`'s cache does (the
+hinge on their mean live fraction: a head that retrieves may keep more where others keep less).
 Metrics (all scalars, logged with the train metrics): evict_loss (the hinge, before the weight),
 evict_target, evict_live (soft live fraction over all layers), evict_live_l{i} (per layer) and
 evict_live_hard (penalty < evict_tau with the exact penalty: what a threshold policy would keep).
@@ -128,11 +130,20 @@ def evict_terms(gates: tuple[jax.Array, jax.Array], segment_ids, cfg, step, key)
     temp=cfg.evict_temp,
     soft=cfg.evict_soft,
     queries=cfg.evict_queries,
+    shared=cfg.evict_shared,
   )
 
 
 _EVICT = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name.startswith("evict_")}
-HINGE_OPTIONS = ("target", "window", "tau", "temp", "soft", "queries")  # evictability_hinge's, as evict_<name>
+HINGE_OPTIONS = (
+  "target",
+  "window",
+  "tau",
+  "temp",
+  "soft",
+  "queries",
+  "shared",
+)  # evictability_hinge's, as evict_<name>
 
 
 def evictability_hinge(
@@ -146,6 +157,7 @@ def evictability_hinge(
   temp: float = _EVICT["evict_temp"],
   soft: float = _EVICT["evict_soft"],
   queries: int = _EVICT["evict_queries"],
+  shared: bool = _EVICT["evict_shared"],
 ) -> tuple[jax.Array, dict]:
   """The evictability hinge from gate outputs (field, level) [L, B, T, KVH] each (`layers.with_gates`)
   -> (hinge [] fp32, metrics): the module docstring's term, before its weight.
@@ -154,22 +166,24 @@ def evictability_hinge(
   step). target: the kept fraction of the keys outside the recent `window`, in (0, 1] (a scalar,
   may be traced: `evict_target`'s ramp); tau, temp, soft: the soft count's half-life penalty (nats),
   width and softplus temperature (`ops.evictability.live_counts`). segment_ids [B, T]: keys of
-  another segment do not count. Defaults: the TrainConfig evict_* fields'.
+  another segment do not count. shared: one budget for every head of every layer together
+  (`ops.evictability.hinge_live_fraction`), not one per (layer, kv head). Defaults: the TrainConfig
+  evict_* fields'.
   metrics: evict_loss, evict_target, evict_live, evict_live_hard, evict_live_l{i} (scalars, no gradient)."""
   field, level = gates
   n_layers, b, t, kvh = field.shape
   fold = lambda a: jnp.moveaxis(a, 0, 2).reshape(b, t, n_layers * kvh)  # layers become heads
-  kw = dict(target=target, window=window, tau=tau, temp=temp, soft=soft, queries=queries)
+  kw = dict(target=target, window=window, tau=tau, temp=temp, soft=soft, queries=queries, shared=shared)
   return _hinge(fold(field), fold(level), (kvh,) * n_layers, key, segment_ids, **kw)
 
 
-def _hinge(field, level, heads, key, segment_ids, *, target, window, tau, temp, soft, queries):
+def _hinge(field, level, heads, key, segment_ids, *, target, window, tau, temp, soft, queries, shared):
   """`evictability_hinge` on every layer's heads side by side: field, level [B, T, sum(heads)], layer
   i's `heads[i]` kv heads in a row."""
   b, t, _ = field.shape
   q = E.sample_queries(key, b, t, queries, window)
   counts = E.live_counts(field, level, q, window=window, tau=tau, temp=temp, soft=soft, segment_ids=segment_ids)
-  hinge, _ = E.hinge_live_fraction(counts, target)
+  hinge, _ = E.hinge_live_fraction(counts, target, shared)
   pooled = jax.lax.stop_gradient(E.pooled_fraction(counts.soft, counts.eligible))  # [sum(heads)]
   if len(set(heads)) == 1:
     per_layer = pooled.reshape(len(heads), heads[0]).mean(-1)

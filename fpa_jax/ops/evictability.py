@@ -145,16 +145,23 @@ def pair_penalties(
   return pen, hard_pen, elig
 
 
-def hinge_live_fraction(counts: LiveCounts, target) -> tuple[jax.Array, jax.Array]:
+def hinge_live_fraction(counts: LiveCounts, target, shared: bool = False) -> tuple[jax.Array, jax.Array]:
   """One-sided hinge at a kept fraction: (loss, live_frac [B, Q, H]).
 
   live_frac = soft / max(eligible, 1); loss = sum over (b, q, h) of eligible * relu(live_frac -
   target), divided by the sum of eligible (over the H heads too): a mean over (query, old key)
   pairs, so queries with long pasts (where a cache costs most) weigh most and a query with no
   eligible key weighs nothing (loss 0 if none has any). `target` in (0, 1] (a scalar; 1 = no
-  pressure, since live_frac <= 1)."""
+  pressure, since live_frac <= 1).
+
+  shared=True: one budget for the H heads together (`fpa_global`'s, AdaKV's), not one each: the
+  hinge is on the heads' mean live fraction, sum over (b, q) of eligible * relu(mean_h live_frac -
+  target) / sum of eligible, so a head may keep more where another keeps less."""
   elig = counts.eligible[..., None]  # [B, Q, 1]
   frac = counts.soft / jnp.maximum(elig, 1.0)
+  if shared:
+    loss = jnp.sum(elig[..., 0] * jax.nn.relu(frac.mean(-1) - target)) / jnp.maximum(jnp.sum(elig), 1.0)
+    return loss, frac
   h = counts.soft.shape[-1]
   loss = jnp.sum(elig * jax.nn.relu(frac - target)) / jnp.maximum(h * jnp.sum(elig), 1.0)
   return loss, frac

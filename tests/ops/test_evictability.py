@@ -107,6 +107,51 @@ def test_live_counts_match_loop_reference(b, t, h, nq, w, soft, seg):
     assert float(loss) == 0.0 and not np.asarray(frac).any()
 
 
+def hinge_np(soft, eligible, target, shared):
+  """The hinge by loops in float64: per (row, query), each head's live share of the eligible keys
+  (or, shared, their mean over heads) above the target, weighted by the eligible count."""
+  b, nq, h = soft.shape
+  num = den = 0.0
+  for i in range(b):
+    for j in range(nq):
+      e = float(eligible[i, j])
+      fr = [soft[i, j, k] / max(e, 1.0) for k in range(h)]
+      if shared:
+        num += e * max(sum(fr) / h - target, 0.0)
+      else:
+        num += sum(e * max(f - target, 0.0) for f in fr)
+      den += e
+  return num / max((1 if shared else h) * den, 1.0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_hinge_matches_loop_reference(shared):
+  """Per head or one budget shared by the heads (fpa_global's): values and gradients against float64
+  loops; shared lets one head keep more where another keeps less (no loss at a mean under target)."""
+  rng = np.random.default_rng(7)
+  b, nq, h = 3, 5, 4
+  eligible = rng.integers(0, 9, size=(b, nq)).astype(np.float64)
+  soft = rng.uniform(0, 1, size=(b, nq, h)) * eligible[..., None]
+  target = 0.3
+  counts = lambda s: E.LiveCounts(s, jnp.zeros_like(s), jnp.asarray(eligible, jnp.float32))  # noqa: E731
+  f = lambda s: E.hinge_live_fraction(counts(s), target, shared)[0]  # noqa: E731
+  got = f(jnp.asarray(soft, jnp.float32))
+  assert_close(got, hinge_np(soft, eligible, target, shared), dtype=np.float32, n=b * nq * h)
+  g = np.asarray(jax.grad(f)(jnp.asarray(soft, jnp.float32)), np.float64)
+  eps, fd = 1e-6, np.zeros_like(soft)
+  for idx in np.ndindex(soft.shape):
+    up, dn = soft.copy(), soft.copy()
+    up[idx] += eps
+    dn[idx] -= eps
+    fd[idx] = (hinge_np(up, eligible, target, shared) - hinge_np(dn, eligible, target, shared)) / (2 * eps)
+  assert_close(g, fd, dtype=np.float32, n=b * nq * h)
+  # one head holding everything, three nothing: a mean of 0.25 under a 0.3 budget costs nothing shared
+  lopsided = np.zeros((1, 1, 4))
+  lopsided[0, 0, 0] = 8.0
+  loss = float(E.hinge_live_fraction(E.LiveCounts(*map(jnp.asarray, (lopsided, lopsided, [[8.0]]))), 0.3, shared)[0])
+  assert loss == (0.0 if shared else pytest.approx(0.7 / 4))
+
+
 @pytest.mark.parametrize("soft", [0.0, 0.5])
 def test_live_count_gradients_match_finite_differences(soft):
   b, t, h, nq, w = 2, 7, 2, 3, 1
@@ -236,6 +281,16 @@ def test_objective_gradient_reaches_the_gate(batch, lm_path):
     scale = max(np.abs(g_lm[k]).max() for k in gate if k.startswith(layer))
     assert diff > 1e-2 * scale, layer
   assert_close(g["final_norm/scale"], g_lm["final_norm/scale"], n=64 * 64)  # after the last gate: the LM's only
+
+
+def test_shared_budget_reaches_the_trainer(batch, lm_path):
+  """`evict_shared`: the trainer's hinge is the heads' shared one, never above the per-head one
+  (the relu of a mean is at most the mean of the relus) and still pressing at a low target."""
+  model = lm_path[0]
+  kw = dict(evict_weight=1.0, evict_target=0.1, evict_window=2, evict_queries=4)
+  run = lambda cfg: losses.objective(model, batch, cfg, 0, jax.random.key(0))[1]["evict_loss"]  # noqa: E731
+  each, shared = float(run(tiny(**kw))), float(run(tiny(**kw, evict_shared=True)))
+  assert 0 < shared <= each
 
 
 def test_target_ramp_is_dms():

@@ -62,6 +62,31 @@ def test_quiet_rows_take_the_walk_from_heads_that_forget_nothing(tmp_path):
   assert (tau.evict_tau, tau.evict_temp, tau.head_gates) == (120.0, 30.0, "pp,pn")
 
 
+def test_deeper_screens_press_every_layer_above_the_first(monkeypatch):
+  """At 4 layers "the upper layers" are layers 1-3: the walk goes from all of them (or from their quiet
+  heads, per layer), the objectives press all of them; a source checkpoint of another depth is passed
+  over with an error that says which to train."""
+  args = F.parse_args(TINY[2:] + ["--layers", "4", "--source-dir", "/nonexistent"])
+  with pytest.raises(SystemExit, match="4 layers.*has 2.*--layers 4"):
+    F.source_checkpoint(args, 1)  # only the committed copy at the recipe's 2 layers
+  assert F.source_checkpoint(args, 0).is_relative_to(F.ASSETS_L4)  # the 4-layer one, not seed 0's 2-layer
+  stats = [
+    {"layer": i, "head": h, "median_penalty": m, "needle_penalty": 0.0}
+    for i, ms in enumerate([(9.0, 9.0), (0.0, 50.0), (0.2, 0.1), (30.0, 0.0)])
+    for h, m in enumerate(ms)
+  ]
+  assert F.quiet_letters(stats) == "np,nn,pn"
+  assert F.needle_words(stats).startswith("l1: h0 0.0/0.0 h1 0.0/50.0; l2: h0 0.0/0.2")
+  assert F.needle_words([r for r in stats if r["layer"] < 2]) == "h0 0.0/0.0 h1 0.0/50.0"  # 2 layers: as before
+  cfg = F.config("nowalk_hinge_top", args, 0)
+  assert cfg.head_gates == "pp,nn,nn,nn" and cfg.objective_layers == "1,2,3" and cfg.objective_layer_ids == (1, 2, 3)
+  monkeypatch.setattr(F, "quiet_heads", lambda a, s: "np,nn,pn")  # the source's measured letters
+  assert F.config("quiet_hinge_top", args, 0).head_gates == "pp,np,nn,pn"
+  monkeypatch.setattr(F, "quiet_heads", lambda a, s: "pn")  # a heads file of the 2-layer screen
+  with pytest.raises(SystemExit, match="names heads for 2 layers, the model has 4"):
+    F.config("quiet_hinge_top", args, 0)
+
+
 def test_a_row_may_train_at_its_own_shape():
   """`train` overrides the rows' shape for training only (DMS's longer rows); the source's data position,
   for the recipe's shape, is not restored into the row's stream, the row's own is."""
@@ -155,6 +180,12 @@ def test_committed_recipe_checkpoint_is_the_scored_one():
     assert (
       src.is_relative_to(F.ASSETS) and U.params_digest(load_model(str(src.parent.parent))[0]) == kept["source_params"]
     )
+  args.layers = 4  # the recipe at 4 layers: the parameters the deeper screen's rows retrofitted
+  src = F.source_checkpoint(args, 0)
+  kept = json.loads((U.ROOT / "results" / "forget_screen_l4" / "heads" / "s0.json").read_text())
+  assert (
+    src.is_relative_to(F.ASSETS_L4) and U.params_digest(load_model(str(src.parent.parent))[0]) == kept["source_params"]
+  )
 
 
 def test_claim_row_judges_every_target(tmp_path):
@@ -174,3 +205,11 @@ def test_claim_row_judges_every_target(tmp_path):
   assert "`nowalk_hinge` seed 0: 1.00 / 1.00, text +4.00%" in row.evidence and "control" not in row.evidence
   (ev / "nowalk_s0.json").unlink()
   assert F.claim_rows(tmp_path)[0].verdict == "not met (0 of 1 mechanisms, seed 0)"
+  deep = tmp_path / "results" / "forget_screen_l4" / "eval"  # the same screen at 4 layers: its rows labelled
+  deep.mkdir(parents=True)
+  for m, r in rows.items():
+    (deep / f"{m}_s0.json").write_text(json.dumps({**r, "mechanism": m}))
+  (row,) = F.claim_rows(tmp_path)
+  assert (
+    row.verdict == "holds (`nowalk` at 4 layers)" and "`nowalk_hinge` at 4 layers seed 0: 1.00 / 1.00" in row.evidence
+  )
