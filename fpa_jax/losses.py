@@ -135,15 +135,8 @@ def evict_terms(gates: tuple[jax.Array, jax.Array], segment_ids, cfg, step, key)
 
 
 _EVICT = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name.startswith("evict_")}
-HINGE_OPTIONS = (
-  "target",
-  "window",
-  "tau",
-  "temp",
-  "soft",
-  "queries",
-  "shared",
-)  # evictability_hinge's, as evict_<name>
+# evictability_hinge's options, each the TrainConfig's evict_<name>
+HINGE_OPTIONS = ("target", "window", "tau", "temp", "soft", "queries", "shared")
 
 
 def evictability_hinge(
