@@ -158,11 +158,10 @@ _HINGE: dict[str, Any] = {"evict_weight": 1.0, "evict_target": 0.1, "evict_windo
 _NOWALK_UPPER: dict[str, Any] = {"nowalk_upper": True}
 # `nowalk_quiet`: the same, on the upper heads that forget nothing by age on the source checkpoint only
 # (`forget_screen.quiet_heads`, chosen per seed as DuoAttention picks its retrieval heads)
-# DMS's retrofit as self-distillation: the hinge on the upper layer, every step through a soft-cut
-# fpa_budget cache of 12.5-50% pulled to the model's own full forward
+# DMS's retrofit as self-distillation: the hinge, every step through a soft-cut fpa_budget cache of
+# 12.5-50% pulled to the model's own full forward (the rows say which layers the hinge presses)
 _DISTILL: dict[str, Any] = {
   **_HINGE,
-  "objective_top": True,
   "budget_loop_prob": 1.0,
   "budget_loop_min": 0.125,
   "budget_loop_max": 0.5,
@@ -258,7 +257,7 @@ SCREEN: dict[str, dict[str, Any]] = {
     "why": "the utility labels alone, every head keeping its walk: does a rank by use need the walk gone?",
   },
   "quiet_hinge_top_distill": {
-    "set": {"nowalk_quiet": True, **_DISTILL},
+    "set": {"nowalk_quiet": True, **_DISTILL, "objective_top": True},
     "why": (
       "DMS's retrofit on the best row: quiet_hinge_top's hinge (its compression ramp) plus every step through a"
       " soft-cut fpa_budget cache of 12.5-50% distilled to the model's own full forward (the LM loss stays on the"
@@ -266,7 +265,7 @@ SCREEN: dict[str, dict[str, Any]] = {
     ),
   },
   "distill_long": {
-    "set": dict(_DISTILL),
+    "set": {**_DISTILL, "objective_top": True},
     "train": {"train_len": 2048, "batch_size": 2, "passkey_rows": 1},
     "why": (
       "DMS's retrofit as DMS trains it, at 4x the training length (2048-token rows, a quarter as many, one of two"
@@ -285,7 +284,7 @@ SCREEN: dict[str, dict[str, Any]] = {
     ),
   },
   "quiet_shared_distill": {
-    "set": {"nowalk_quiet": True, **{k: v for k, v in _DISTILL.items() if k != "objective_top"}, "evict_shared": True},
+    "set": {"nowalk_quiet": True, **_DISTILL, "evict_shared": True},
     "why": (
       "quiet_hinge_shared (+0.94% text, fpa_global 1.00 / 0.91 on seed 0) with quiet_hinge_top_distill's"
       " self-distillation through the soft cut, which took quiet_hinge_top's 12.5% cell from 0.96 to 1.00: the"
