@@ -291,6 +291,30 @@ SCREEN: dict[str, dict[str, Any]] = {
       " shared budget's text cost, the distillation's ranking"
     ),
   },
+  "quiet": {
+    "set": {"nowalk_quiet": True},
+    "why": (
+      "the architecture of the quiet rows alone (the walk taken from the upper heads that forget nothing by age),"
+      " no objective: how much of their text cost (+3.2% to +3.8% on seed 1, where all four upper heads are quiet)"
+      " is the lost walk, how much the forgetting"
+    ),
+  },
+  "quiet_shared_distill_t25": {
+    "set": {"nowalk_quiet": True, **_DISTILL, "evict_shared": True, "evict_target": 0.25},
+    "why": (
+      "quiet_shared_distill (fpa_global 1.00 / 1.00 on seeds 0 and 1, at +1.06% and +3.24% text) asking only 75%"
+      " of the old keys gone, not 90%: the caches keep 25% and 12.5%, the distillation ranks within them, and"
+      " per head the same change took quiet_hinge_top's text cost from +1.66% to +0.78%"
+    ),
+  },
+  "retrieval2_shared_distill_t25": {
+    "set": {"nowalk_retrieval": 2, **_DISTILL, "evict_shared": True, "evict_target": 0.25},
+    "why": (
+      "quiet_shared_distill_t25 with the walk taken from two upper heads only, the two quiet ones that give the"
+      " needle the most attention on the source (DuoAttention's retrieval heads): the other heads keep their walk"
+      " for the text and may forget by age, which the shared budget lets them"
+    ),
+  },
   "utility_top": {
     "set": {"utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
     "why": (

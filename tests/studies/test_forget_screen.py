@@ -62,6 +62,30 @@ def test_quiet_rows_take_the_walk_from_heads_that_forget_nothing(tmp_path):
   assert (tau.evict_tau, tau.evict_temp, tau.head_gates) == (120.0, 30.0, "pp,pn")
 
 
+def test_retrieval_rows_take_the_walk_from_the_quiet_heads_that_read_the_needle_most(tmp_path):
+  """`nowalk_retrieval: n`: of each upper layer's quiet heads, only the n with the largest needle mass
+  lose their walk; a head that forgets by age keeps it however much it reads the needle."""
+  stats = [{"layer": 0, "head": h, "median_penalty": 90.0, "needle_mass": 0.5} for h in range(4)] + [
+    {"layer": 1, "head": h, "median_penalty": m, "needle_mass": a}
+    for h, (m, a) in enumerate([(80.0, 0.9), (0.1, 0.02), (0.5, 0.04), (0.2, 0.03)])
+  ]
+  assert F.quiet_letters(stats) == "pnnn"
+  assert F.quiet_letters(stats, most=2) == "ppnn" and F.quiet_letters(stats, most=1) == "ppnp"
+  assert F.quiet_letters(stats, most=9) == "pnnn"  # more than there are quiet heads: all of them
+  args = F.parse_args(TINY + ["--out-dir", str(tmp_path)])
+  src = F.source_checkpoint(args, 0)
+  two = [  # the tiny source's 2 heads a layer: upper h0 forgets by age, h1 is quiet
+    {"layer": i, "head": h, "median_penalty": m, "needle_mass": 0.1}
+    for i, ms in enumerate([(90.0, 90.0), (80.0, 0.5)])
+    for h, m in enumerate(ms)
+  ]
+  (tmp_path / "heads").mkdir()
+  rec = {"source": str(src), "quiet_nats": F.QUIET_NATS, "upper": F.quiet_letters(two), "needle": two}
+  (tmp_path / "heads" / "s0.json").write_text(json.dumps(rec))
+  cfg = F.config("retrieval2_shared_distill_t25", args, 0)
+  assert cfg.head_gates == "pp,pn" and cfg.evict_shared and cfg.evict_target == 0.25 and cfg.distill_weight == 1.0
+
+
 def test_deeper_screens_press_every_layer_above_the_first(monkeypatch):
   """At 4 layers "the upper layers" are layers 1-3: the walk goes from all of them (or from their quiet
   heads, per layer), the objectives press all of them; a source checkpoint of another depth is passed
@@ -80,9 +104,9 @@ def test_deeper_screens_press_every_layer_above_the_first(monkeypatch):
   assert F.needle_words([r for r in stats if r["layer"] < 2]) == "h0 0.0/0.0 h1 0.0/50.0"  # 2 layers: as before
   cfg = F.config("nowalk_hinge_top", args, 0)
   assert cfg.head_gates == "pp,nn,nn,nn" and cfg.objective_layers == "1,2,3" and cfg.objective_layer_ids == (1, 2, 3)
-  monkeypatch.setattr(F, "quiet_heads", lambda a, s: "np,nn,pn")  # the source's measured letters
+  monkeypatch.setattr(F, "quiet_heads", lambda a, s, most=None: "np,nn,pn")  # the source's measured letters
   assert F.config("quiet_hinge_top", args, 0).head_gates == "pp,np,nn,pn"
-  monkeypatch.setattr(F, "quiet_heads", lambda a, s: "pn")  # a heads file of the 2-layer screen
+  monkeypatch.setattr(F, "quiet_heads", lambda a, s, most=None: "pn")  # a heads file of the 2-layer screen
   with pytest.raises(SystemExit, match="names heads for 2 layers, the model has 4"):
     F.config("quiet_hinge_top", args, 0)
 
@@ -132,8 +156,14 @@ def test_verdict_reads_the_targets():
   assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
   assert F.layer_words(row["cache"]["fpa/tol"]) == ""  # a cell from before the per-layer share
   assert F.layer_words({"kept_fraction_per_layer": [0.301, 0.76]}) == " (0.30 / 0.76)"
+  # heuristics scored at 12.5%: the learned rule must lead the best of them by >= 0.1
+  row["cache"] |= {"window/0.125": cell(0.2), "snapkv/0.125": cell(0.87)}
+  assert F.best_heuristic(row, "0.125") == ("snapkv", 0.87) and F.best_heuristic(row, "0.25") is None
+  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("fails", ["heuristics"])
+  row["cache"]["snapkv/0.125"] = cell(0.86)
+  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
   row["cache"]["fpa_global/0.125"] = cell(0.94)
-  assert F.verdict(row, None) == ("fails", ["12.5%"])
+  assert F.verdict(row, None) == ("fails", ["12.5%", "heuristics"])
 
 
 @pytest.mark.slow
@@ -157,6 +187,10 @@ def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
   before = (tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text()
   F.main(argv)  # all done: nothing retrained or rescored
   assert (tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text() == before
+  md = F.main(argv + ["--heuristics", "window"])  # a heuristic asked later: only its cell is scored
+  after = json.loads((tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text())
+  assert set(after["cache"]) - set(row["cache"]) == {"window/0.125"} and after["text"] == row["text"]
+  assert "(window) |" in md
   assert (tmp_path / "out" / "forget_screen.md").exists()
 
 
@@ -204,7 +238,22 @@ def test_claim_row_judges_every_target(tmp_path):
   assert row.verdict == "holds (`nowalk`)"  # +0.25% text, 1.00 / 0.97: every target
   assert "`nowalk_hinge` seed 0: 1.00 / 1.00, text +4.00%" in row.evidence and "control" not in row.evidence
   (ev / "nowalk_s0.json").unlink()
-  assert F.claim_rows(tmp_path)[0].verdict == "not met (0 of 1 mechanisms, seed 0)"
+  (row,) = F.claim_rows(tmp_path)
+  assert row.verdict == "not met (0 of 1 mechanisms, seed 0)" and not row.evidence.startswith("every cache")
+  # every cache target on every seed is named once all of them were judged: the heuristics scored, and
+  # FoX beside the recipe (same seed), whose best rule at 12.5% must trail the learned rule's by >= 0.1
+  hinge = {**rows["nowalk_hinge"], "mechanism": "nowalk_hinge"}
+  hinge["cache"] = {**hinge["cache"], "snapkv/0.125": cell(0.5)}
+  (ev / "nowalk_hinge_s0.json").write_text(json.dumps(hinge))
+  fox = tmp_path / "results" / "one_recipe" / "eval"
+  fox.mkdir(parents=True)
+  (fox / "fox_s0.json").write_text(json.dumps({"cache": {"parallel/fpa_global/0.125": cell(0.9), "x/0.25": cell(1.0)}}))
+  assert F.fox_best(0, root=tmp_path) == ("fpa_global", 0.9) and F.fox_best(1, root=tmp_path) is None
+  (row,) = F.claim_rows(tmp_path)
+  assert row.evidence.startswith("every cache target") and "not: `nowalk_hinge` (1 of 1 seed)" in row.evidence
+  (fox / "fox_s0.json").write_text(json.dumps({"cache": {"parallel/fpa_global/0.125": cell(0.95)}}))
+  assert not F.claim_rows(tmp_path)[0].evidence.startswith("every cache target")  # 1.00 against FoX's 0.95
+  (fox / "fox_s0.json").unlink()
   deep = tmp_path / "results" / "forget_screen_l4" / "eval"  # the same screen at 4 layers: its rows labelled
   deep.mkdir(parents=True)
   for m, r in rows.items():
@@ -213,3 +262,12 @@ def test_claim_row_judges_every_target(tmp_path):
   assert (
     row.verdict == "holds (`nowalk` at 4 layers)" and "`nowalk_hinge` at 4 layers seed 0: 1.00 / 1.00" in row.evidence
   )
+
+
+def test_docstring_commands_parse():
+  """Every `python -m experiments.forget_screen ...` in the module's docstring is a valid command line."""
+  doc = F.__doc__.replace("\\\n", " ")
+  cmds = [ln.split("#")[0].split()[3:] for ln in doc.splitlines() if ln.strip().startswith("python -m " + F.MODULE)]
+  assert len(cmds) >= 4
+  for argv in cmds:
+    F.parse_args(argv)
