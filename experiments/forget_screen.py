@@ -27,8 +27,8 @@ sessions (a rerun scores only what is missing; a retrained checkpoint is scored 
 resumes from its own checkpoints under `--runs-dir`.
 
 "The upper layers" are every layer above the first (at the recipe's 2 layers, the top one): where the
-mechanisms take the walk (`nowalk_upper`, `nowalk_quiet`, `nowalk_retrieval`) and press the objectives (`objective_top`),
-and whose heads' needle penalties the table shows. The same screen at another depth (the recipe
+mechanisms take the walk (`nowalk_upper`, `nowalk_quiet`, `nowalk_retrieval`) and press the objectives
+(`objective_top`), and whose heads' needle penalties the table shows. The same screen at another depth (the recipe
 pretrained at 4 layers first, `one_recipe --layers 4 --runs-dir runs/one_recipe_l4`):
 
     python -m experiments.forget_screen --layers 4 --source-dir runs/one_recipe_l4 \
