@@ -313,13 +313,21 @@ def load(out_dir: Path) -> dict[tuple[str, int], dict]:
   return {(r["mechanism"], int(r["seed"])): r for r in map(U.read_json, sorted((out_dir / "eval").glob("*.json")))}
 
 
+FOX_LAYERS = 2  # the one-recipe study trains FoX at the recipe's depth: only a screen at it is read against FoX
+
+
 def fox_best(seed: int, budget: str = "0.125", root: Path = U.ROOT) -> tuple[str, float] | None:
   """(rule, accuracy) of FoX's best cache rule at `budget` on `seed`, any rule and prefill the one-recipe
-  study scored (`results/one_recipe/eval/fox_s<seed>.json`: FoX trained beside the recipe, at its 2
-  layers); None where it was not scored."""
+  study scored (`results/one_recipe/eval/fox_s<seed>.json`: FoX trained beside the recipe, at its
+  FOX_LAYERS layers); None where it was not scored."""
   r = U.read_json(root / "results" / "one_recipe" / "eval" / f"fox_s{seed}.json") or {}
   got = [(k.split("/")[1], c["accuracy"]) for k, c in r.get("cache", {}).items() if k.endswith(f"/{budget}")]
   return max(got, key=lambda x: x[1]) if got else None
+
+
+def fox_by_seed(seeds, layers: int, root: Path = U.ROOT) -> dict[int, tuple[str, float] | None]:
+  """`fox_best` of each seed, read once, for a screen at `layers` layers (None at another depth)."""
+  return {s: fox_best(s, root=root) if layers == FOX_LAYERS else None for s in seeds}
 
 
 def verdict(row: dict, control: dict | None, fox: tuple[str, float] | None = None) -> tuple[str, list[str]]:
@@ -382,11 +390,12 @@ def needle_words(needle: list[dict] | None) -> str:
 
 
 def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
-  """The screen's table; FoX's best rule (`fox_best`) is read against the rows at FoX's 2 layers only."""
+  """The screen's table; FoX's best rule (`fox_best`) is read against the rows at FOX_LAYERS only."""
   if not rows:
     return "No mechanism scored yet (`python -m experiments.forget_screen --phase train eval`).\n"
   order = [m for m in SCREEN if any(k[0] == m for k in rows)]
   seeds = sorted({s for _, s in rows})
+  foxes = fox_by_seed(seeds, layers)
   body = []
   for m in order:
     for s in seeds:
@@ -399,7 +408,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
       bpb = r.get("text", {}).get("bpb")
       d = "—" if bpb is None or not ctl or "text" not in ctl else f"{100 * (bpb / ctl['text']['bpb'] - 1):+.2f}%"
       tol = c.get("fpa/tol", {})
-      fox = fox_best(s) if layers == 2 else None
+      fox = foxes[s]
       v, why = verdict(r, ctl, fox)
       body.append(
         [
@@ -444,7 +453,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
 
 
 # the screens the claims table reads: results folder -> the label of its rows (the recipe at its depth)
-SCREENS = {"forget_screen": "", "forget_screen_l4": " at 4 layers"}
+SCREENS = {"forget_screen": ("", 2), "forget_screen_l4": (" at 4 layers", 4)}  # folder -> (label, layers)
 
 
 def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
@@ -452,10 +461,8 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
   (every target, every seed it ran)? Evidence: each scored mechanism's best learned rule at 25% / 12.5%
   and its text cost against the paired control, for each screen in SCREENS that has rows (the recipe at
   2 layers; at 4)."""
-  # FoX was trained at the recipe's 2 layers: only that screen's rows are read against it
-  fox = {name: (lambda s: fox_best(s, root=root)) if name == "forget_screen" else (lambda s: None) for name in SCREENS}
-  screens = [(label, load(root / "results" / name), fox[name]) for name, label in SCREENS.items()]
-  screens = [(label, rows, fox_of) for label, rows, fox_of in screens if rows]
+  screens = [(label, layers, load(root / "results" / name)) for name, (label, layers) in SCREENS.items()]
+  screens = [(label, layers, rows) for label, layers, rows in screens if rows]
   if not screens:
     return []
 
@@ -465,20 +472,21 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
     return f"{max(acc):.2f}" if acc else "—"
 
   held, cache_only, words, n_mech, all_seeds = [], [], [], 0, set()
-  for label, rows, fox_of in screens:
+  for label, layers, rows in screens:
     mech = [m for m in SCREEN if not m.startswith("control") and any(k[0] == m for k in rows)]
     seeds = sorted({s for _, s in rows})
+    foxes = fox_by_seed(seeds, layers, root)
     all_seeds |= set(seeds)
     n_mech += len(mech)
     for m in mech:
       per = [(s, rows[(m, s)]) for s in seeds if (m, s) in rows]
-      fails = [verdict(r, rows.get((control_of(m), s)), fox_of(s))[1] for s, r in per]
+      fails = [verdict(r, rows.get((control_of(m), s)), foxes[s])[1] for s, r in per]
       if fails and not any(fails):
         held.append(f"`{m}`{label}")
       elif (
         fails
         and all(set(f) <= {"text", "tolerance"} for f in fails)  # every cache target, every seed ...
-        and all(best_heuristic(r, "0.125") and fox_of(s) for s, r in per)  # ... all of them judged
+        and all(best_heuristic(r, "0.125") and foxes[s] for s, r in per)  # ... all of them judged
       ):
         cache_only.append(f"`{m}`{label} ({len(fails)} of {len(fails)} seed{'s' * (len(fails) > 1)})")
       for s, r in per:

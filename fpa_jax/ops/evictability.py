@@ -159,11 +159,8 @@ def hinge_live_fraction(counts: LiveCounts, target, shared: bool = False) -> tup
   target) / sum of eligible, so a head may keep more where another keeps less."""
   elig = counts.eligible[..., None]  # [B, Q, 1]
   frac = counts.soft / jnp.maximum(elig, 1.0)
-  if shared:
-    loss = jnp.sum(elig[..., 0] * jax.nn.relu(frac.mean(-1) - target)) / jnp.maximum(jnp.sum(elig), 1.0)
-    return loss, frac
-  h = counts.soft.shape[-1]
-  loss = jnp.sum(elig * jax.nn.relu(frac - target)) / jnp.maximum(h * jnp.sum(elig), 1.0)
+  over = frac.mean(-1, keepdims=True) if shared else frac  # [B, Q, 1] one budget, or [B, Q, H] one each
+  loss = jnp.sum(elig * jax.nn.relu(over - target)) / jnp.maximum(over.shape[-1] * jnp.sum(elig), 1.0)
   return loss, frac
 
 
