@@ -27,7 +27,7 @@ sessions (a rerun scores only what is missing; a retrained checkpoint is scored 
 resumes from its own checkpoints under `--runs-dir`.
 
 "The upper layers" are every layer above the first (at the recipe's 2 layers, the top one): where the
-mechanisms take the walk (`nowalk_upper`, `nowalk_quiet`, `nowalk_retrieval`) and press the objectives
+mechanisms take the walk (`nowalk_upper`, `nowalk_quiet`, `nowalk_retrieval`) or make it leak (`leaky_quiet`) and press the objectives
 (`objective_top`), and whose heads' needle penalties the table shows. The same screen at another depth (the recipe
 pretrained at 4 layers first, `one_recipe --layers 4 --runs-dir runs/one_recipe_l4`):
 
@@ -56,7 +56,8 @@ ASSETS_L4 = (
 )  # the recipe at 4 layers (seed 0), for the deeper screen
 # the targets of the forgetting-by-content work, judged per row: learned rule at 8x, text cost against the control
 TARGET_25, TARGET_125, TARGET_FULL, TARGET_BPB = 0.99, 0.95, 0.99, 0.005
-TARGET_MARGIN = 0.1  # at the smallest budget the learned rule leads every heuristic scored by this much
+TARGET_MARGIN = 0.1  # at 12.5% the learned rule leads every heuristic scored by this much
+SMALL = "0.125"  # the 12.5% cells' label: the heuristics are scored there, whatever --budgets holds
 TARGET_TOL_SHARE = 0.25  # the tolerance policy (a bound, not a budget): >= 0.99 keeping <= 25% of the keys on average
 # a source head whose median penalty at 8x is under this many nats forgets nothing by age (DuoAttention's
 # retrieval heads, found by the gate); `nowalk_quiet` takes the walk from those heads only
@@ -181,8 +182,11 @@ def config(mechanism: str, args, seed: int):
   if over.pop("nowalk_upper", False):  # every layer's heads FPA, the upper layers' without a walk
     over["head_gates"] = ",".join(["p" * cfg.kv_heads] + ["n" * cfg.kv_heads] * (cfg.n_layers - 1))
   most = over.pop("nowalk_retrieval", None)  # the walk goes from that many quiet heads per upper layer
-  if over.pop("nowalk_quiet", False) or most is not None:  # from the upper heads that forget nothing by age
+  leak = over.pop("leaky_quiet", None)  # the quiet heads' walk leaks this share per token instead of going
+  if over.pop("nowalk_quiet", False) or most is not None or leak is not None:  # the heads that forget nothing by age
     quiet = quiet_heads(args, seed, most)
+    if leak is not None:
+      quiet, over["walk_leak"] = quiet.replace("n", "l"), leak
     if quiet.count(",") != cfg.n_layers - 2:
       raise SystemExit(
         f"{Path(args.out_dir) / 'heads' / f's{seed}.json'} names heads for {quiet.count(',') + 2} layers, the model "
@@ -285,7 +289,7 @@ def eval_one(mechanism: str, seed: int, args, argv, log) -> dict | None:
   cache = res.get("cache", {})
   cells = [("fpa", "tol", {"tolerance": args.tolerance})]
   cells += [(p, f"{b:g}", {"budget": b}) for b in args.budgets for p in ("fpa_budget", "fpa_global")]
-  cells += [(p, f"{min(args.budgets):g}", {"budget": min(args.budgets)}) for p in args.heuristics]
+  cells += [(p, SMALL, {"budget": float(SMALL)}) for p in args.heuristics]
   for pol, lab, kw in cells:
     key = f"{pol}/{lab}"
     # a tolerance cell from before the per-layer share was recorded is scored again
@@ -316,7 +320,7 @@ def load(out_dir: Path) -> dict[tuple[str, int], dict]:
 FOX_LAYERS = 2  # the one-recipe study trains FoX at the recipe's depth: only a screen at it is read against FoX
 
 
-def fox_best(seed: int, budget: str = "0.125", root: Path = U.ROOT) -> tuple[str, float] | None:
+def fox_best(seed: int, budget: str = SMALL, root: Path = U.ROOT) -> tuple[str, float] | None:
   """(rule, accuracy) of FoX's best cache rule at `budget` on `seed`, any rule and prefill the one-recipe
   study scored (`results/one_recipe/eval/fox_s<seed>.json`: FoX trained beside the recipe, at its
   FOX_LAYERS layers); None where it was not scored."""
@@ -339,10 +343,10 @@ def verdict(row: dict, control: dict | None, fox: tuple[str, float] | None = Non
   fails = []
   if best("0.25") is None or best("0.25") < TARGET_25:
     fails.append("25%")
-  if best("0.125") is None or best("0.125") < TARGET_125:
+  if best(SMALL) is None or best(SMALL) < TARGET_125:
     fails.append("12.5%")
-  lead = lambda other: round((best("0.125") or 0) - other[1], 9) >= TARGET_MARGIN  # 0.96 - 0.86 is 0.0999...
-  heur = best_heuristic(row, "0.125")
+  lead = lambda other: round((best(SMALL) or 0) - other[1], 9) >= TARGET_MARGIN  # 0.96 - 0.86 is 0.0999...
+  heur = best_heuristic(row, SMALL)
   if heur is not None and not lead(heur):
     fails.append("heuristics")
   if fox is not None and not lead(fox):
@@ -418,7 +422,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
           a("fpa_budget/0.125"),
           a("fpa_global/0.25"),
           a("fpa_global/0.125"),
-          "—" if (h := best_heuristic(r, "0.125")) is None else f"{h[1]:.2f} ({h[0]})",
+          "—" if (h := best_heuristic(r, SMALL)) is None else f"{h[1]:.2f} ({h[0]})",
           "—" if fox is None else f"{fox[1]:.2f} ({fox[0]})",
           "—" if "passkey_full" not in r else f"{r['passkey_full']['accuracy']:.2f}",
           "—" if not tol else f"{tol['accuracy']:.2f} / " + _share(tol.get("kept_fraction_mean")) + layer_words(tol),
@@ -486,7 +490,7 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
       elif (
         fails
         and all(set(f) <= {"text", "tolerance"} for f in fails)  # every cache target, every seed ...
-        and all(best_heuristic(r, "0.125") and foxes[s] for s, r in per)  # ... all of them judged
+        and all(best_heuristic(r, SMALL) and foxes[s] for s, r in per)  # ... all of them judged
       ):
         cache_only.append(f"`{m}`{label} ({len(fails)} of {len(fails)} seed{'s' * (len(fails) > 1)})")
       for s, r in per:
@@ -536,7 +540,7 @@ def parse_args(argv=None):
     nargs="*",
     choices=R.HEURISTICS,
     default=[],
-    help="also score these cache heuristics at the smallest budget (parallel prefill; h2o decode): the target asks "
+    help="also score these cache heuristics at 12.5%% of the cache, the target's cell (parallel prefill; h2o decode): the target asks "
     "the learned rule to beat every one by >= 0.1 there",
   )
   ap.add_argument("--cache-multiple", type=int, default=8)

@@ -315,6 +315,28 @@ SCREEN: dict[str, dict[str, Any]] = {
       " for the text and may forget by age, which the shared budget lets them"
     ),
   },
+  "leaky_shared_distill_t25": {
+    "set": {"leaky_quiet": 1 / 256, **_DISTILL, "evict_shared": True, "evict_target": 0.25},
+    "why": (
+      "quiet_shared_distill_t25 with the quiet heads' walk made leaky (walk_t = (1 - 1/256) walk_{t-1} +"
+      " increment_t), not taken: their architecture alone cost +1.03% on seed 1 (`quiet`); a leaky walk keeps"
+      " the near keys' order the text reads and cannot drift by age, so a far key's penalty is its level above"
+      " the band the field moves in: content (on seed 1's source, untrained, the swap costs +3.6% of held-out"
+      " bits per byte at 1/256, +5.3% at 1/64, +9.9% for no walk)"
+    ),
+  },
+  "leaky": {
+    "set": {"leaky_quiet": 1 / 256},
+    "why": "the architecture of leaky_shared_distill_t25 alone (the quiet heads' walk leaking 1/256 per token), no"
+    " objective: its text cost beside `quiet`'s (+1.03% on seed 1, the walk taken)",
+  },
+  "leaky_distill": {
+    "set": {"leaky_quiet": 1 / 256, **{k: v for k, v in _DISTILL.items() if k not in _HINGE}},
+    "why": "the leaky architecture (alone +0.46% text on seed 1, `leaky`; `quiet`'s no walk +1.03%) with DMS's"
+    " self-distillation through the soft cut and no hinge: the cut caches need the needle ranked above the filler,"
+    " not 75% of the keys gone, and the hinge's forgetting is what cost leaky_shared_distill_t25 the rest of its"
+    " +1.29%",
+  },
   "utility_top": {
     "set": {"utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
     "why": (

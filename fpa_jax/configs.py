@@ -44,7 +44,13 @@ ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
 GATED = ("fpa", "stack", "fox")
 GATE_TERMS = ("forget", "step", "absolute", "offset")
 # `ModelConfig.head_gates` letters -> the read-outs a head of that kind keeps (of the gate's own terms)
-HEAD_GATES: dict[str, tuple[str, ...]] = {"p": GATE_TERMS, "f": ("forget",), "n": ("absolute", "offset")}
+HEAD_GATES: dict[str, tuple[str, ...]] = {
+  "p": GATE_TERMS,
+  "f": ("forget",),
+  "n": ("absolute", "offset"),
+  "l": GATE_TERMS,  # as "p", the walk leaking `walk_leak` of itself per token (fpa_jax.gates.leaky_walk)
+}
+LEAKY = frozenset("l")  # the kinds whose walk leaks
 TASKS = ("text", "passkey", "scopes", "dips")
 TEST_TASKS = ("synthetic",)  # in-memory, for tests and benchmarks (fpa_jax.data.synthetic); nothing to build
 ATTN_IMPLS = _ops_validate.IMPLS  # fpa_jax.ops impl names (one definition: ops.validate.Implementation)
@@ -168,6 +174,15 @@ class ModelConfig(_Part):
   # level above a later dip). E.g. "pppp,nnnn": the upper layer's heads cannot forget by age. It sets
   # which read-outs feed each head, no shape: a retrofit may change it on a trained checkpoint.
   head_gates: str = _field("", V.text(), gate=True, free_on_resume=True)
+  # the "l" (leaky) heads' walk: walk_t = (1 - walk_leak) * walk_{t-1} + increment_t, held within
+  # |increment| / walk_leak of 0 (a walk that keeps its local order but cannot drift by age; 1/64: a
+  # memory of ~64 tokens). 0 = no leaky head; > 0 needs an "l" in head_gates, and "l" needs it > 0.
+  walk_leak: float = _field(
+    0.0,
+    V.real(0, 1, hi_open=True, why="the share a leaky walk loses per token, e.g. 1/64"),
+    gate=True,
+    free_on_resume=True,
+  )
   # compute dtype (bfloat16 for speed); params stay param_dtype
   dtype: str = _field("float32", V.choice(DTYPES), free_on_resume=True)
   param_dtype: str = _field("float32", V.choice(DTYPES))
@@ -284,6 +299,18 @@ class ModelConfig(_Part):
       )
     if self.head_gates:
       self._check_head_gates(n)
+    leaky = bool(LEAKY & set(self.head_gates)) and self.attention in GATED
+    if leaky != (self.walk_leak > 0):
+      raise ValueError(
+        f"{n('walk_leak')}={self.walk_leak} with head_gates={self.head_gates!r}: a leaky head ('l') needs "
+        f"{n('walk_leak')} in (0, 1), e.g. 1/64, and {n('walk_leak')} > 0 needs an 'l' head in {n('head_gates')}"
+      )
+    if leaky and not set(self.gate_terms) - {"forget"}:
+      raise ValueError(
+        f"head_gates={self.head_gates!r}: a leaky head ('l') needs the FPA kernel, which reads the field; "
+        f"{n('attention')}={self.attention!r} runs FoX's, which sums the increments itself: set "
+        f"{n('attention')}='fpa'"
+      )
     _ops_validate.check_impl(self.attn_impl, self.block_size or None, name=n("attn_impl"), block_name=n("block_size"))
     _ops_validate.check_skip_tolerance(
       self.skip_tolerance, self.attn_impl, name=n("skip_tolerance"), impl_name=n("attn_impl")

@@ -12,6 +12,11 @@ Per head h, token t, block input x_t (fp32), a gate has up to four linear read-o
 
     field_t = sum_{s <= t} (f_s + s_s) + a_t,       level_t = field_t + o_t
 
+A leaky head (kind "l", `ModelConfig.walk_leak` = 1 - r) sums with a retention r < 1 instead:
+walk_t = r * walk_{t-1} + f_t + s_t, a walk that keeps its local order (near keys' dips) but is held
+within |increment| / (1 - r) of 0, so it cannot drift by age: a far key's penalty is its level above
+the band the field moves in, which is content.
+
 Which read-outs a gate has is `ModelConfig.gate_terms` (fox: forget; stack: step; fpa: step, absolute,
 offset). `GateParts` holds the per-token terms; `field_level` does the (carried) sum.
 Shape legend: B batch, T sequence, D d_model, H heads. Gates have one entry per kv head
@@ -26,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fpa_jax.configs import GATE_TERMS, HEAD_GATES, ModelConfig
+from fpa_jax.configs import GATE_TERMS, HEAD_GATES, LEAKY, ModelConfig
 from fpa_jax.ops.common import F32
 from fpa_jax.sharding import EMBED, HEADS
 
@@ -37,6 +42,7 @@ class GateParts(NamedTuple):
   increment: jax.Array  # forget + step: what the field accumulates
   absolute: jax.Array | None
   offset: jax.Array | None
+  retain: tuple[float, ...] | None = None  # per head, what the walk keeps of itself a token on (None: all)
 
 
 class LinearReadout(nnx.Module):
@@ -77,6 +83,8 @@ class Gate(nnx.Module):
     # kind lacks is replaced by 0 there (its read-out weights get no gradient and stay as they were).
     kinds = cfg.head_gate_kinds(layer)
     self.head_kinds = kinds
+    # a leaky head's retention, 1.0 on the others (None when no head leaks: the plain cumsum)
+    self.retain = tuple(1.0 - cfg.walk_leak if c in LEAKY else 1.0 for c in kinds) if LEAKY & set(kinds) else None
     # per term, per head: kept? (tuples: a module's static attributes must hash, for jit)
     self._keeps = tuple((t, tuple(t in HEAD_GATES[c] for c in kinds)) for t in GATE_TERMS)
     self.forget: LinearReadout | None = mk(1.0, cfg.gate_init_std, cfg.gate_bias_init) if "forget" in terms else None
@@ -119,6 +127,7 @@ class Gate(nnx.Module):
       increment=jnp.asarray(inc, F32),
       absolute=self._term("absolute", None if self.absolute is None else self.absolute(x)),
       offset=self._term("offset", None if self.offset is None else self.offset(x)),
+      retain=self.retain,
     )
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -127,17 +136,42 @@ class Gate(nnx.Module):
     return field, level
 
 
-def field_level(parts: GateParts, carry: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def field_level(
+  parts: GateParts, carry: jax.Array | None = None, segment_ids: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(field, level, cum) [B, T, H] from gate terms [B, T, H] and the running sum before them.
 
-  carry: [B, H] sum of increments over the tokens already seen (None = 0, a fresh sequence);
-  cum[:, t] is the running sum through token t (the carry after it).
-  The penalty only depends on differences of field and level values, so the carry's absolute value
-  never matters (packed segments may share one cumsum).
+  carry: [B, H] the walk over the tokens already seen (None = 0, a fresh sequence); cum[:, t] is the
+  walk through token t (the carry after it). segment_ids: [B, T] int or None, packed documents; a
+  leaky walk restarts at 0 where the id changes, as a fresh sequence would (a plain walk needs no
+  restart: the penalty only reads differences of field and level, so its carry's value never matters
+  and packed segments may share one cumsum).
   """
-  cum = jnp.cumsum(parts.increment, axis=1)  # [B, T, H]
-  if carry is not None:
-    cum = cum + carry[:, None, :]
+  if parts.retain is None:
+    cum = jnp.cumsum(parts.increment, axis=1)  # [B, T, H]
+    if carry is not None:
+      cum = cum + carry[:, None, :]
+  else:
+    cum = leaky_walk(parts.increment, parts.retain, carry, segment_ids)
   field = cum if parts.absolute is None else cum + parts.absolute
   level = field if parts.offset is None else field + parts.offset
   return field, level, cum
+
+
+def leaky_walk(
+  inc: jax.Array, retain: tuple[float, ...], carry: jax.Array | None = None, segment_ids: jax.Array | None = None
+) -> jax.Array:
+  """walk_t = r_h * walk_{t-1} + inc_t: inc [B, T, H] fp32, retain (r_h, H floats in (0, 1]),
+  carry [B, H] the walk before token 0 (None = 0), segment_ids [B, T] (restart at 0 on a new id)
+  -> [B, T, H]. A linear recurrence as an associative scan over (r, b) pairs, (r1, b1) then (r2, b2)
+  = (r1 r2, r2 b1 + b2): O(log T) depth, as the cumsum it replaces."""
+  a = jnp.broadcast_to(jnp.asarray(retain, F32), inc.shape)
+  if segment_ids is not None:
+    new = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    a = jnp.where(new[..., None], 0.0, a)  # nothing carried into a new document
+
+  def combine(x, y):
+    return x[0] * y[0], y[0] * x[1] + y[1]
+
+  decay, walk = jax.lax.associative_scan(combine, (a, inc.astype(F32)), axis=1)
+  return walk if carry is None else walk + decay * carry[:, None, :]

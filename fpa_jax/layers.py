@@ -587,14 +587,15 @@ class FirstPassageAttention(nnx.Module):
     """How this layer attends (impl, tiles, skipping, scale, precision): `attention_spec(self.cfg)`."""
     return attention_spec(self.cfg)
 
-  def gate_arrays(self, x: jax.Array, carry: jax.Array | None = None) -> GateTerms:
+  def gate_arrays(self, x: jax.Array, carry: jax.Array | None = None, segment_ids=None) -> GateTerms:
     """x [B, T, D] -> `GateTerms` [B, T, KVH] fp32 each; carry [B, KVH] the running sum before x
-    (None = 0, a fresh sequence). Zeros without a gate."""
+    (None = 0, a fresh sequence); segment_ids [B, T] or None (a leaky walk restarts per document).
+    Zeros without a gate."""
     if self.gate is None:
       z = jnp.zeros(x.shape[:2] + (self.cfg.kv_heads,), F32)
       return GateTerms(z, z, z, z)
     parts = self.gate.parts(x)
-    field, level, cum = field_level(parts, carry)
+    field, level, cum = field_level(parts, carry, segment_ids)
     return GateTerms(*(constrain(a, BTH) for a in (field, level, cum, parts.increment)))
 
   def init_cache(self, input_shape, dtype=None, *, policy="full", **policy_kw) -> None:
@@ -692,7 +693,7 @@ class FirstPassageAttention(nnx.Module):
       positions = whole.positions if positions is None else positions
     pos = segment_positions(segment_ids, b, t) if positions is None else positions
     q, k, v = self.project(x, pos)  # [B, T, H | KVH, K]
-    g = self.gate_arrays(x, None if cache is None else cache.carry)
+    g = self.gate_arrays(x, None if cache is None else cache.carry, segment_ids)
     sow_gates(self, g)
     sow_attention_inputs(self, q, k, v)
     if cache is not None:

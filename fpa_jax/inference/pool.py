@@ -329,18 +329,38 @@ def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: floa
   makes the ranges unequal (a retrieval head may hold most of the pool): one width per layer, its
   widest head's, made every head read as much (on a trained model, 1.42x `full`'s time per token;
   per head about 1.0x, docs/inference.md), for a little more per token where heads are alike.
+  What does not depend on the width is done once per layer, outside the switch: each slot's
+  penalty with the masks folded in (+inf: not a range's own key), and the N new keys of every head
+  (a branch then slices three arrays: k, v and that penalty; op count, not flops, is the CPU's cost).
   qg [B, KVH, H/KVH, K] -> [B, KVH, H/KVH, K] fp32.
   """
+  b, g = pool.pos.shape
   kvh = qg.shape[1]
-  caps = _widths(limit)
-  outs = []
-  for h in range(kvh):
-    lo = layer * kvh + h
-    one = slice(lo, lo + 1)
-    pick = jnp.searchsorted(jnp.asarray(caps), jnp.max(index.count[:, lo]))  # the least width >= its ranges
-    branches = [functools.partial(_attend_window, c, scale, lo) for c in caps]
-    outs.append(jax.lax.switch(pick, branches, qg[:, h : h + 1], pool, index.start[:, one], index.count[:, one], index))
-  return jnp.concatenate(outs, axis=1)
+  lo = layer * kvh
+  pen = fp.penalty(pool.level, pool.run_min)  # [B, G]
+  # A range's own keys: its slots alive with pos < since (they have not moved since the repack; a
+  # key written since sits in a free slot anywhere, its own range's included, and is listed in ns).
+  own = jnp.where(pool.alive & (pool.pos < index.since[:, None]), pen, jnp.inf)  # [B, G]
+  ns = index.new_slot[:, lo : lo + kvh]  # [B, KVH, N]: the slots the layer's keys since went to
+  idx = jnp.minimum(ns, g - 1).reshape(b, kvh * ns.shape[-1])
+  new = lambda x: jnp.take_along_axis(x, idx if x.ndim == 2 else idx[..., None], axis=1).reshape(ns.shape + x.shape[2:])
+  tags = (lo + jnp.arange(kvh, dtype=jnp.int32))[None, :, None]
+  live = (ns < g) & (new(pool.owner) == tags) & (new(pool.pos) == index.new_pos[:, None, :])
+  new_pen, new_k, new_v = jnp.where(live, new(pen), jnp.inf), new(pool.k), new(pool.v)  # [B, KVH, N, ...]
+  caps = jnp.asarray(_widths(limit))
+  branches = [functools.partial(_attend_window, c, scale) for c in _widths(limit)]
+  count = index.count[:, lo : lo + kvh]  # [B, KVH]
+  pick = jnp.searchsorted(caps, jnp.max(count, axis=0))  # [KVH] each head's least width >= its ranges
+
+  args = (qg, pool.k, pool.v, own, index.start[:, lo : lo + kvh], count, new_k, new_v, new_pen)
+  return jnp.concatenate([jax.lax.switch(pick[h], branches, *_slices(args, h)) for h in range(kvh)], axis=1)
+
+
+def _slices(args, h: int) -> tuple:
+  """`_attend_window`'s per-head arguments of kv head h (the pool's k, v, own whole)."""
+  qg, k, v, own, start, count, new_k, new_v, new_pen = args
+  one = lambda x: x[:, h : h + 1]
+  return one(qg), k, v, own, one(start), one(count), one(new_k), one(new_v), one(new_pen)
 
 
 def _window(x: jax.Array, start: jax.Array, c: int) -> jax.Array:
@@ -351,29 +371,20 @@ def _window(x: jax.Array, start: jax.Array, c: int) -> jax.Array:
   return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(x, start)
 
 
-def _attend_window(c: int, scale: float, lo: int, qg, pool: SlotPool, start, count, index: PackIndex):
-  """`_attend_packed` at window width c: start, count [B, KVH] the layer's ranges."""
-  b, g = pool.pos.shape
-  kvh = qg.shape[1]
-  ns = index.new_slot[:, lo : lo + kvh]  # [B, KVH, N]
+def _attend_window(c: int, scale: float, qg, k, v, own, start, count, new_k, new_v, new_pen):
+  """`_attend_packed` at window width c for kv heads qg [B, KVH', H/KVH, K]: k, v [B, G, K] and own
+  [B, G] the pool's (own: penalty, +inf where no range's own key), start, count [B, KVH'] their
+  ranges, new_k, new_v [B, KVH', N, K] and new_pen [B, KVH', N] (+inf: not held) their keys since."""
+  g = own.shape[1]
   s0 = jnp.clip(start, 0, g - c)  # the window stays inside the pool; it then starts before the range
-  win = s0[..., None] + jnp.arange(c, dtype=jnp.int32)  # [B, KVH, C]
-  # The window: contiguous slices. The N slots written since: single-slot gathers (N is small).
-  idx = jnp.minimum(ns, g - 1).reshape(b, kvh * ns.shape[-1])
-  new = lambda x: jnp.take_along_axis(x, idx if x.ndim == 2 else idx[..., None], axis=1).reshape(ns.shape + x.shape[2:])
-  both = lambda x: jnp.concatenate([_window(x, s0, c), new(x)], axis=2)  # [B, KVH, C + N, ...]
-  # A range's own keys: its slots alive with pos < since (they have not moved since the repack; a
-  # key written since sits in a free slot anywhere, its own range's included, and is listed in ns).
+  win = s0[..., None] + jnp.arange(c, dtype=jnp.int32)  # [B, KVH', C]
   inside = (win >= start[..., None]) & (win < (start + count)[..., None])  # not a neighbour's range
-  old = inside & _window(pool.alive, s0, c) & (_window(pool.pos, s0, c) < index.since[:, None, None])
-  tags = (lo + jnp.arange(kvh, dtype=jnp.int32))[None, :, None]
-  live = (ns < g) & (new(pool.owner) == tags) & (new(pool.pos) == index.new_pos[:, None, :])
-  held = jnp.concatenate([old, live], axis=-1)  # [B, KVH, C + N]
-  pen = fp.penalty(both(pool.level), both(pool.run_min))  # [B, KVH, C + N]
-  s = jnp.einsum("bhgk,bhck->bhgc", qg, both(pool.k), preferred_element_type=F32) * scale
-  logits = jnp.where(held[:, :, None, :], s - pen[:, :, None, :], -jnp.inf)
+  pen = jnp.concatenate([jnp.where(inside, _window(own, s0, c), jnp.inf), new_pen], axis=-1)  # [B, KVH', C + N]
+  kk = jnp.concatenate([_window(k, s0, c), new_k], axis=2)
+  vv = jnp.concatenate([_window(v, s0, c), new_v], axis=2)
+  s = jnp.einsum("bhgk,bhck->bhgc", qg, kk, preferred_element_type=F32) * scale
+  logits = jnp.where((pen < jnp.inf)[:, :, None, :], s - pen[:, :, None, :], -jnp.inf)
   p = jax.nn.softmax(logits, axis=-1)
-  vv = both(pool.v)
   return jnp.einsum("bhgc,bhck->bhgk", p.astype(vv.dtype), vv, preferred_element_type=F32)
 
 
@@ -457,6 +468,7 @@ def pool_decode_attend(view: PoolView, q, k, v, field, level, cum, *, policy: Po
   pool, layer = view.pool, view.layer
   b, g = pool.pos.shape
   kvh = k.shape[2]
+
   (f, lv), bad = _sanitize(field[:, 0], level[:, 0])  # [B, KVH]; disallowed values as in decode_attend
   head = pool.owner - layer * kvh  # the slot's kv head if this layer owns it
   mine = pool.alive & (head >= 0) & (head < kvh)  # [B, G]

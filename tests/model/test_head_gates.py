@@ -19,7 +19,7 @@ RANDOM_GATE = dict(step_init_std=0.05, absolute_init_std=0.05, offset_init_std=0
 
 
 def _cfg(**kw):
-  return C.get_config("tiny", attention="fpa", gate_forget=True, n_heads=4, **{**RANDOM_GATE, **kw})
+  return C.get_config("tiny", **{"attention": "fpa", "gate_forget": True, "n_heads": 4, **RANDOM_GATE, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,10 @@ def test_a_missing_term_gets_no_gradient(mixed):
     (dict(head_gates="pppn", fox_heads=1), "set fox_heads=0"),
     (dict(head_gates="pppp,nnnn", scan_layers=True), "set scan_layers=False"),
     (dict(head_gates="pppn", gate_terms_override="step"), "kind 'n' keeps ('absolute', 'offset')"),
+    (dict(head_gates="ppll"), "a leaky head ('l') needs walk_leak in (0, 1)"),
+    (dict(head_gates="pppp", walk_leak=0.1), "walk_leak > 0 needs an 'l' head"),
+    (dict(head_gates="pppl", walk_leak=1.0), "walk_leak"),
+    (dict(attention="fox", head_gates="ffff,ffll", walk_leak=0.1), "set attention='fpa'"),
   ],
 )
 def test_bad_head_gates_say_what_to_change(kw, msg):
@@ -108,3 +112,85 @@ def test_same_kinds_everywhere_scan():
   s = convert_layers(m, True)
   tok = jax.random.randint(jax.random.key(5), (2, 13), 0, m.cfg.vocab_size)
   assert_close(forward(s, tok), forward(m, tok), n=m.cfg.d_model * m.cfg.n_layers)
+
+
+# --- the leaky walk ("l" heads, `walk_leak`) ---
+
+
+def leaky_walk_np(inc, retain, carry=None, seg=None):
+  """walk_t = r_h walk_{t-1} + inc_t by loops in float64: inc [B, T, H], carry [B, H], seg [B, T]."""
+  inc = np.asarray(inc, np.float64)
+  b, t, h = inc.shape
+  out = np.zeros_like(inc)
+  for bi in range(b):
+    for hi in range(h):
+      w = 0.0 if carry is None else float(carry[bi, hi])
+      for ti in range(t):
+        if seg is not None and ti and seg[bi, ti] != seg[bi, ti - 1]:
+          w = 0.0
+        w = retain[hi] * w + inc[bi, ti, hi]
+        out[bi, ti, hi] = w
+  return out
+
+
+@pytest.mark.parametrize("t", [1, 7, 40])
+@pytest.mark.parametrize("with_carry", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_leaky_walk_matches_loop_reference(t, with_carry, packed):
+  """Values against the float64 loop (carry, packed segments, a head that does not leak), and the
+  gradient against finite differences of the loop."""
+  from fpa_jax.gates import leaky_walk
+
+  rng = np.random.default_rng(t + 10 * with_carry + 100 * packed)
+  b, h = 2, 3
+  retain = (1.0, 0.9, 0.5)
+  inc = rng.normal(size=(b, t, h))
+  carry = rng.normal(size=(b, h)) if with_carry else None
+  seg = np.sort(rng.integers(1, 4, size=(b, t)), axis=1) if packed else None
+  j = lambda a: None if a is None else jnp.asarray(a)
+  got = leaky_walk(jnp.asarray(inc, jnp.float32), retain, j(carry), j(seg))
+  assert_close(got, leaky_walk_np(inc, retain, carry, seg), dtype=np.float32, n=t)
+  ct = rng.normal(size=(b, t, h))
+  g = jax.grad(lambda x: jnp.sum(leaky_walk(x, retain, j(carry), j(seg)) * ct))(jnp.asarray(inc, jnp.float32))
+  eps, fd = 1e-6, np.zeros_like(inc)
+  for idx in np.ndindex(inc.shape):
+    up, dn = inc.copy(), inc.copy()
+    up[idx] += eps
+    dn[idx] -= eps
+    fd[idx] = np.sum((leaky_walk_np(up, retain, carry, seg) - leaky_walk_np(dn, retain, carry, seg)) * ct) / (2 * eps)
+  assert_close(g, fd, dtype=np.float32, n=t)
+
+
+@pytest.fixture(scope="module")
+def leaky():
+  """tiny with leaky heads beside plain, FoX and no-walk ones, a fast leak (visible in 40 tokens)."""
+  return build_model(_cfg(head_gates="plfp,nlpl", walk_leak=0.25), seed=0)
+
+
+def test_leaky_heads_walk_within_their_band(leaky):
+  """A leaky head's field is its leaky walk plus its absolute read-out; every other head's as before."""
+  x = jax.random.normal(jax.random.key(3), (2, 40, leaky.cfg.d_model))
+  g = leaky.blocks[1].attn.gate
+  parts = g.parts(x)
+  field, _ = g(x)
+  want = leaky_walk_np(parts.increment, (1.0, 0.75, 1.0, 0.75)) + np.asarray(parts.absolute)
+  assert_close(field, want, dtype=np.float32, n=40)
+  walk = leaky_walk_np(parts.increment, (1.0, 0.75, 1.0, 0.75))
+  band = np.abs(np.asarray(parts.increment)).max(axis=1) / 0.25  # |walk| <= max |inc| / leak
+  assert np.all(np.abs(walk[..., [1, 3]]) <= band[:, None, [1, 3]] * (1 + 1e-9))
+
+
+def test_leaky_decoding_equals_the_parallel_path(leaky):
+  """The decode step carries the leaky walk as the parallel scan computes it (multi-tile prompt)."""
+  tok = jax.random.randint(jax.random.key(2), (2, 37), 0, leaky.cfg.vocab_size)
+  logits, _ = cached_logits(leaky, tok)
+  assert_close(logits, forward(leaky, tok), n=leaky.cfg.d_model * leaky.cfg.n_layers)
+
+
+def test_leaky_walk_restarts_per_packed_document(leaky):
+  """A packed row's second document sees the logits it has alone: nothing leaks across documents."""
+  tok = jax.random.randint(jax.random.key(6), (1, 30), 0, leaky.cfg.vocab_size)
+  seg = jnp.asarray([[1] * 12 + [2] * 18])
+  packed = forward(leaky, tok, seg)[:, 12:]
+  alone = forward(leaky, tok[:, 12:])
+  assert_close(packed, alone, n=leaky.cfg.d_model * leaky.cfg.n_layers)
