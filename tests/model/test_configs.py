@@ -216,6 +216,7 @@ def test_field_lists_come_from_the_fields():
     "offset_bias_init",
     "fox_heads",
     "head_gates",
+    "walk_leak",
   )
   assert set(C.GATE_PRESET_FIELDS) == {
     "gate_bias_init",
