@@ -249,6 +249,7 @@ def test_field_lists_come_from_the_fields():
     "offset_init_std",
     "offset_bias_init",
     "head_gates",
+    "walk_leak",
   }
   from fpa_jax import layers
 
