@@ -347,20 +347,16 @@ def _attend_packed(qg, pool: SlotPool, index: PackIndex, layer: int, scale: floa
   tags = (lo + jnp.arange(kvh, dtype=jnp.int32))[None, :, None]
   live = (ns < g) & (new(pool.owner) == tags) & (new(pool.pos) == index.new_pos[:, None, :])
   new_pen, new_k, new_v = jnp.where(live, new(pen), jnp.inf), new(pool.k), new(pool.v)  # [B, KVH, N, ...]
-  caps = jnp.asarray(_widths(limit))
-  branches = [functools.partial(_attend_window, c, scale) for c in _widths(limit)]
+  widths = _widths(limit)
+  branches = [functools.partial(_attend_window, c, scale) for c in widths]
   count = index.count[:, lo : lo + kvh]  # [B, KVH]
-  pick = jnp.searchsorted(caps, jnp.max(count, axis=0))  # [KVH] each head's least width >= its ranges
-
-  args = (qg, pool.k, pool.v, own, index.start[:, lo : lo + kvh], count, new_k, new_v, new_pen)
-  return jnp.concatenate([jax.lax.switch(pick[h], branches, *_slices(args, h)) for h in range(kvh)], axis=1)
-
-
-def _slices(args, h: int) -> tuple:
-  """`_attend_window`'s per-head arguments of kv head h (the pool's k, v, own whole)."""
-  qg, k, v, own, start, count, new_k, new_v, new_pen = args
-  one = lambda x: x[:, h : h + 1]
-  return one(qg), k, v, own, one(start), one(count), one(new_k), one(new_v), one(new_pen)
+  pick = jnp.searchsorted(jnp.asarray(widths), jnp.max(count, axis=0))  # [KVH] each head's least width >= its ranges
+  start = index.start[:, lo : lo + kvh]
+  outs = []
+  for h in range(kvh):  # kv head h's part of each per-head array; the pool's k, v, own go whole
+    hs = [x[:, h : h + 1] for x in (qg, start, count, new_k, new_v, new_pen)]
+    outs.append(jax.lax.switch(pick[h], branches, hs[0], pool.k, pool.v, own, *hs[1:]))
+  return jnp.concatenate(outs, axis=1)
 
 
 def _window(x: jax.Array, start: jax.Array, c: int) -> jax.Array:

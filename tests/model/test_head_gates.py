@@ -57,11 +57,14 @@ def test_fox_heads_is_the_f_kind():
   np.testing.assert_array_equal(forward(a, tok), forward(b, tok))
 
 
-def test_decoding_masks_the_same_heads(mixed):
-  """The cache's decode step reads each head's kind as the parallel path does (multi-tile prompt)."""
-  tok = jax.random.randint(jax.random.key(2), (2, 37), 0, mixed.cfg.vocab_size)
-  logits, _ = cached_logits(mixed, tok)
-  assert_close(logits, forward(mixed, tok), n=mixed.cfg.d_model * mixed.cfg.n_layers)
+@pytest.mark.parametrize("name", ["mixed", "leaky"])
+def test_decoding_masks_the_same_heads(name, request):
+  """The cache's decode step reads each head's kind as the parallel path does (multi-tile prompt),
+  and carries a leaky walk as the parallel scan computes it."""
+  model = request.getfixturevalue(name)
+  tok = jax.random.randint(jax.random.key(2), (2, 37), 0, model.cfg.vocab_size)
+  logits, _ = cached_logits(model, tok)
+  assert_close(logits, forward(model, tok), n=model.cfg.d_model * model.cfg.n_layers)
 
 
 def test_a_missing_term_gets_no_gradient(mixed):
@@ -173,18 +176,10 @@ def test_leaky_heads_walk_within_their_band(leaky):
   g = leaky.blocks[1].attn.gate
   parts = g.parts(x)
   field, _ = g(x)
-  want = leaky_walk_np(parts.increment, (1.0, 0.75, 1.0, 0.75)) + np.asarray(parts.absolute)
-  assert_close(field, want, dtype=np.float32, n=40)
   walk = leaky_walk_np(parts.increment, (1.0, 0.75, 1.0, 0.75))
+  assert_close(field, walk + np.asarray(parts.absolute), dtype=np.float32, n=40)
   band = np.abs(np.asarray(parts.increment)).max(axis=1) / 0.25  # |walk| <= max |inc| / leak
   assert np.all(np.abs(walk[..., [1, 3]]) <= band[:, None, [1, 3]] * (1 + 1e-9))
-
-
-def test_leaky_decoding_equals_the_parallel_path(leaky):
-  """The decode step carries the leaky walk as the parallel scan computes it (multi-tile prompt)."""
-  tok = jax.random.randint(jax.random.key(2), (2, 37), 0, leaky.cfg.vocab_size)
-  logits, _ = cached_logits(leaky, tok)
-  assert_close(logits, forward(leaky, tok), n=leaky.cfg.d_model * leaky.cfg.n_layers)
 
 
 def test_leaky_walk_restarts_per_packed_document(leaky):
