@@ -253,7 +253,7 @@ def train_one(mechanism: str, seed: int, args, argv, log) -> dict:
 def eval_one(mechanism: str, seed: int, args, argv, log) -> dict | None:
   """Score (mechanism, seed)'s retrofitted checkpoint, cell by cell (resumable)."""
   from experiments import perplexity
-  from experiments.needle_penalty import needle_stats
+  from experiments.needle_penalty import global_split, needle_stats
   from experiments.passkey import DEPTHS
   from fpa_jax import eval as ev
   from fpa_jax.data import passkey_eval_examples
@@ -302,9 +302,12 @@ def eval_one(mechanism: str, seed: int, args, argv, log) -> dict | None:
       cache[key] = {k: c.get(k) for k in keep} | {"prefill": pre, "wall_s": round(time.perf_counter() - t, 1)}
       save("cache", cache)
       log(f"[forget_screen] {mechanism} seed {seed}: {M}x {key} {c['accuracy']:.2f}")
-  if args.needle_prompts and "needle" not in res:  # the gate's penalty on the needle, per head
-    per = max(1, args.needle_prompts // len(DEPTHS))
-    save("needle", needle_stats(model, [e for d in DEPTHS for e in passkey_eval_examples(L, M, d, n=per, seed=0)]))
+  per = max(1, args.needle_prompts // len(DEPTHS))
+  probe = [e for d in DEPTHS for e in passkey_eval_examples(L, M, d, n=per, seed=0)] if args.needle_prompts else []
+  if probe and "needle" not in res:  # the gate's penalty on the needle, per head
+    save("needle", needle_stats(model, probe))
+  if probe and "split" not in res:  # where fpa_global's 12.5% goes, and which heads keep a copy of the passkey
+    save("split", {"budget": float(SMALL), "prompts": len(probe), "heads": global_split(model, probe, float(SMALL))})
   return res
 
 
@@ -393,6 +396,19 @@ def needle_words(needle: list[dict] | None) -> str:
   return words(uppers[0]) if len(uppers) == 1 else "; ".join(f"l{i}: {words(i)}" for i in uppers)
 
 
+def split_words(split: dict | None) -> str:
+  """The upper layers' heads under fpa_global at 12.5%: share of the prompt's keys held / share of
+  prompts in which the head holds a whole copy of the passkey (`needle_penalty.global_split`)."""
+  if not split:
+    return "—"
+  heads = split["heads"]
+  uppers = sorted({r["layer"] for r in heads} - {0})
+  low = [r["held"] for r in heads if r["layer"] == 0]
+  words = lambda i: " ".join(f"h{r['head']} {r['held']:.2f}/{r['copy_held']:.1f}" for r in heads if r["layer"] == i)
+  up = words(uppers[0]) if len(uppers) == 1 else "; ".join(f"l{i}: {words(i)}" for i in uppers)
+  return f"{up} (l0 {sum(low) / len(low):.2f})"
+
+
 def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
   """The screen's table; FoX's best rule (`fox_best`) is read against the rows at FOX_LAYERS only."""
   if not rows:
@@ -429,13 +445,15 @@ def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
           "—" if bpb is None else f"{bpb:.4f}",
           d,
           needle_words(r.get("needle")),
+          split_words(r.get("split")),
           v + (f" ({', '.join(why)})" if why else ""),
         ]
       )
   head = [
     "mechanism", "seed", "fpa_budget 25%", "fpa_budget 12.5%", "fpa_global 25%", "fpa_global 12.5%",
     "best heuristic 12.5%", "FoX's best 12.5%", "full 8x",
-    "tolerance: acc / mean kept (per layer)", "bpb", "bpb vs control", "upper layers: needle / median penalty", "verdict",
+    "tolerance: acc / mean kept (per layer)", "bpb", "bpb vs control", "upper layers: needle / median penalty",
+    "fpa_global 12.5%: upper heads' keys held / copy held", "verdict",
   ]  # fmt: skip
   what = "\n".join(f"- `{m}`: {SCREEN[m]['why']}" for m in order)
   return (
@@ -448,7 +466,11 @@ def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
     f"<= +{100 * TARGET_BPB:g}% against `control` of the same seed, the tolerance policy >= {TARGET_FULL} keeping "
     f"<= {TARGET_TOL_SHARE:.0%} of the keys on average ('mean kept': keys held at the end / keys seen, over layers, "
     f"heads and rows; in brackets per layer, lower first). 'needle / median penalty': the upper layers' "
-    f"heads at 8x (`experiments.needle_penalty`). The recipe at {layers} layers.\n\n"
+    f"heads at 8x (`experiments.needle_penalty`). 'keys held / copy held': where fpa_global's one budget at 12.5% "
+    f"goes after the prefill, per upper head the share of the prompt's keys it holds / the share of prompts in which "
+    f"it holds every token of a copy of the passkey (a head that reads the needle without one loses a digit; in "
+    f"brackets the lowest layer's mean share; `needle_penalty.global_split`, the needle's prompts). The recipe at "
+    f"{layers} layers.\n\n"
     + U.md_table(head, body)
     + "\n\n"
     + what

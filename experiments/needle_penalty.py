@@ -79,6 +79,34 @@ def needle_stats(model, examples) -> list[dict]:
   return [{"layer": li, "head": h, **dict(zip(names, np.mean(v, 0).tolist()))} for (li, h), v in sorted(acc.items())]
 
 
+def global_split(model, examples, budget: float) -> list[dict]:
+  """Where `fpa_global`'s one budget goes after the parallel prefill of each prompt (up to the
+  question), per layer and kv head: [{layer, head, held, copy_held}], held the mean share of the
+  prompt's keys the head keeps, copy_held the share of prompts in which it keeps every token of at
+  least one copy of the passkey (`passkey_copies`). A head that reads the needle but keeps no copy
+  loses a digit of the answer whatever the others keep."""
+  import jax.numpy as jnp
+
+  from fpa_jax.inference import Decoder
+
+  prompts = [np.asarray(e["tokens"][: e["answer_start"]], np.int32) for e in examples]
+  width = max(len(p) for p in prompts)
+  dec = Decoder(model, "fpa_global", max_len=width, budget=budget)
+  held, copy = [], []
+  for e, p in zip(examples, prompts):  # one row at a time: one compile (every prompt padded to the widest)
+    tokens = jnp.asarray(np.pad(p, (0, width - len(p)))[None])
+    _, state = dec.prefill(tokens, jnp.asarray([len(p)], jnp.int32))
+    pool = state.pool  # fpa_global's state: one slot pool per row, each slot's owner (layer * KVH + head)
+    owner, pos = np.asarray(pool.owner[0]), np.asarray(pool.pos[0])
+    kept = [set(pos[owner == o].tolist()) for o in range(state.n_layers * state.kv_heads)]
+    held.append([len(k) / len(p) for k in kept])
+    copies = passkey_copies(e, int(e["answer_start"]) - 1)
+    copy.append([any(set(c.tolist()) <= k for c in copies) for k in kept])
+  kvh = state.kv_heads
+  h, c = np.mean(held, 0), np.mean(copy, 0)
+  return [{"layer": o // kvh, "head": o % kvh, "held": float(h[o]), "copy_held": float(c[o])} for o in range(len(h))]
+
+
 def main(argv=None) -> dict:
   ap = U.study_parser(MODULE, __doc__)
   ap.add_argument(

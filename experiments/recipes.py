@@ -325,6 +325,41 @@ SCREEN: dict[str, dict[str, Any]] = {
       " bits per byte at 1/256, +5.3% at 1/64, +9.9% for no walk)"
     ),
   },
+  "leaky_shared_distill_t25_lo": {
+    "set": {
+      "leaky_quiet": 1 / 256,
+      **_DISTILL,
+      "evict_shared": True,
+      "evict_target": 0.25,
+      "budget_loop_min": 0.0625,
+      "budget_loop_max": 0.25,
+    },
+    "why": (
+      "leaky_shared_distill_t25 (fpa_global 1.00 at 25% on seeds 0-2, 12.5% lost on seeds 0 and 1: 0.89, 0.40)"
+      " distilled through caches of 6.25-25% of the row, not 12.5-50%: the cut where the 12.5% cell is lost,"
+      " the upper heads ranking the needle within the share of their keys the shared budget leaves them"
+    ),
+  },
+  "leaky_pool_distill_t25": {
+    "set": {"leaky_quiet": 1 / 256, **_DISTILL, "evict_shared": True, "evict_target": 0.25, "budget_loop_shared": True},
+    "why": (
+      "leaky_shared_distill_t25 distilled through one cache per layer for all its heads (`budget_loop_shared`,"
+      " fpa_global's rule within a layer), not one per head: at 8x and 12.5% fpa_global gives nearly all of its"
+      " keys to the upper layer's one or two heads that forget least, and a head that reads the needle but keeps"
+      " few keys loses a digit (on retrieval2_shared_distill_t25's seed 1 the head holding 1,516 keys kept the"
+      " needle in every prompt checked, the one holding ~250 lost its last digit, and so did the answer); the"
+      " per-head cut never showed the model a budget split between heads"
+    ),
+  },
+  "leaky2_shared_distill_t25": {
+    "set": {"leaky_quiet": 1 / 256, "nowalk_retrieval": 2, **_DISTILL, "evict_shared": True, "evict_target": 0.25},
+    "why": (
+      "leaky_shared_distill_t25 (+1.29% text on seed 1, where all four upper heads are quiet and leak) with the"
+      " walk made leaky in the two quiet heads that read the needle most only, as retrieval2_shared_distill_t25"
+      " took it from two (+0.74% on seed 1, against +2.18% from all four): fewer heads changed for the text to"
+      " pay for"
+    ),
+  },
   "leaky": {
     "set": {"leaky_quiet": 1 / 256},
     "why": "the architecture of leaky_shared_distill_t25 alone (the quiet heads' walk leaking 1/256 per token), no"

@@ -447,6 +447,10 @@ class TrainConfig(_Part):
   # 0: the hard cut (evicted keys get no weight, no gradient); > 0: evicted keys are kept at a soft bias
   # of this width (nats) beyond the cache's threshold, so the loss can teach the gate what to keep
   budget_loop_soft: float = _field(0.0, V.real(0, why="0 = the hard cut; > 0 = its soft ramp's width in nats"))
+  # False: a cache of the drawn capacity per (row, kv head), fpa_budget's. True: one cache of capacity * KVH
+  # keys per (row, layer) for all its kv heads, the largest penalties of every head out first (fpa_global's
+  # rule within a layer): the heads that forget leave their share to the heads that keep
+  budget_loop_shared: bool = _field(False, V.flag())
   # optimizer step from which budgeted steps are drawn (before it every step is the plain one)
   budget_loop_start: int = _field(0, V.integer(0))
   # 0: a budgeted step's LM loss is taken through the cut. > 0: self-distillation through the cut (DMS's

@@ -661,8 +661,9 @@ class FirstPassageAttention(nnx.Module):
     """Parallel: x [B, T, D] -> y [B, T, D]. Under `nnx.capture(..., nnx.Intermediate)` the layer
     sows `gates` = (field, level), the gate outputs the attention used, each [B, T, KVH] fp32
     (zeros without a gate), from the same forward pass (`sow_gates`; `with_gates`,
-    `fpa_jax.losses`). cut=(capacity, recent[, soft]), the training cut: attend only over the keys
-    an `fpa_budget` cache of `capacity` keys would hold (`ops.budget.budgeted_attention`, quadratic
+    `fpa_jax.losses`). cut=(capacity, recent[, soft[, shared]]), the training cut: attend only over the
+    keys an `fpa_budget` cache of `capacity` keys would hold (shared: one of capacity * KVH keys for
+    the layer's kv heads; `ops.budget.budgeted_attention`, quadratic
     whatever `attn_impl` says; training with budget in the loop). Cached mode (`cache`, an
     `AttentionCache` or a whole model's `CacheByLayer`): -> (y, the cache after x); see the class
     docstring. decode (None: `self.decode`): flax's convention, the layer's own cache
@@ -703,9 +704,10 @@ class FirstPassageAttention(nnx.Module):
       if self.gate is None:
         raise ValueError(f"cut= (budget in the loop) needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
       # FoX too: field = level = its cumulative log forget
-      cap, recent, *soft = cut
+      cap, recent, *rest = cut
+      soft, shared = (rest + [0.0, False][len(rest) :])[:2]  # (cap, recent[, soft[, shared]])
       through_cut = lambda: budgeted_attention(  # noqa: E731
-        q, k, v, g.field, g.level, capacity=cap, recent=recent, segment_ids=segment_ids, soft=soft[0] if soft else 0.0
+        q, k, v, g.field, g.level, capacity=cap, recent=recent, segment_ids=segment_ids, soft=soft, shared=shared
       )
       # The step's capacity is traced (drawn per step): the quadratic cut path runs only where it
       # evicts; a cache of the whole row is the layer's own kernel (the same attention, at its cost).

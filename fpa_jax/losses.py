@@ -54,8 +54,9 @@ budget_loop_prob of the steps (drawn from `key`) the model runs through the cach
 decode of round(rho * T) keys would hold, rho ~ U[budget_loop_min, budget_loop_max]
 (`fpa_jax.ops.budget`; the mask is not differentiated, the LM loss over what is kept is; with
 budget_loop_soft > 0 the evicted keys stay at a soft bias beyond the cache's threshold, so the loss
-reaches the penalties of keys it needed and lost; budget_loop_start: no budgeted step before that
-optimizer step; the step's cut, `cut=(capacity, recent[, soft])`, is what the model is called with).
+reaches the penalties of keys it needed and lost; budget_loop_shared: one cache per layer for all
+its kv heads, fpa_global's rule; budget_loop_start: no budgeted step before that optimizer step; the
+step's cut, `cut=(capacity, recent[, soft, shared])`, is what the model is called with).
 Metric: budget_kept (capacity / T of the step; 1 = no cut). Both terms can be on together.
 
 Self-distillation through the cut (`TrainConfig.distill_weight` > 0, with budget in the loop): DMS
@@ -344,8 +345,8 @@ def objective(model, batch: dict, cfg, step=0, key: jax.Array | None = None) -> 
     t = batch["inputs"].shape[1]
     prob = jnp.where(jnp.asarray(step) >= cfg.budget_loop_start, cfg.budget_loop_prob, 0.0)
     cut = BL.draw_capacity(k_cut, t, prob, cfg.budget_loop_min, cfg.budget_loop_max)
-    if cfg.budget_loop_soft:
-      cut = (*cut, float(cfg.budget_loop_soft))
+    if cfg.budget_loop_soft or cfg.budget_loop_shared:
+      cut = (*cut, float(cfg.budget_loop_soft), bool(cfg.budget_loop_shared))
     metrics["budget_kept"] = cut[0].astype(jnp.float32) / t
   student = None
   if cut_on and cfg.distill_weight:  # the cut forward is the student; every other term reads the full one

@@ -181,7 +181,9 @@ class DecoderLM(nnx.Module):
     layer attends only over the keys an `fpa_budget` cache of `capacity` keys per (row, kv head), with
     `recent` protected, would hold (`fpa_jax.ops.budget`): the logits equal `cached_logits(policy=
     "fpa_budget", budget=capacity, recent=recent)`'s. Training with budget in the loop. An optional
-    third element `soft` (a Python float, nats) relaxes the cut (`ops.budget.budgeted_attention`).
+    third element `soft` (a Python float, nats) relaxes the cut, and a fourth, `shared` (a Python
+    bool), gives each layer one cache of capacity * KVH keys for all its kv heads
+    (`ops.budget.budgeted_attention`).
 
     Cached mode (`fpa_jax.inference`): `cache` is a `ModelCache` (layer i attends against
     `cache.layer(i)`, and `cache.update(i, new)` takes what it left, so state shared across layers,
@@ -190,8 +192,10 @@ class DecoderLM(nnx.Module):
     """
     if (return_gates or cut is not None) and cache is not None:
       raise ValueError("return_gates and cut= are for the parallel (training) forward, not cached mode")
-    if cut is not None and (not isinstance(cut, (tuple, list)) or len(cut) not in (2, 3)):
-      raise ValueError(f"cut= must be (capacity, recent) int scalars [, soft float], got {cut!r}")
+    if cut is not None and (not isinstance(cut, (tuple, list)) or len(cut) not in (2, 3, 4)):
+      raise ValueError(f"cut= must be (capacity, recent) int scalars [, soft float [, shared bool]], got {cut!r}")
+    if cut is not None and len(cut) == 4 and not isinstance(cut[3], bool):
+      raise ValueError(f"cut= (capacity, recent, soft, shared): shared must be a Python bool, got {cut[3]!r}")
     if return_gates:
       return with_gates(self, tokens, segment_ids, positions, cut=cut)
     tokens = check_tokens(tokens, self.cfg.vocab_size)  # ValueError on bad ids where they are concrete

@@ -64,6 +64,7 @@ def budget_keep(
   capacity: jax.Array | int,
   recent: jax.Array | int,
   segment_ids: jax.Array | None = None,
+  shared: bool = False,
 ) -> jax.Array:
   """Which keys each query sees through an `fpa_budget` cache of `capacity` keys.
 
@@ -73,6 +74,11 @@ def budget_keep(
     recent: int (scalar, may be traced), 0 <= recent < capacity: the protected window W (the keys at
       positions > i - W are never the victim at query i).
     segment_ids: optional int [B, T]; the cache empties where a new segment starts.
+    shared: False: a cache of `capacity` keys per (row, head). True: one cache of capacity * H keys
+      per row shared by the H heads (`fpa_global`'s rule inside one layer: at query i the H new keys
+      go in after the largest penalties of every head go out, ties the oldest, then the lower head,
+      among the keys at positions <= i - recent in their head, or every held key where too few are),
+      so a head that forgets pays for a head that keeps.
   Returns:
     keep: bool [B, H, T(query i), T(key j)], True where key j is held when query i attends (always
     on the diagonal; never above it). No gradient (computed from stopped inputs).
@@ -99,15 +105,39 @@ def budget_keep(
     alive = alive & ~reset[:, None, None]
     run_min = jnp.where(pos < i, fp.advance(run_min, f_i[:, :, None]), jnp.inf)
     pen = fp.penalty(lvl, run_min)  # [B, H, T]; 0 where the range is empty
-    full = jnp.sum(alive, axis=-1) >= cap  # [B, H]
-    out = fp.victim(pen, pos, alive, i, w, axis=-1)  # the rule `inference.cache` decodes with
-    alive = alive & ~(full[:, :, None] & (pos == out[:, :, None]))
+    if shared:
+      alive = alive & ~_shared_victims(pen, alive, i, cap, w)
+    else:
+      full = jnp.sum(alive, axis=-1) >= cap  # [B, H]
+      out = fp.victim(pen, pos, alive, i, w, axis=-1)  # the rule `inference.cache` decodes with
+      alive = alive & ~(full[:, :, None] & (pos == out[:, :, None]))
     alive = alive | (pos == i)
     return (alive, run_min), alive
 
   init = (jnp.zeros((b, h, t), bool), jnp.full((b, h, t), jnp.inf, F32))
   _, keep = jax.lax.scan(step, init, (pos, f, new_seg))  # [T(i), B, H, T(j)]
   return jnp.transpose(keep, (1, 2, 0, 3))
+
+
+def _shared_victims(pen: jax.Array, alive: jax.Array, i, cap, recent) -> jax.Array:
+  """The keys a row's shared cache of cap * H keys evicts before query i's H keys go in: the
+  excess (at most H), largest penalty first, ties the oldest, then the lower head (`fpa_global`'s
+  rule, `fp.evict_largest`), among the keys outside their head's recent window, or among every held
+  key where fewer than the excess are. pen, alive [B, H, T] -> bool [B, H, T].
+
+  One `lax.top_k` of H per row, not a sort: the row is laid out position-major (index pos * H +
+  head), and top_k puts the lower index first among equal values, so ties go to the oldest, then
+  the lower head."""
+  b, h, t = pen.shape
+  pos = jnp.arange(t, dtype=jnp.int32)[None, None, :]
+  excess = jnp.maximum(jnp.sum(alive, axis=(1, 2)) + h - cap * h, 0)  # [B], <= H: a full cache gains H keys
+  cand = alive & (pos <= i - recent)
+  cand = jnp.where((jnp.sum(cand, axis=(1, 2)) >= excess)[:, None, None], cand, alive)
+  score = jnp.swapaxes(jnp.where(cand, pen, -jnp.inf), 1, 2).reshape(b, t * h)  # [B, T * H], position-major
+  _, idx = jax.lax.top_k(score, h)  # [B, H], largest first
+  go = jnp.arange(h)[None, :] < excess[:, None]
+  gone = jnp.zeros((b, t * h), bool).at[jnp.arange(b)[:, None], idx].set(go)
+  return jnp.swapaxes(gone.reshape(b, t, h), 1, 2)
 
 
 def budgeted_attention(
@@ -122,6 +152,7 @@ def budgeted_attention(
   scale: float | None = None,
   segment_ids: jax.Array | None = None,
   soft: float | jax.Array = 0.0,
+  shared: bool = False,
 ) -> jax.Array:
   """First Passage Attention over the keys an `fpa_budget` cache of `capacity` keys holds.
 
@@ -130,7 +161,9 @@ def budgeted_attention(
   Args: q [B, T, H, K], k [B, T, KVH, K], v [B, T, KVH, Kv]; field, level [B, T, KVH]; capacity,
   recent, segment_ids as in `budget_keep`; scale default K ** -0.5; soft: 0 = the hard cut (the
   decode's logits exactly), > 0 = evicted keys kept at the soft bias of the module docstring (nats);
-  a Python float or a traced scalar (a scanned or rematerialised model passes it traced).
+  a Python float or a traced scalar (a scanned or rematerialised model passes it traced); shared:
+  one cache of capacity * KVH keys per row for all kv heads (`budget_keep`), and the soft cut's
+  threshold theta the largest penalty it holds over every head.
   Returns: [B, T, H, Kv] in q's dtype. Differentiable in every input but the keep mask (and theta).
   """
   concrete = isinstance(soft, (int, float))
@@ -146,7 +179,7 @@ def budgeted_attention(
     raise ValueError(f"recent must be in [0, capacity) = [0, {capacity}), got {recent}")
   scale = _v.default_scale(scale, d)
   fb, lb = (jnp.swapaxes(a, 1, 2).astype(F32) for a in (field, level))  # [B, KVH, T]
-  keep = budget_keep(field, level, capacity, recent, segment_ids)  # [B, KVH, T, T]
+  keep = budget_keep(field, level, capacity, recent, segment_ids, shared=shared)  # [B, KVH, T, T]
   pen = first_passage_penalty(fb, lb)  # [B, KVH, T, T]; +inf above the diagonal
   # Evicted keys get -inf (no weight, no gradient); the causal / segment mask is the attention's.
   bias = jnp.where(keep, -jnp.where(keep, pen, 0.0), -jnp.inf)
@@ -155,7 +188,9 @@ def budgeted_attention(
     s = jnp.asarray(soft, F32)
     causal = jnp.tril(jnp.ones((t, t), bool)) & (s > 0)  # a traced 0: the hard cut
     p = jnp.where(causal, pen, 0.0)  # finite where the bias is read: no inf in the gradient
-    theta = jax.lax.stop_gradient(jnp.max(jnp.where(keep, p, 0.0), axis=-1, keepdims=True))
+    held = jnp.where(keep, p, 0.0)
+    theta = jnp.max(held, axis=(1, 3) if shared else 3, keepdims=True)  # [B, KVH | 1, T, 1]
+    theta = jax.lax.stop_gradient(theta)
     evicted = -p + jax.nn.log_sigmoid((theta - p) / jnp.where(s > 0, s, 1.0) - SOFT_TIE)
     bias = jnp.where(keep, bias, jnp.where(causal, evicted, -jnp.inf))
   return masked_softmax_attention(q, k, v, bias, scale=scale, segment_ids=segment_ids)

@@ -47,6 +47,31 @@ def keep_np(field, level, capacity, recent, segment_ids=None):
   return out
 
 
+def keep_shared_np(field, level, capacity, recent, segment_ids=None):
+  """One cache of capacity * H keys per row for all H heads, token by token: at query i the excess
+  over capacity * H - H goes, largest penalty first, ties the oldest, then the lower head, among the
+  keys at positions <= i - recent (every held key if fewer than the excess are); then the H new keys
+  go in. bool [B, H, T, T]."""
+  field, level = np.asarray(field, np.float64), np.asarray(level, np.float64)
+  b_, t, h_ = field.shape
+  out = np.zeros((b_, h_, t, t), bool)
+  for b in range(b_):
+    held: list[tuple[int, int]] = []  # (head, position)
+    for i in range(t):
+      if segment_ids is not None and i > 0 and segment_ids[b, i] != segment_ids[b, i - 1]:
+        held = []
+      pen = {(h, j): max(0.0, level[b, j, h] - field[b, j + 1 : i + 1, h].min()) for h, j in held}
+      excess = max(0, len(held) + h_ - capacity * h_)
+      cand = [x for x in held if x[1] <= i - recent]
+      cand = cand if len(cand) >= excess else list(held)
+      for x in sorted(cand, key=lambda x: (-pen[x], x[1], x[0]))[:excess]:
+        held.remove(x)
+      held += [(h, i) for h in range(h_)]
+      for h, j in held:
+        out[b, h, i, j] = True
+  return out
+
+
 def theta_np(field, level, keep):
   """The soft cut's threshold: the largest penalty the cache holds at each query, [B, H, T]."""
   field, level = np.asarray(field, np.float64), np.asarray(level, np.float64)
@@ -127,6 +152,26 @@ def test_keep_matches_the_decode_loop(b, t, h, cap, w, ties, seg):
     assert (got == np.tril(np.ones((t, t), bool))).all()
 
 
+@pytest.mark.parametrize("b,t,h,cap,w,ties,seg", KEEP_CASES)
+def test_shared_keep_matches_its_loop(b, t, h, cap, w, ties, seg):
+  """shared=True: one cache of capacity * H keys per row, fpa_global's rule within the layer."""
+  rng = np.random.default_rng(10 * t + cap + 1)
+  if ties:
+    field, level = rng.integers(-2, 3, size=(b, t, h)) * 1.0, rng.integers(-2, 3, size=(b, t, h)) * 1.0
+  else:
+    field, level = rng.normal(size=(b, t, h)) * 2, rng.normal(size=(b, t, h))
+  segs = np.sort(rng.integers(1, 3, size=(b, t)), axis=1) if seg else None
+  f = jax.jit(lambda f_, l_, s_: BL.budget_keep(f_, l_, cap, w, s_, shared=True))
+  got = np.asarray(f(jnp.asarray(field, jnp.float32), jnp.asarray(level, jnp.float32), None if segs is None else jnp.asarray(segs)))
+  np.testing.assert_array_equal(got, keep_shared_np(field, level, cap, w, segs))
+  assert got[:, :, np.arange(t), np.arange(t)].all()
+  assert (got.sum((1, 3)) <= cap * h).all()  # the row's keys, over every head
+  if h == 1:  # one head: the per-head cache
+    np.testing.assert_array_equal(got, keep_np(field, level, cap, w, segs))
+  if cap < t and not ties:  # the heads' shares differ: one head's keys pay for another's
+    assert len(np.unique(got.sum(-1)[..., -1])) > 1 or h == 1
+
+
 def test_keep_with_flat_field_is_a_window_with_a_protected_tail():
   """Penalties all 0 (no forgetting yet): ties go to the oldest, so the cache is the last C keys."""
   z = jnp.zeros((1, 10, 1))
@@ -178,21 +223,25 @@ def test_budgeted_attention_matches_loop_reference_and_finite_differences(heads,
 
 
 @pytest.mark.parametrize(
-  "heads,kv_heads,cap,w,soft", [(2, 2, 3, 1, 0.5), pytest.param(4, 2, 2, 0, 2.0, marks=pytest.mark.slow)]
+  "heads,kv_heads,cap,w,soft,shared",
+  [(2, 2, 3, 1, 0.5, False), (2, 2, 3, 1, 0.5, True), pytest.param(4, 2, 2, 0, 2.0, False, marks=pytest.mark.slow)],
 )
-def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads, cap, w, soft):
+def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads, cap, w, soft, shared):
   """soft > 0: kept keys exact, evicted keys at the soft bias beyond the cache's threshold; the
-  gate's gradient now reaches the evicted keys' penalties (theta and the mask held, as the op stops them)."""
+  gate's gradient now reaches the evicted keys' penalties (theta and the mask held, as the op stops them).
+  shared: the layer's one cache, its threshold the largest penalty held over every kv head."""
   b, t, d = 1, 8, 3
   rng = np.random.default_rng(heads * 7 + cap)
   q, k, v, field, level = random_case(rng, b, t, heads, kv_heads, d)
   scale = d**-0.5
-  keep = keep_np(field, level, cap, w)
+  keep = (keep_shared_np if shared else keep_np)(field, level, cap, w)
   assert (~keep & np.tril(np.ones((t, t), bool))).any()  # something is evicted
   theta = theta_np(field, level, keep)
+  if shared:
+    theta = np.broadcast_to(theta.max(1, keepdims=True), theta.shape)
   ref = lambda *a: attention_np(*a, keep, scale, soft=soft, theta=theta)
   args32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v, field, level)]
-  f = jax.jit(lambda *a: BL.budgeted_attention(*a, capacity=cap, recent=w, soft=soft))
+  f = jax.jit(lambda *a: BL.budgeted_attention(*a, capacity=cap, recent=w, soft=soft, shared=shared))
   out = np.asarray(f(*args32))
   assert_close(out, ref(q, k, v, field, level), dtype=np.float32, n=t * d)
   hard = attention_np(q, k, v, field, level, keep, scale)
@@ -202,7 +251,8 @@ def test_soft_cut_matches_loop_reference_and_finite_differences(heads, kv_heads,
   for g, fd in zip(grads, finite_differences(ref, [q, k, v, field, level], ct)):
     assert_close(np.asarray(g), fd, dtype=np.float32, n=t * d, scale=max(np.abs(fd).max(), 1.0))
   # the levels' gradient now includes the evicted keys' (the hard cut's has none from them)
-  g_hard = jax.grad(lambda lv: jnp.sum(BL.budgeted_attention(*args32[:4], lv, capacity=cap, recent=w) * ct))(args32[4])
+  hard_cut = lambda lv: BL.budgeted_attention(*args32[:4], lv, capacity=cap, recent=w, shared=shared)  # noqa: E731
+  g_hard = jax.grad(lambda lv: jnp.sum(hard_cut(lv) * ct))(args32[4])
   assert np.abs(np.asarray(grads[4]) - np.asarray(g_hard)).max() > 1e-4
 
 
@@ -316,6 +366,11 @@ def test_budget_objective(batch):
   assert float(aux_full["budget_kept"]) == 1.0
   assert_close(v_full, v_lm, n=64 * 64)
   assert float(v) > float(v_lm)  # a quarter of the cache loses information
+  # budget_loop_shared: one cache per layer for its kv heads, another cut of the same size
+  quarter = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25)
+  (v_shared, aux_shared), _ = _objective(tiny(**quarter, budget_loop_shared=True), batch)
+  assert float(aux_shared["budget_kept"]) == 0.25 and math.isfinite(float(v_shared))
+  assert abs(float(v_shared) - float(v)) > 1e-6
 
 
 @pytest.mark.slow

@@ -300,6 +300,24 @@ def test_needle_penalty_reads_every_layer_and_head(att):
   assert all(0.0 < s["passkey_rank"] <= 1.0 for s in stats)
 
 
+def test_global_split_accounts_for_fpa_global_budget_per_head():
+  """Where fpa_global's budget goes after the prefill: every (layer, kv head), shares that sum to at
+  most the budget over the heads, and a budget of the whole prompt keeps every head's copy."""
+  from experiments import needle_penalty as N
+  from fpa_jax import configs as C
+  from fpa_jax.data import passkey_eval_examples
+  from fpa_jax.models import build_model
+
+  m = build_model(C.get_config("tiny", block_size=16, vocab_size=259), seed=0)
+  exs = passkey_eval_examples(320, 1, 50, n=2, seed=0)
+  heads = m.cfg.n_layers * m.cfg.kv_heads
+  small = N.global_split(m, exs, 0.25)
+  assert [(r["layer"], r["head"]) for r in small] == [(li, h) for li in range(m.cfg.n_layers) for h in range(m.cfg.kv_heads)]
+  assert 0 < sum(r["held"] for r in small) <= 0.25 * heads + 1e-6
+  whole = N.global_split(m, exs, 1.0)
+  assert all(r["copy_held"] == 1.0 for r in whole) and sum(r["held"] for r in whole) > sum(r["held"] for r in small)
+
+
 def test_kept_rank_keeps_a_whole_copy_smallest_penalty_first():
   import numpy as np
 
