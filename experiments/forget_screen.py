@@ -470,11 +470,7 @@ def markdown(rows: dict[tuple[str, int], dict], argv, layers: int = 2) -> str:
     f"goes after the prefill, per upper head the share of the prompt's keys it holds / the share of prompts in which "
     f"it holds every token of a copy of the passkey (a head that reads the needle without one loses a digit; in "
     f"brackets the lowest layer's mean share; `needle_penalty.global_split`, the needle's prompts). The recipe at "
-    f"{layers} layers.\n\n"
-    + U.md_table(head, body)
-    + "\n\n"
-    + what
-    + "\n"
+    f"{layers} layers.\n\n" + U.md_table(head, body) + "\n\n" + what + "\n"
   )
 
 

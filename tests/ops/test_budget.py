@@ -162,7 +162,9 @@ def test_shared_keep_matches_its_loop(b, t, h, cap, w, ties, seg):
     field, level = rng.normal(size=(b, t, h)) * 2, rng.normal(size=(b, t, h))
   segs = np.sort(rng.integers(1, 3, size=(b, t)), axis=1) if seg else None
   f = jax.jit(lambda f_, l_, s_: BL.budget_keep(f_, l_, cap, w, s_, shared=True))
-  got = np.asarray(f(jnp.asarray(field, jnp.float32), jnp.asarray(level, jnp.float32), None if segs is None else jnp.asarray(segs)))
+  got = np.asarray(
+    f(jnp.asarray(field, jnp.float32), jnp.asarray(level, jnp.float32), None if segs is None else jnp.asarray(segs))
+  )
   np.testing.assert_array_equal(got, keep_shared_np(field, level, cap, w, segs))
   assert got[:, :, np.arange(t), np.arange(t)].all()
   assert (got.sum((1, 3)) <= cap * h).all()  # the row's keys, over every head

@@ -312,7 +312,9 @@ def test_global_split_accounts_for_fpa_global_budget_per_head():
   exs = passkey_eval_examples(320, 1, 50, n=2, seed=0)
   heads = m.cfg.n_layers * m.cfg.kv_heads
   small = N.global_split(m, exs, 0.25)
-  assert [(r["layer"], r["head"]) for r in small] == [(li, h) for li in range(m.cfg.n_layers) for h in range(m.cfg.kv_heads)]
+  assert [(r["layer"], r["head"]) for r in small] == [
+    (li, h) for li in range(m.cfg.n_layers) for h in range(m.cfg.kv_heads)
+  ]
   assert 0 < sum(r["held"] for r in small) <= 0.25 * heads + 1e-6
   whole = N.global_split(m, exs, 1.0)
   assert all(r["copy_held"] == 1.0 for r in whole) and sum(r["held"] for r in whole) > sum(r["held"] for r in small)

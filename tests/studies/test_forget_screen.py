@@ -102,7 +102,11 @@ def test_deeper_screens_press_every_layer_above_the_first(monkeypatch):
   assert F.quiet_letters(stats) == "np,nn,pn"
   assert F.needle_words(stats).startswith("l1: h0 0.0/0.0 h1 0.0/50.0; l2: h0 0.0/0.2")
   assert F.needle_words([r for r in stats if r["layer"] < 2]) == "h0 0.0/0.0 h1 0.0/50.0"  # 2 layers: as before
-  split = {"heads": [{"layer": i, "head": h, "held": 0.1 * (i + h), "copy_held": float(i == 1)} for i in (0, 1) for h in (0, 1)]}
+  split = {
+    "heads": [
+      {"layer": i, "head": h, "held": 0.1 * (i + h), "copy_held": float(i == 1)} for i in (0, 1) for h in (0, 1)
+    ]
+  }
   assert F.split_words(split) == "h0 0.10/1.0 h1 0.20/1.0 (l0 0.05)" and F.split_words(None) == "—"
   cfg = F.config("nowalk_hinge_top", args, 0)
   assert cfg.head_gates == "pp,nn,nn,nn" and cfg.objective_layers == "1,2,3" and cfg.objective_layer_ids == (1, 2, 3)
