@@ -360,6 +360,16 @@ SCREEN: dict[str, dict[str, Any]] = {
       " pay for"
     ),
   },
+  "leaky64_shared_distill_t25": {
+    "set": {"leaky_quiet": 1 / 64, **_DISTILL, "evict_shared": True, "evict_target": 0.25},
+    "why": (
+      "leaky_shared_distill_t25 with the walk leaking 1/64 per token, not 1/256: on seed 1 the 12.5% cell is"
+      " lost (0.40) where upper heads put more on the needle than on the median key (h1 24.5 against 5.2 nats):"
+      " inside a band of ~256 tokens' memory a leaky walk still forgets by age, and the needle is older than"
+      " that at 8x; a memory of ~64 tokens leaves a far key's penalty to its level (untrained, the swap costs"
+      " +5.3% of held-out bits per byte at 1/64 against +3.6% at 1/256)"
+    ),
+  },
   "leaky": {
     "set": {"leaky_quiet": 1 / 256},
     "why": "the architecture of leaky_shared_distill_t25 alone (the quiet heads' walk leaking 1/256 per token), no"
