@@ -368,8 +368,14 @@ def test_budget_objective(batch):
   assert float(aux_full["budget_kept"]) == 1.0
   assert_close(v_full, v_lm, n=64 * 64)
   assert float(v) > float(v_lm)  # a quarter of the cache loses information
-  # budget_loop_shared: one cache per layer for its kv heads, another cut of the same size
+
+
+@pytest.mark.slow  # the shared cut's mask and soft cut: test_shared_keep_matches_its_loop, test_soft_cut_*
+def test_budget_objective_shared_cut(batch):
+  """budget_loop_shared reaches the model: one cache per layer for its kv heads, another cut of the
+  same size (another loss)."""
   quarter = dict(budget_loop_prob=1.0, budget_loop_min=0.25, budget_loop_max=0.25)
+  (v, _), _ = _objective(tiny(**quarter), batch)
   (v_shared, aux_shared), _ = _objective(tiny(**quarter, budget_loop_shared=True), batch)
   assert float(aux_shared["budget_kept"]) == 0.25 and math.isfinite(float(v_shared))
   assert abs(float(v_shared) - float(v)) > 1e-6

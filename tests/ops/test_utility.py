@@ -143,6 +143,7 @@ def tiny():
   return DecoderLM(cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow  # its wiring into the objective: test_objective_adds_the_weighted_utility
 def test_utility_loss_reaches_only_the_gate(tiny):
   """The labels carry no gradient: only the gates and what feeds them move."""
   tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 32)

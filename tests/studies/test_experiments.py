@@ -300,6 +300,7 @@ def test_needle_penalty_reads_every_layer_and_head(att):
   assert all(0.0 < s["passkey_rank"] <= 1.0 for s in stats)
 
 
+@pytest.mark.slow  # its column: test_forget_screen.py (split_words)
 def test_global_split_accounts_for_fpa_global_budget_per_head():
   """Where fpa_global's budget goes after the prefill: every (layer, kv head), shares that sum to at
   most the budget over the heads, and a budget of the whole prompt keeps every head's copy."""
