@@ -384,16 +384,20 @@ def layer_words(tol: dict) -> str:
   return "" if not per else f" ({R.shares_by_layer(per)})"
 
 
+def _per_upper(rows: list[dict], cell) -> str:
+  """`cell(row)` for each head of the layers above the first, joined per layer ("l1: ...; l2: ..."
+  when there are more than one)."""
+  uppers = sorted({r["layer"] for r in rows} - {0})
+  words = lambda i: " ".join(cell(r) for r in rows if r["layer"] == i)
+  return words(uppers[0]) if len(uppers) == 1 else "; ".join(f"l{i}: {words(i)}" for i in uppers)
+
+
 def needle_words(needle: list[dict] | None) -> str:
   """The upper layers' heads: needle penalty / median penalty, per head (per layer, "l1: ...", when
   there are more than one)."""
   if not needle:
     return "—"
-  uppers = sorted({r["layer"] for r in needle} - {0})
-  words = lambda i: " ".join(
-    f"h{r['head']} {r['needle_penalty']:.1f}/{r['median_penalty']:.1f}" for r in needle if r["layer"] == i
-  )
-  return words(uppers[0]) if len(uppers) == 1 else "; ".join(f"l{i}: {words(i)}" for i in uppers)
+  return _per_upper(needle, lambda r: f"h{r['head']} {r['needle_penalty']:.1f}/{r['median_penalty']:.1f}")
 
 
 def split_words(split: dict | None) -> str:
@@ -402,10 +406,8 @@ def split_words(split: dict | None) -> str:
   if not split:
     return "—"
   heads = split["heads"]
-  uppers = sorted({r["layer"] for r in heads} - {0})
   low = [r["held"] for r in heads if r["layer"] == 0]
-  words = lambda i: " ".join(f"h{r['head']} {r['held']:.2f}/{r['copy_held']:.1f}" for r in heads if r["layer"] == i)
-  up = words(uppers[0]) if len(uppers) == 1 else "; ".join(f"l{i}: {words(i)}" for i in uppers)
+  up = _per_upper(heads, lambda r: f"h{r['head']} {r['held']:.2f}/{r['copy_held']:.1f}")
   return f"{up} (l0 {sum(low) / len(low):.2f})"
 
 

@@ -704,8 +704,9 @@ class FirstPassageAttention(nnx.Module):
       if self.gate is None:
         raise ValueError(f"cut= (budget in the loop) needs a gated attention (fpa, fox, stack), not {cfg.attention!r}")
       # FoX too: field = level = its cumulative log forget
-      cap, recent, *rest = cut
-      soft, shared = (rest + [0.0, False][len(rest) :])[:2]  # (cap, recent[, soft[, shared]])
+      cap, recent, *rest = cut  # (cap, recent[, soft[, shared]])
+      soft = rest[0] if rest else 0.0
+      shared = rest[1] if len(rest) > 1 else False
       through_cut = lambda: budgeted_attention(  # noqa: E731
         q, k, v, g.field, g.level, capacity=cap, recent=recent, segment_ids=segment_ids, soft=soft, shared=shared
       )

@@ -106,7 +106,7 @@ def budget_keep(
     run_min = jnp.where(pos < i, fp.advance(run_min, f_i[:, :, None]), jnp.inf)
     pen = fp.penalty(lvl, run_min)  # [B, H, T]; 0 where the range is empty
     if shared:
-      alive = alive & ~_shared_victims(pen, alive, i, cap, w)
+      alive = alive & ~_shared_victims(pen, pos, alive, i, cap, w)
     else:
       full = jnp.sum(alive, axis=-1) >= cap  # [B, H]
       out = fp.victim(pen, pos, alive, i, w, axis=-1)  # the rule `inference.cache` decodes with
@@ -119,17 +119,16 @@ def budget_keep(
   return jnp.transpose(keep, (1, 2, 0, 3))
 
 
-def _shared_victims(pen: jax.Array, alive: jax.Array, i, cap, recent) -> jax.Array:
+def _shared_victims(pen: jax.Array, pos: jax.Array, alive: jax.Array, i, cap, recent) -> jax.Array:
   """The keys a row's shared cache of cap * H keys evicts before query i's H keys go in: the
   excess (at most H), largest penalty first, ties the oldest, then the lower head (`fpa_global`'s
   rule, `fp.evict_largest`), among the keys outside their head's recent window, or among every held
-  key where fewer than the excess are. pen, alive [B, H, T] -> bool [B, H, T].
+  key where fewer than the excess are. pen, alive [B, H, T], pos [T] (slot j holds key j) -> bool [B, H, T].
 
   One `lax.top_k` of H per row, not a sort: the row is laid out position-major (index pos * H +
   head), and top_k puts the lower index first among equal values, so ties go to the oldest, then
   the lower head."""
   b, h, t = pen.shape
-  pos = jnp.arange(t, dtype=jnp.int32)[None, None, :]
   excess = jnp.maximum(jnp.sum(alive, axis=(1, 2)) + h - cap * h, 0)  # [B], <= H: a full cache gains H keys
   cand = alive & (pos <= i - recent)
   cand = jnp.where((jnp.sum(cand, axis=(1, 2)) >= excess)[:, None, None], cand, alive)
