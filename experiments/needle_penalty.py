@@ -107,6 +107,31 @@ def global_split(model, examples, budget: float) -> list[dict]:
   return [{"layer": o // kvh, "head": o % kvh, "held": float(h[o]), "copy_held": float(c[o])} for o in range(len(h))]
 
 
+def oracle_split(model, examples, budget: float, *, batch_size: int = 8) -> list[dict]:
+  """Passkey accuracy of `fpa_global` at `budget` with the whole budget given by hand: to one head of
+  the upper layers at a time, then to the upper layers together, every other head streaming (its
+  protected window only; `FPAGlobal.head_offset` +inf) -> [{layer, head (None: every upper head),
+  accuracy}]. If no head alone and not the upper layers together hold the passkey, no split of the
+  budget across heads can: the rank inside the heads fails, not the calibration between them."""
+  import math
+
+  from fpa_jax import eval as ev
+  from fpa_jax.inference import FPAGlobal
+  from fpa_jax.inference.graph import layer_configs
+
+  kvh = [c.kv_heads for c in layer_configs(model)]
+  owners = [(i, h) for i, n in enumerate(kvh) for h in range(n)]
+  sets = [[(i, h)] for i, h in owners if i > 0] + [[o for o in owners if o[0] > 0]]
+  out = []
+  for s in sets:
+    off = tuple(0.0 if o in s else math.inf for o in owners)
+    pol = FPAGlobal(budget=budget, head_offset=off)
+    c = ev.passkey_cell(model, examples, policy=pol, prefill="parallel", batch_size=batch_size)
+    layer, head = s[0] if len(s) == 1 else (None, None)
+    out.append({"layer": layer, "head": head, "accuracy": c["accuracy"], "n": c["n"]})
+  return out
+
+
 def main(argv=None) -> dict:
   ap = U.study_parser(MODULE, __doc__)
   ap.add_argument(

@@ -382,6 +382,23 @@ SCREEN: dict[str, dict[str, Any]] = {
     " not 75% of the keys gone, and the hinge's forgetting is what cost leaky_shared_distill_t25 the rest of its"
     " +1.29%",
   },
+  "shared_distill_t25": {
+    "set": {**_DISTILL, "evict_shared": True, "evict_target": 0.25},
+    "why": (
+      "leaky_shared_distill_t25's objective on the recipe's own heads (no architecture change, every head keeps"
+      " its walk): the leaky walk alone cost +0.46% text on seed 1 (`leaky`), nearly the whole +0.5% allowed; the"
+      " shared hinge lets the heads that forget by age pay the 75%, the distillation through the soft cut ranks"
+      " what the others keep"
+    ),
+  },
+  "shared_distill_t50": {
+    "set": {**_DISTILL, "evict_shared": True, "evict_target": 0.5},
+    "why": (
+      "shared_distill_t25 (seed 1: fpa_global 1.00 / 1.00 at +0.72% text) asking only half the old keys gone:"
+      " the 12.5% cell held with room to spare, the text paid for the hinge's forgetting (per head, t25 against"
+      " t10 took quiet_hinge_top's text cost from +1.66% to +0.78%)"
+    ),
+  },
   "utility_top": {
     "set": {"utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
     "why": (

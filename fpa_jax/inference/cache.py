@@ -518,7 +518,7 @@ def global_evict(caches, policy: PolicyRule, now: jax.Array, slots: int) -> tupl
 
   G = `slots`, the pool's slots per row (`FPAGlobal.pool_slots`). The keys that may go are those outside every head's protected window
   (positions <= now + 1 - W: the next step's new key and the W - 1 before it stay); they go largest
-  penalty first, ties oldest, then lower (layer, head). `now` [B]: the position of the last key
+  penalty first (plus the policy's `head_offset`), ties oldest, then lower (layer, head). `now` [B]: the position of the last key
   written. Per row, the excess over the limit is evicted in one sort of the L * S * KVH slots (after
   a decode step it is at most L * KVH keys). Only `alive` changes (slots are reused by the next step).
   """
@@ -533,7 +533,8 @@ def global_evict(caches, policy: PolicyRule, now: jax.Array, slots: int) -> tupl
   excess = jnp.maximum(jnp.sum(alive, axis=(1, 2, 3)) - limit, 0)  # [B]
   head = jnp.broadcast_to((jnp.arange(n_l)[:, None, None] * h + jnp.arange(h)[None, None, :])[None], pen.shape)
   flat = lambda x: x.reshape(b, n_l * s * h)
-  evict = fp.evict_largest(flat(pen), flat(pos), flat(head), flat(cand), excess).reshape(b, n_l, s, h)
+  rank = policy.evict_order(flat(pen), flat(head))
+  evict = fp.evict_largest(rank, flat(pos), flat(head), flat(cand), excess).reshape(b, n_l, s, h)
   return tuple(c._replace(alive=c.alive & ~evict[:, i]) for i, c in enumerate(caches))
 
 

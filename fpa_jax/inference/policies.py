@@ -28,7 +28,9 @@ decoder call, so that neither branches on a name): `Full`, `FPATolerance`, `FPAT
                 the keys its head wrote since: O(keys it holds) per head and step (`FPAGlobal.pool_impl`;
                 "masked": the whole pool masked, O(G); `fpa_jax.inference.pool`). `head_cap` (optional): at most that many keys per
                 (layer, kv head), its largest penalty going first as in `fpa_budget` (default: no
-                limit, a head may fill the pool). The last W keys of every head are protected. Between
+                limit, a head may fill the pool). `head_offset` (optional, `FPAGlobal`): nats added to
+                each (layer, kv head)'s penalties in the eviction order only (+inf: the head keeps its
+                protected window alone, DuoAttention's streaming heads). The last W keys of every head are protected. Between
                 steps at most G - n_layers * kv_heads keys are held, so each step's new keys always find
                 free slots and each query attends to at most G keys counting its own step's.
   window        capacity C; the last C keys.
@@ -558,7 +560,14 @@ class FPAGlobal(PolicyRule):
 
   keys: the mean budget per (layer, kv head); head_cap: the per-head limit (None: none);
   pool_impl: how the pool runs (`POOL_IMPLS`, the same keys kept); repack_every: "packed": decode
-  steps between repacks of the pool by owner (N)."""
+  steps between repacks of the pool by owner (N).
+  head_offset: None, or one number per (layer, kv head), layer-major (L * KVH: owner = layer * KVH +
+    kv head), added to that head's penalties where the pool picks what goes, never in attention: a
+    per-head calibration of the shared budget (AdaKV, DuoAttention). +inf: the head keeps its
+    protected window only (a streaming head); 0 everywhere: plain fpa_global.
+
+      FPAGlobal(budget=0.125, head_offset=(inf,) * 4 + (0, inf, inf, inf))  # layer 1, head 0 gets it all
+  """
 
   name = "fpa_global"
   is_global = True
@@ -567,8 +576,18 @@ class FPAGlobal(PolicyRule):
   head_cap: float | int | None = None
   pool_impl: str = "packed"
   repack_every: int = REPACK_EVERY
+  head_offset: tuple[float, ...] | None = None
 
   def __post_init__(self):
+    off = self.head_offset
+    if off is not None:
+      bad = not isinstance(off, (tuple, list)) or not off
+      bad = bad or any(isinstance(x, bool) or not isinstance(x, numbers.Real) or math.isnan(x) for x in off)
+      if bad:
+        raise ValueError(
+          f"head_offset must be a non-empty sequence of numbers (nats, or inf) per (layer, kv head), got {off!r}"
+        )
+      object.__setattr__(self, "head_offset", tuple(float(x) for x in off))  # hashable: the policy is static
     if self.pool_impl not in POOL_IMPLS:
       raise ValueError(
         f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
@@ -606,12 +625,31 @@ class FPAGlobal(PolicyRule):
       )
     return int(g)
 
+  def evict_order(self, pen: jax.Array, owner: jax.Array) -> jax.Array:
+    """What the global rule ranks (largest goes first): `pen` [B, N] plus each key's owner's
+    `head_offset` (owner [B, N] int32, layer * KVH + kv head; -1: no key, offset 0)."""
+    if self.head_offset is None:
+      return pen
+    off = jnp.asarray(self.head_offset, F32)
+    return pen + jnp.where(owner >= 0, off[jnp.clip(owner, 0, off.shape[0] - 1)], 0.0)
+
   def slots_per_row(self, layers):
+    self._check_offset(layers)  # every model sizes its pool here, a DecoderLM too (check_model: one of your own)
     c = layers[0]  # one pool: the same kv heads, head dim and dtype in every layer (`check_model`)
     return self.pool_slots(len(layers), c.kv_heads, c.head_dim, jnp.dtype(c.dtype).itemsize)
 
+  def _check_offset(self, layers) -> None:
+    owners = sum(c.kv_heads for c in layers)
+    if self.head_offset is not None and len(self.head_offset) != owners:
+      raise ValueError(
+        f"head_offset has {len(self.head_offset)} numbers; the model has {len(layers)} attention layers with "
+        f"{owners} kv heads in all: give one per (layer, kv head), layer-major"
+      )
+
   def check_model(self, model):
-    shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in layer_configs(model)}
+    cfgs = layer_configs(model)
+    self._check_offset(cfgs)
+    shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in cfgs}
     if len(shapes) > 1:
       raise ValueError(
         f"fpa_global shares one slot pool between the layers, so they need the same (kv heads, head dim, dtype); "

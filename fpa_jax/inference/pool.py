@@ -523,7 +523,7 @@ def pool_evict(cache: GlobalCache, policy: PolicyRule, now: jax.Array, *, repack
   """Between steps: evict across all layers and heads of a row down to G - L * KVH keys.
 
   The rule of `decode.global_evict` on the pool: the keys that may go are those outside every
-  head's protected window (positions <= now + 1 - W), largest penalty first, ties oldest, then
+  head's protected window (positions <= now + 1 - W), largest penalty (plus `head_offset`) first, ties oldest, then
   lower owner (layer, head); `now` [B] is the position of the last key written. Evicted slots are
   freed (alive False, owner -1) for the next step's new keys. pool_impl "packed": the step is
   counted and, with `repack_due`, the pool repacked once `policy.pack_steps` steps have been
@@ -533,7 +533,7 @@ def pool_evict(cache: GlobalCache, policy: PolicyRule, now: jax.Array, *, repack
   limit = pool.pos.shape[1] - cache.n_layers * cache.kv_heads  # G - L * KVH: room for the next step's keys
   cand = pool.alive & (pool.pos <= now[:, None] + 1 - policy.recent)
   excess = jnp.maximum(jnp.sum(pool.alive, axis=1) - limit, 0)  # [B]
-  pen = pool.penalty
+  pen = policy.evict_order(pool.penalty, pool.owner)
   if policy.pool_impl == "reference":
     gone = fp.evict_largest(pen, pool.pos, pool.owner, cand, excess)
   else:

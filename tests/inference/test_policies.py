@@ -3,7 +3,9 @@ the per-key tolerance bound, and their argument checks. Each policy against a nu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from flax import nnx
 from fpa_jax.inference import cache as K
 from fpa_jax.inference import decode as D
 from fpa_jax.inference import pool as P
-from fpa_jax.inference import cached_logits, generate, make_policy
+from fpa_jax.inference import FPAGlobal, cached_logits, generate, make_policy
 from fpa_jax.inference.policies import default_recent
 from fpa_jax.models import build_model
 
@@ -112,7 +114,13 @@ def test_arguments_checked_before_tracing(tiny):
     generate(tiny, tok, 2, policy="fpa_global", budget=4, head_cap=3)
   with pytest.raises(ValueError, match="head_cap >= budget"):
     cached_logits(tiny, tok, policy="fpa_global", budget=4, head_cap=3)
+  with pytest.raises(ValueError, match="one per \\(layer, kv head\\)"):
+    generate(tiny, tok, 2, policy=FPAGlobal(budget=4, head_offset=(0.0,)))
   assert D.TRACES == before
+  for bad in ((), (0.0, math.nan), (True, 0.0), "0,1"):
+    with pytest.raises(ValueError, match="head_offset must be a non-empty sequence"):
+      FPAGlobal(budget=4, head_offset=bad)
+  assert FPAGlobal(budget=4, head_offset=[0, math.inf]).head_offset == (0.0, math.inf)  # hashable, as floats
 
 
 # ------------------------------------------------------------------------------------------------ recent window
@@ -262,10 +270,11 @@ def test_snapkv_matches_numpy_then_decodes_within_capacity():
 # ------------------------------------------------------------------------------------------------ global budget
 
 
-def _simulate_global(fields, keys, cap, recent):
+def _simulate_global(fields, keys, cap, recent, offset=None):
   """fields [T, L, H] -> alive sets [T][L][H] of fpa_global (numpy/Python, the docstring's rule);
-  cap: the per-head limit (None: none)."""
+  cap: the per-head limit (None: none); offset: `head_offset` (L * H numbers, None: zeros)."""
   t, n_l, h = fields.shape
+  off = [0.0] * (n_l * h) if offset is None else list(offset)
   alive = {(l, j): [] for l in range(n_l) for j in range(h)}
   out = []
   for i in range(t):
@@ -277,7 +286,7 @@ def _simulate_global(fields, keys, cap, recent):
       a.append(i)
     excess = sum(map(len, alive.values())) - (keys - 1) * n_l * h
     cand = [
-      (-_pen_np(fields[:, l, j], x, i), x, l * h + j, (l, j))
+      (-(_pen_np(fields[:, l, j], x, i) + off[l * h + j]), x, l * h + j, (l, j))
       for (l, j), a in alive.items()
       for x in a
       if x <= i + 1 - recent
@@ -308,31 +317,35 @@ def _pool_sets(cache, b=0):
   return [[set(pos[alive & (owner == l * kvh + j)].tolist()) for j in range(kvh)] for l in range(cache.n_layers)]
 
 
+_OFFSET = (0.0, math.inf, 1.5, 0.0)  # layer 0 head 1 streams (its window only); layer 1 head 0 pays 1.5 nats
+
+
 @pytest.mark.parametrize(
-  "keys,cap,recent,impl",
+  "keys,cap,recent,impl,offset",
   [
-    (3, 6, 1, "packed"),
-    (3, 6, 1, "masked"),
-    pytest.param(4, 8, 2, "packed", marks=pytest.mark.slow),
-    pytest.param(4, 8, 2, "masked", marks=pytest.mark.slow),
-    pytest.param(3, 3, 0, "packed", marks=pytest.mark.slow),
-    pytest.param(3, 3, 0, "masked", marks=pytest.mark.slow),
-    pytest.param(3, None, 1, "packed", marks=pytest.mark.slow),
-    pytest.param(3, None, 1, "masked", marks=pytest.mark.slow),
-    (4, None, 2, "packed"),
-    pytest.param(4, None, 2, "masked", marks=pytest.mark.slow),
+    (3, 6, 1, "packed", None),
+    (3, 6, 1, "masked", None),
+    pytest.param(4, 8, 2, "packed", None, marks=pytest.mark.slow),
+    pytest.param(4, 8, 2, "masked", None, marks=pytest.mark.slow),
+    pytest.param(3, 3, 0, "packed", None, marks=pytest.mark.slow),
+    pytest.param(3, 3, 0, "masked", None, marks=pytest.mark.slow),
+    pytest.param(3, None, 1, "packed", None, marks=pytest.mark.slow),
+    pytest.param(3, None, 1, "masked", None, marks=pytest.mark.slow),
+    pytest.param(4, None, 2, "packed", None, marks=pytest.mark.slow),  # the same with a head_offset is fast
+    pytest.param(4, None, 2, "masked", None, marks=pytest.mark.slow),
+    (4, None, 2, "packed", _OFFSET),
+    pytest.param(4, None, 2, "masked", _OFFSET, marks=pytest.mark.slow),
   ],
 )
-def test_global_budget_matches_numpy(keys, cap, recent, impl):
+def test_global_budget_matches_numpy(keys, cap, recent, impl, offset):
   """2 layers x 2 heads, decoded token by token: the shared pool (exactly G slots per row; "packed"
   repacked every 4 steps by `pool_evict`) and the per-head measuring layout (`global_evict`, what
-  cached_logits uses) both hold numpy's sets."""
-  import dataclasses
+  cached_logits uses) both hold numpy's sets, with and without a `head_offset`."""
 
   fields = _global_fields(len(BRACKETS))
   t, n_l, h = fields.shape
   pol = make_policy("fpa_global", t, budget=keys, head_cap=cap, recent=recent)
-  pol = dataclasses.replace(pol, pool_impl=impl, repack_every=4)
+  pol = dataclasses.replace(pol, pool_impl=impl, repack_every=4, head_offset=offset)
   g = keys * n_l * h  # a pool sized by hand: the rule holds G - L * KVH = (keys - 1) * L * KVH keys
   pool = P.prepare(P.init_global_cache(1, g, n_l, h, 1), pol)
   caches = tuple(K.init_layer_cache(1, t, h, 1) for _ in range(n_l))  # measuring: one slot per token
@@ -349,7 +362,9 @@ def test_global_budget_matches_numpy(keys, cap, recent, impl):
       new.append(K.decode_attend(c, ones * 0, ones, ones * 0, fl, fl, fl, step=i, measure=True, **kw)[1])
     return P.pool_evict(run._replace(run=None), pol, pos), K.global_evict(new, pol, pos, g)
 
-  want = _simulate_global(fields, keys, cap, recent)
+  want = _simulate_global(fields, keys, cap, recent, offset)
+  if offset is not None:  # the streaming head holds its window alone (W - 1 keys between steps)
+    assert want[-1][0][1] == set(range(t - recent + 1, t))
   for i in range(t):
     pool, caches = step(pool, caches, jnp.asarray(fields[i]), i)
     assert pool.pool.pos.shape == (1, g)
@@ -358,8 +373,8 @@ def test_global_budget_matches_numpy(keys, cap, recent, impl):
     assert sum(map(len, sum(want[i], []))) <= (keys - 1) * n_l * h
 
 
-@pytest.mark.parametrize("keys,cap,recent", [(3, None, 2), (4, 5, 1)])
-def test_global_parallel_prefill_matches_numpy(keys, cap, recent):
+@pytest.mark.parametrize("keys,cap,recent,offset", [(3, None, 2, None), (4, 5, 1, None), (3, None, 2, _OFFSET)])
+def test_global_parallel_prefill_matches_numpy(keys, cap, recent, offset):
   """Parallel prefill: every layer's prompt keys are candidates (per head at most the cap: its last
   W, then the smallest penalties, then the newest), then the global rule down to G - L*KVH keys,
   packed into the pool: the steps `decode.prefill_parallel` takes after the forward pass."""
@@ -368,6 +383,8 @@ def test_global_parallel_prefill_matches_numpy(keys, cap, recent):
   n_l, h = fields.shape[1:]
   lengths = [t, 13]
   pol = make_policy("fpa_global", t + 4, budget=keys, head_cap=cap, recent=recent)
+  pol = dataclasses.replace(pol, head_offset=offset)
+  off = [0.0] * (n_l * h) if offset is None else offset
   g = keys * n_l * h  # sized by hand, as above
   z = jnp.zeros((2, t, h, 2))
   caches = []
@@ -386,7 +403,7 @@ def test_global_parallel_prefill_matches_numpy(keys, cap, recent):
         per_head[(l, j)] = set(order[: cap or n])
     excess = sum(map(len, per_head.values())) - (keys - 1) * n_l * h
     cand = sorted(
-      (-_pen_np(fields[:, l, j], x, n - 1), x, l * h + j, (l, j))
+      (-(_pen_np(fields[:, l, j], x, n - 1) + off[l * h + j]), x, l * h + j, (l, j))
       for (l, j), a in per_head.items()
       for x in a
       if x <= n - recent
@@ -540,7 +557,6 @@ def test_pool_impls_agree(tiny, head_cap):
   "packed" (repacked by owner every 1, 3 and 7 steps: steps on both sides of a repack) hold exactly
   the keys of "reference" (the whole pool masked, one sort per eviction) at every step, and their
   logits agree (the first repack sees the empty pool: every head holds no key)."""
-  import dataclasses
 
   b, t = 2, 24
   tok = jax.random.randint(jax.random.key(3), (b, t), 0, tiny.cfg.vocab_size)
@@ -580,7 +596,6 @@ def test_packed_pool_attends_like_float64(head_cap, held, seed):
   the cap) that overlap the neighbouring ranges: at every step and layer it holds the keys of
   "masked" and every query head's output is the float64 softmax over its head's keys (scale q.k -
   penalty)."""
-  import dataclasses
 
   rng = np.random.default_rng(seed)
   b, n_l, kvh, h, dk, p0, t = 2, 2, 2, 4, 3, 32, 44
@@ -650,7 +665,6 @@ def test_packed_pool_attends_like_float64(head_cap, held, seed):
 
 def test_pool_impl_checked():
   """Policy names fpa_global's implementations and their repack interval before anything is traced."""
-  import dataclasses
 
   pol = make_policy("fpa_global", 64, budget=8)
   assert pol.pool_impl == "packed" and pol.pack_steps == 8  # at most the mean budget

@@ -172,6 +172,37 @@ def test_verdict_reads_the_targets():
   assert F.verdict(row, None) == ("fails", ["12.5%", "heuristics"])
 
 
+def test_oracle_split_gives_the_budget_by_hand(monkeypatch):
+  """Each upper head alone, then the upper layers, every other head streaming (+inf offset)."""
+  import math
+
+  from experiments import needle_penalty as N
+  from fpa_jax import configs as C
+  from fpa_jax import eval as ev
+  from fpa_jax.models import build_model
+
+  model = build_model(C.get_config("tiny", attention="fpa", n_layers=3, n_heads=2, n_kv_heads=2), seed=0)
+  seen = []
+
+  def cell(model, examples, *, policy, prefill, batch_size):
+    seen.append(policy.head_offset)
+    return {"accuracy": len(seen) / 10, "n": len(examples)}
+
+  monkeypatch.setattr(ev, "passkey_cell", cell)
+  got = N.oracle_split(model, [{}] * 3, 0.125)
+  inf = math.inf
+  assert seen == [
+    (inf, inf, 0.0, inf, inf, inf), (inf, inf, inf, 0.0, inf, inf), (inf, inf, inf, inf, 0.0, inf),
+    (inf, inf, inf, inf, inf, 0.0), (inf, inf, 0.0, 0.0, 0.0, 0.0),
+  ]  # fmt: skip
+  assert [(r["layer"], r["head"]) for r in got] == [(1, 0), (1, 1), (2, 0), (2, 1), (None, None)]
+  assert got[-1] == {"layer": None, "head": None, "accuracy": 0.5, "n": 3}
+  rows = {("leaky", 1): {"cache": {"fpa_global/0.125": {"accuracy": 0.4}}, "oracle": {"prompts": 3, "sets": got}}}
+  table = F.oracle_table(rows, ["leaky"], [1])
+  assert "| `leaky` | 1 | 0.40 | l1: h0 0.10 h1 0.20; l2: h0 0.30 h1 0.40 | 0.50 | 3 |" in table
+  assert F.oracle_table({("leaky", 1): {}}, ["leaky"], [1]) == ""
+
+
 @pytest.mark.slow
 def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
   common = TINY + ["--data-dir", str(tmp_path / "data")]
@@ -193,10 +224,13 @@ def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
   before = (tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text()
   F.main(argv)  # all done: nothing retrained or rescored
   assert (tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text() == before
-  md = F.main(argv + ["--heuristics", "window"])  # a heuristic asked later: only its cell is scored
+  md = F.main(argv + ["--heuristics", "window", "--oracle-prompts", "5"])  # asked later: only those are scored
   after = json.loads((tmp_path / "out" / "eval" / "nowalk_hinge_s0.json").read_text())
   assert set(after["cache"]) - set(row["cache"]) == {"window/0.125"} and after["text"] == row["text"]
   assert "(window) |" in md
+  sets = after["oracle"]["sets"]  # each upper head alone (2 kv heads), then the upper layer
+  assert [(r["layer"], r["head"]) for r in sets] == [(1, 0), (1, 1), (None, None)] and after["oracle"]["prompts"] == 5
+  assert "the budget given by hand" in md and "`nowalk_hinge` | 0 |" in md.split("given by hand")[1]
   assert (tmp_path / "out" / "forget_screen.md").exists()
 
 
