@@ -511,8 +511,9 @@ def oracle_table(rows: dict[tuple[str, int], dict], order: list[str], seeds: lis
     "### Where the 12.5% cell fails: the budget given by hand\n\n"
     "fpa_global at 12.5% with its whole budget given to one upper head at a time, then to the upper layers "
     "together, every other head keeping its protected window only (`FPAGlobal.head_offset`, "
-    "`needle_penalty.oracle_split`; `--oracle-prompts` prompts, 8x). Where neither reaches the target, no "
-    "split of the budget between the heads does: the rank inside the heads is what fails.\n\n"
+    "`needle_penalty.oracle_split`; `--oracle-prompts` prompts, 8x; 'fpa_global 12.5%': the main table's "
+    "cell, 100 prompts). Where neither reaches the target, moving the budget onto one head or off the lowest "
+    "layer does not save the cell: the rank inside the upper heads fails, not where the budget went.\n\n"
     + U.md_table(head, body)
     + "\n\n"
   )

@@ -399,6 +399,23 @@ SCREEN: dict[str, dict[str, Any]] = {
       " t10 took quiet_hinge_top's text cost from +1.66% to +0.78%)"
     ),
   },
+  "shared_distill_t35": {
+    "set": {**_DISTILL, "evict_shared": True, "evict_target": 0.35},
+    "why": (
+      "between shared_distill_t25 (seed 1: fpa_global 1.00 / 1.00 at +0.72% text) and shared_distill_t50 (+0.44%,"
+      " within the text target, but 0.56 / 0.27: its upper heads put no penalty on anything): 65% of the old keys"
+      " gone"
+    ),
+  },
+  "shared_distill_t25_tau120": {
+    "set": {**_DISTILL, "evict_shared": True, "evict_target": 0.25, "evict_tau": 120.0, "evict_temp": 30.0},
+    "why": (
+      "shared_distill_t25 (seed 1: tolerance 1.00 keeping 0.408 of the keys, 0.05 / 0.77 by layer) with"
+      " quiet_hinge_top_tau120's hinge: a key counts as gone only past ~120 nats, where the tolerance policy's"
+      " bound evicts it, not past 4 (the screen's filler sits at 2-8 nats upstairs): the hinge then asks for the"
+      " tolerance target itself (<= 25% kept on average), and the shared hinge lets the heads that forget by age pay"
+    ),
+  },
   "utility_top": {
     "set": {"utility_weight": 0.1, "utility_keep": 0.25, "objective_top": True},
     "why": (

@@ -518,8 +518,8 @@ def global_evict(caches, policy: PolicyRule, now: jax.Array, slots: int) -> tupl
 
   G = `slots`, the pool's slots per row (`FPAGlobal.pool_slots`). The keys that may go are those outside every head's protected window
   (positions <= now + 1 - W: the next step's new key and the W - 1 before it stay); they go largest
-  penalty first (plus the policy's `head_offset`), ties oldest, then lower (layer, head). `now` [B]: the position of the last key
-  written. Per row, the excess over the limit is evicted in one sort of the L * S * KVH slots (after
+  penalty first (plus the policy's `head_offset`), ties oldest, then lower (layer, head). `now` [B]:
+  the position of the last key written. Per row, the excess over the limit is evicted in one sort of the L * S * KVH slots (after
   a decode step it is at most L * KVH keys). Only `alive` changes (slots are reused by the next step).
   """
   caches = tuple(caches)

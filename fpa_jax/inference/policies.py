@@ -30,8 +30,8 @@ decoder call, so that neither branches on a name): `Full`, `FPATolerance`, `FPAT
                 (layer, kv head), its largest penalty going first as in `fpa_budget` (default: no
                 limit, a head may fill the pool). `head_offset` (optional, `FPAGlobal`): nats added to
                 each (layer, kv head)'s penalties in the eviction order only (+inf: the head keeps its
-                protected window alone, DuoAttention's streaming heads). The last W keys of every head are protected. Between
-                steps at most G - n_layers * kv_heads keys are held, so each step's new keys always find
+                protected window alone, DuoAttention's streaming heads). The last W keys of every
+                head are protected. Between steps at most G - n_layers * kv_heads keys are held, so each step's new keys always find
                 free slots and each query attends to at most G keys counting its own step's.
   window        capacity C; the last C keys.
   sink_window   capacity C; the first `n_sink` = 4 keys and the last C - 4 (StreamingLLM).

@@ -523,8 +523,8 @@ def pool_evict(cache: GlobalCache, policy: PolicyRule, now: jax.Array, *, repack
   """Between steps: evict across all layers and heads of a row down to G - L * KVH keys.
 
   The rule of `decode.global_evict` on the pool: the keys that may go are those outside every
-  head's protected window (positions <= now + 1 - W), largest penalty (plus `head_offset`) first, ties oldest, then
-  lower owner (layer, head); `now` [B] is the position of the last key written. Evicted slots are
+  head's protected window (positions <= now + 1 - W), largest penalty (plus `head_offset`) first,
+  ties oldest, then lower owner (layer, head); `now` [B] is the position of the last key written. Evicted slots are
   freed (alive False, owner -1) for the next step's new keys. pool_impl "packed": the step is
   counted and, with `repack_due`, the pool repacked once `policy.pack_steps` steps have been
   written since the last repack (a loop that repacks itself, `scan_steps`, passes False).
