@@ -111,7 +111,7 @@ def oracle_split(model, examples, budget: float, *, batch_size: int = 8) -> list
   """Passkey accuracy of `fpa_global` at `budget` with the whole budget given by hand: to one head of
   the upper layers at a time, then to the upper layers together, every other head streaming (its
   protected window only; `FPAGlobal.head_offset` +inf) -> [{layer, head (None: every upper head),
-  accuracy}]. Where no head alone and not the upper layers together hold the passkey, moving the
+  accuracy, n (prompts)}]. Where no head alone and not the upper layers together hold the passkey, moving the
   budget onto one head or off the lowest layer does not help: the rank inside the heads fails."""
   import math
 
