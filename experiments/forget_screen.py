@@ -492,18 +492,11 @@ def oracle_table(rows: dict[tuple[str, int], dict], order: list[str], seeds: lis
       if not o:
         continue
       one = [r for r in o["sets"] if r["head"] is not None]
-      every = [r for r in o["sets"] if r["head"] is None]
-      acc = "fpa_global/" + SMALL
-      got = rows[(m, s)].get("cache", {}).get(acc, {}).get("accuracy")
-      body.append(
-        [
-          f"`{m}`",
-          s,
-          "—" if got is None else f"{got:.2f}",
-          _per_upper(one, lambda r: f"h{r['head']} {r['accuracy']:.2f}"),
-        ]
-        + [f"{every[0]['accuracy']:.2f}" if every else "—", o["prompts"]]
-      )
+      every = [r["accuracy"] for r in o["sets"] if r["head"] is None]
+      got = rows[(m, s)].get("cache", {}).get(f"fpa_global/{SMALL}", {}).get("accuracy")
+      per_head = _per_upper(one, lambda r: f"h{r['head']} {r['accuracy']:.2f}")
+      cells = ["—" if got is None else f"{got:.2f}", per_head, f"{every[0]:.2f}" if every else "—"]
+      body.append([f"`{m}`", s, *cells, o["prompts"]])
   if not body:
     return ""
   head = ["mechanism", "seed", "fpa_global 12.5%", "all of it to one upper head", "to the upper layers", "prompts"]

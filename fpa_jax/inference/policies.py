@@ -634,7 +634,7 @@ class FPAGlobal(PolicyRule):
     return pen + jnp.where(owner >= 0, off[jnp.clip(owner, 0, off.shape[0] - 1)], 0.0)
 
   def slots_per_row(self, layers):
-    self._check_offset(layers)  # every model sizes its pool here, a DecoderLM too (check_model: one of your own)
+    self._check_offset(layers)  # here, not in check_model: every model sizes its pool, a DecoderLM too
     c = layers[0]  # one pool: the same kv heads, head dim and dtype in every layer (`check_model`)
     return self.pool_slots(len(layers), c.kv_heads, c.head_dim, jnp.dtype(c.dtype).itemsize)
 
@@ -647,9 +647,7 @@ class FPAGlobal(PolicyRule):
       )
 
   def check_model(self, model):
-    cfgs = layer_configs(model)
-    self._check_offset(cfgs)
-    shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in cfgs}
+    shapes = {(c.kv_heads, c.head_dim, c.dtype) for c in layer_configs(model)}
     if len(shapes) > 1:
       raise ValueError(
         f"fpa_global shares one slot pool between the layers, so they need the same (kv heads, head dim, dtype); "
