@@ -46,7 +46,7 @@ from pathlib import Path
 
 from experiments import _common as U
 from experiments import one_recipe as R
-from experiments.recipes import RECOMMENDED, RETROFIT_RUN, SCREEN
+from experiments.recipes import PRETRAIN, RETROFIT_RUN, SCREEN
 
 MODULE = "experiments.forget_screen"
 PHASES = ("train", "eval", "report")
@@ -67,9 +67,9 @@ QUIET_NATS = 1.0
 def source_checkpoint(args, seed: int) -> Path:
   """The recipe's final checkpoint of `seed` at `--layers` layers: the one-recipe run's, else a
   committed copy (`ASSETS`: 2 layers, `ASSETS_L4`: 4; a checkpoint of another depth is passed over)."""
-  found = []
+  found, method = [], source_method(args)
   for root in (Path(args.source_dir), ASSETS, ASSETS_L4):
-    root = root / f"{RECOMMENDED}_s{seed}"
+    root = root / f"{method}_s{seed}"
     step = root / "checkpoints" / str(args.source_step)
     if step.is_dir():
       depth = checkpoint_depth(step)
@@ -77,11 +77,17 @@ def source_checkpoint(args, seed: int) -> Path:
         return step
       found.append(f"{step} has {depth}")
   raise SystemExit(
-    f"no checkpoint of {RECOMMENDED} seed {seed} with {args.layers} layers at step {args.source_step} under "
+    f"no checkpoint of {method} seed {seed} with {args.layers} layers at step {args.source_step} under "
     f"{args.source_dir}, {ASSETS} or {ASSETS_L4}{' (' + '; '.join(found) + ')' if found else ''}: train it (python -m "
-    f"experiments.one_recipe --phase train --methods {RECOMMENDED} --seeds {seed} --layers {args.layers} "
+    f"experiments.one_recipe --phase train --methods {method} --seeds {seed} --layers {args.layers} "
     f"--runs-dir {args.source_dir})"
   )
+
+
+def source_method(args) -> str:
+  """The one-recipe method a row retrofits: the recipe's pretraining (`PRETRAIN`) unless `--source-method`
+  names another (FoX: the baseline gets the same retrofit, its penalties pressed by the same objective)."""
+  return getattr(args, "source_method", None) or PRETRAIN
 
 
 def checkpoint_depth(step_dir: Path) -> int:
@@ -175,7 +181,7 @@ class _NewShape:
 def config(mechanism: str, args, seed: int):
   """The trainer config of (mechanism, seed): the recipe's, continued to source + retrofit steps."""
   ns = argparse.Namespace(**{**vars(training_args(mechanism, args)), "seed": seed, "steps": args.source_step})
-  cfg = R.study_config(RECOMMENDED, ns, args.source_step)
+  cfg = R.study_config(source_method(args), ns, args.source_step)
   from fpa_jax.configs import replace
 
   over = {**RETROFIT_RUN, **SCREEN[mechanism]["set"]}
@@ -234,7 +240,7 @@ def train_one(mechanism: str, seed: int, args, argv, log) -> dict:
   rec = {
     "mechanism": mechanism,
     "seed": seed,
-    "source": f"{RECOMMENDED}_s{seed}@{args.source_step}",
+    "source": f"{source_method(args)}_s{seed}@{args.source_step}",
     "steps": out["step"],
     "retrofit_steps": retrofit_steps(mechanism, args),
     "settings": {**RETROFIT_RUN, **SCREEN[mechanism]["set"]},
@@ -344,33 +350,42 @@ def fox_by_seed(seeds, layers: int, root: Path = U.ROOT) -> dict[int, tuple[str,
 
 
 def verdict(row: dict, control: dict | None, fox: tuple[str, float] | None = None) -> tuple[str, list[str]]:
-  """('holds' | 'fails', what fails) for one scored row against the screen's targets; `fox`: FoX's
-  best rule at 12.5% on the row's seed (`fox_best`), which the learned rule must lead by TARGET_MARGIN."""
+  """('holds' | 'fails' | 'not scored', what fails or is missing) for one scored row against the
+  screen's targets; `fox`: FoX's best rule at 12.5% on the row's seed (`fox_best`), which the learned
+  rule must lead by TARGET_MARGIN. A row holds only when every comparison a target names was scored
+  (the heuristics, FoX, the control's text, the tolerance policy); a failure fails whatever is missing."""
   c = row.get("cache", {})
   acc = lambda k: c.get(k, {}).get("accuracy")
   best = lambda b: max((x for x in (acc(f"fpa_budget/{b}"), acc(f"fpa_global/{b}")) if x is not None), default=None)
-  fails = []
+  fails, missing = [], []
   if best("0.25") is None or best("0.25") < TARGET_25:
     fails.append("25%")
   if best(SMALL) is None or best(SMALL) < TARGET_125:
     fails.append("12.5%")
   lead = lambda other: round((best(SMALL) or 0) - other[1], 9) >= TARGET_MARGIN  # 0.96 - 0.86 is 0.0999...
   heur = best_heuristic(row, SMALL)
-  if heur is not None and not lead(heur):
+  if heur is None:
+    missing.append("heuristics not scored")
+  elif not lead(heur):
     fails.append("heuristics")
-  if fox is not None and not lead(fox):
+  if fox is None:
+    missing.append("FoX not scored")
+  elif not lead(fox):
     fails.append("FoX")
   if row.get("passkey_full", {}).get("accuracy", 0) < TARGET_FULL:
     fails.append("full cache")
   tol = c.get("fpa/tol", {})
-  if tol.get("accuracy") is not None and (
-    tol["accuracy"] < TARGET_FULL or (tol.get("kept_fraction_mean") or 1) > TARGET_TOL_SHARE
-  ):
+  if tol.get("accuracy") is None:
+    missing.append("tolerance not scored")
+  elif tol["accuracy"] < TARGET_FULL or (tol.get("kept_fraction_mean") or 1) > TARGET_TOL_SHARE:
     fails.append("tolerance")
-  if control and "text" in control and "text" in row:
-    if row["text"]["bpb"] / control["text"]["bpb"] - 1 > TARGET_BPB:
-      fails.append("text")
-  return ("holds" if not fails else "fails"), fails
+  if not (control and "text" in control and "text" in row):
+    missing.append("text not scored")
+  elif row["text"]["bpb"] / control["text"]["bpb"] - 1 > TARGET_BPB:
+    fails.append("text")
+  if fails:
+    return "fails", fails
+  return ("not scored", missing) if missing else ("holds", [])
 
 
 def best_heuristic(row: dict, budget: str) -> tuple[str, float] | None:
@@ -526,10 +541,10 @@ def claim_rows(root: Path = U.ROOT) -> list[U.ClaimRow]:
   if not screens:
     return []
 
-  def best(r: dict, b: str) -> str:
+  def best(r: dict, b: str) -> str:  # one rule's cell, named (never two rules' best cells mixed)
     c = r.get("cache", {})
-    acc = [c[k]["accuracy"] for k in (f"fpa_budget/{b}", f"fpa_global/{b}") if k in c]
-    return f"{max(acc):.2f}" if acc else "—"
+    acc = [(c[f"{p}/{b}"]["accuracy"], p) for p in ("fpa_budget", "fpa_global") if f"{p}/{b}" in c]
+    return "{1} {0:.2f}".format(*max(acc)) if acc else "—"
 
   held, cache_only, words, n_mech, all_seeds = [], [], [], 0, set()
   for label, layers, rows in screens:
@@ -589,6 +604,12 @@ def parse_args(argv=None):
   ap.add_argument("--retrofit-steps", type=int, default=600)
   ap.add_argument("--source-step", type=int, default=3000, help="the recipe checkpoint's step (its whole budget)")
   ap.add_argument("--source-dir", default="runs/one_recipe", help="the one-recipe study's runs")
+  ap.add_argument(
+    "--source-method",
+    default=PRETRAIN,
+    choices=list(R.METHODS),
+    help="the one-recipe method whose checkpoint every row retrofits (fox: the baseline, same retrofit)",
+  )
   ap.add_argument("--tolerance", type=float, default=1e-3, help="the `fpa` policy's per-row bound")
   ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.125])
   ap.add_argument(

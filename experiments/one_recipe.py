@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import _common as U
-from experiments.recipes import NO_OBJECTIVE, OBJECTIVE_METHODS, ONE_RECIPE, RECOMMENDED
+from experiments.recipes import NO_OBJECTIVE, OBJECTIVE_METHODS, ONE_RECIPE, PRETRAIN
 
 MODULE = "experiments.one_recipe"
 METHODS = ONE_RECIPE
@@ -633,7 +633,7 @@ def _best_words(e: dict) -> str:
 
 def report(
   out_dir: Path,
-  recipe_m: str = RECOMMENDED,
+  recipe_m: str = PRETRAIN,
   objective_ms: tuple[str, ...] = OBJECTIVE_METHODS,
   bindings_path: str = "results/bindings_lm.json",
   baseline_m: str = NO_OBJECTIVE,
@@ -767,7 +767,7 @@ def parse_args(argv=None):
   )
   ap.add_argument("--speed", action="store_true", help="also time prefill with skip='keys' against exact")
   ap.add_argument("--skip-eps", type=float, default=1e-3)
-  ap.add_argument("--claims-method", choices=list(METHODS), default=RECOMMENDED, help="the row the verdicts judge")
+  ap.add_argument("--claims-method", choices=list(METHODS), default=PRETRAIN, help="the row the verdicts judge")
   ap.add_argument(
     "--objective-methods",
     nargs="+",

@@ -13,6 +13,7 @@ Modules in layers; each imports only from the layers before it (tests/repo/test_
   3. text, windows                                text corpus listing and split; token files as windows
   4. builders                                     TFDS builders (tensorflow_datasets from here on)
   5. sources                                      building once per job, opening splits, spm training
+  5. niah                                         RULER-style retrieval tasks, scoring, the `fpa_niah` builder
   6. pipeline                                     grain pipelines, `make_pipeline`
   7. prepare                                      the CLI
 """
@@ -33,6 +34,13 @@ _EXPORTS = {
   "eval_split_name": "passkey",
   "passkey_eval_examples": "passkey",
   "SyntheticPipeline": "synthetic",
+  "RETRIEVAL_TASKS": "niah",
+  "RetrievalExample": "niah",
+  "retrieval_example": "niah",
+  "retrieval_eval_examples": "niah",
+  "score_answers": "niah",
+  "teacher_forced_correct": "niah",
+  "niah_data_source": "niah",
 }
 
 __all__ = list(_EXPORTS)

@@ -47,6 +47,7 @@ from fpa_jax.ops import chunked as _chunked
 from fpa_jax.ops import pallas as _pallas
 from fpa_jax.ops import sparse as _sparse
 from fpa_jax.ops import validate as _v
+from fpa_jax.ops.pallas import common as _pallas_common
 from fpa_jax.ops.penalty import penalty_matrix
 from fpa_jax.ops.quadratic import masked_softmax_attention
 from fpa_jax.ops.recurrent import recurrent_attention
@@ -54,6 +55,7 @@ from fpa_jax.ops.recurrent import recurrent_attention
 Implementation = _v.Implementation  # Literal["quadratic", "chunked", "recurrent", "pallas", "auto"]
 IMPLS = _v.IMPLS  # the same names as a tuple (typing.get_args(Implementation))
 Skip = _v.Skip  # Literal["tiles", "keys", "keys_shared", "keys_per_head"]: what skip_tolerance drops
+PallasBackend = _pallas.Backend  # Literal["auto", "interpret", "tpu", "gpu"]: what impl="pallas" builds
 # skip -> `sparse.key_sparse_attention`'s reads
 _READS = {"keys": "auto", "keys_shared": "shared", "keys_per_head": "per_head"}
 
@@ -75,6 +77,7 @@ def fpa_attention(
   block_size: int | None = None,
   skip_tolerance: float | None = None,
   skip: Skip = "tiles",
+  pallas_backend: PallasBackend = "auto",
 ) -> jax.Array:
   """First Passage Attention.
 
@@ -109,6 +112,10 @@ def fpa_attention(
       reads where no tile is wholly dead. "keys" schedules the chunks per query block
       automatically; "keys_shared" / "keys_per_head" force one loop for every (batch row, kv
       head) / each (row, kv head) its own chunks.
+    pallas_backend: impl="pallas" only: what the kernels are built for (`pallas.pallas_attention`'s
+      backend): "auto" (JAX's backend, the interpreter off TPU / GPU), "interpret", or "tpu" / "gpu"
+      on any backend, to lower them through `jax.export` without the hardware
+      (`pallas.lower_for`; docs/ops.md, "Lowering without the hardware").
   Returns:
     [batch, seq, heads, v_dim] in q's dtype. Field, levels, penalties and softmax statistics are fp32.
     Infinite gates, disallowed values (NaN, a field of -inf: ValueError where concrete, NaN rows from
@@ -127,6 +134,7 @@ def fpa_attention(
   _v.check_skip_tolerance(skip_tolerance, impl)
   _v.check_skip(skip, skip_tolerance, impl)
   _v.check_pallas_skip(impl, block_size, skip_tolerance)
+  _check_pallas_backend(pallas_backend, impl, skip_tolerance)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   return _fpa_core(
@@ -141,7 +149,21 @@ def fpa_attention(
     block_size=block_size,
     skip_tolerance=skip_tolerance,
     skip=skip,
+    pallas_backend=pallas_backend,
   )
+
+
+def _check_pallas_backend(pallas_backend, impl, skip_tolerance) -> None:
+  """pallas_backend one of `pallas.BACKENDS`, set only where impl (resolved) is "pallas"; "gpu" has no
+  block-sparse kernels (Triton has no scalar prefetch), so not with a skip_tolerance."""
+  _pallas_common.check_backend(pallas_backend, name="pallas_backend")
+  if pallas_backend != "auto" and impl != "pallas":
+    raise ValueError(
+      f"pallas_backend={pallas_backend!r} only applies to impl='pallas', which impl={impl!r} does not run: "
+      f"set impl='pallas' or leave pallas_backend='auto'"
+    )
+  if pallas_backend == "gpu" and skip_tolerance is not None:
+    raise ValueError(_v.PALLAS_SKIP_GPU)
 
 
 # The computation after validation, one jitted program per (impl, scale, tiles, tolerance, shapes):
@@ -149,17 +171,32 @@ def fpa_attention(
 # under an outer jit it is inlined. Disallowed gate values (only reachable here under jit) are
 # replaced before any impl sees them and their rows made NaN after it (`validate.poison_rows`), so
 # every impl gives the same result for them.
-@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance", "skip"))
-def _fpa_core(q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
+_STATIC = ("impl", "scale", "block_size", "skip_tolerance", "skip", "pallas_backend")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _fpa_core(
+  q, k, v, field, level, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles", pallas_backend="auto"
+):
   gates, bad = _v.sanitize_gates({"field": field, "level": level})
   bias = _bias.FPABias(gates["field"], gates["level"])
   out = _attend(
-    q, k, v, bias, segment_ids, impl=impl, scale=scale, block_size=block_size, skip_tolerance=skip_tolerance, skip=skip
+    q,
+    k,
+    v,
+    bias,
+    segment_ids,
+    impl=impl,
+    scale=scale,
+    block_size=block_size,
+    skip_tolerance=skip_tolerance,
+    skip=skip,
+    pallas_backend=pallas_backend,
   )
   return _v.poison_rows(out, bad)
 
 
-def _attend(q, k, v, bias, segment_ids, *, impl, scale, block_size, skip_tolerance, skip):
+def _attend(q, k, v, bias, segment_ids, *, impl, scale, block_size, skip_tolerance, skip, pallas_backend="auto"):
   """The one dispatch into attention for FPA and FoX, after validation: `bias` an `ops.bias.FPABias`
   or `FoXBias`. The tiled kernels read the bias protocol; quadratic and recurrent take field and
   level, FoX's as the FPA special case field = level = c (exact for a monotone c)."""
@@ -173,6 +210,7 @@ def _attend(q, k, v, bias, segment_ids, *, impl, scale, block_size, skip_toleran
       segment_ids=segment_ids,
       block_sizes=block_size,
       skip_tolerance=skip_tolerance,
+      backend=pallas_backend,
     )
   if impl in ("quadratic", "recurrent"):
     field, level = (bias.field, bias.level) if isinstance(bias, _bias.FPABias) else (bias.c, bias.c)
@@ -212,6 +250,7 @@ def fox_attention(
   block_size: int | None = None,
   skip_tolerance: float | None = None,
   skip: Skip = "tiles",
+  pallas_backend: PallasBackend = "auto",
 ) -> jax.Array:
   """Forgetting Attention (FoX): logit_ij = scale * q_i.k_j + sum_{s=j+1..i} log_fgate_s.
 
@@ -227,6 +266,7 @@ def fox_attention(
       where concrete; under jit NaN rows from the bad token on, as in `fpa_attention`.
     skip_tolerance, skip: as in `fpa_attention` (chunked, or pallas for skip="tiles"); the tile floor is min_J c - max_I c,
       a key's floor for query block I is c_j - max_I c.
+    pallas_backend: as in `fpa_attention`.
     Others as in `fpa_attention`.
   """
   _v.check_impl(impl, block_size)
@@ -240,6 +280,7 @@ def fox_attention(
   _v.check_pallas_skip(impl, block_size, skip_tolerance)
   _v.check_gate_values("log_fgate", log_fgate)
   _v.check_log_fgate(log_fgate)
+  _check_pallas_backend(pallas_backend, impl, skip_tolerance)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
   scale = _v.default_scale(scale, d)
@@ -254,11 +295,14 @@ def fox_attention(
     block_size=block_size,
     skip_tolerance=skip_tolerance,
     skip=skip,
+    pallas_backend=pallas_backend,
   )
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "scale", "block_size", "skip_tolerance", "skip"))
-def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles"):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _fox_core(
+  q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_tolerance, skip="tiles", pallas_backend="auto"
+):
   # The one place all impls share: chunked / pallas tile c_i - c_j, the others the FPA special
   # case, which agree only for a monotone c. Non-finite entries: as in `_fpa_core`.
   gates, bad = _v.sanitize_gates({"log_fgate": log_fgate})
@@ -274,6 +318,7 @@ def _fox_core(q, k, v, log_fgate, segment_ids, *, impl, scale, block_size, skip_
     block_size=block_size,
     skip_tolerance=skip_tolerance,
     skip=skip,
+    pallas_backend=pallas_backend,
   )
   return _v.poison_rows(out, bad)
 

@@ -22,7 +22,7 @@ LAYERS = [
   ("scopes", "dips", "passkey", "synthetic", "bindings"),
   ("text", "windows"),
   ("builders",),
-  ("sources",),
+  ("sources", "niah"),
   ("pipeline",),
   ("prepare",),
 ]

@@ -9,7 +9,7 @@ import pytest
 
 from experiments import forget_screen as F
 from experiments import one_recipe as O
-from experiments.recipes import RECOMMENDED, SCREEN
+from experiments.recipes import PRETRAIN, SCREEN
 
 TINY = [
   "--layers", "2", "--d-model", "16", "--heads", "2", "--block-size", "32", "--batch-size", "8", "--warmup", "1",
@@ -153,23 +153,28 @@ def test_verdict_reads_the_targets():
     "passkey_full": cell(1.0),
     "text": {"bpb": 2.010},
   }
-  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
-  assert F.verdict(row, {"text": {"bpb": 1.99}}) == ("fails", ["text"])  # +1.0% against the control
+  ctl, fox = {"text": {"bpb": 2.0}}, ("fpa_global", 0.6)
+  # nothing holds that was not compared: the heuristics, FoX, the tolerance policy and the control
+  missing = ["heuristics not scored", "FoX not scored", "tolerance not scored", "text not scored"]
+  assert F.verdict(row, None) == ("not scored", missing)
+  row["cache"] |= {"fpa/tol": {"accuracy": 1.0, "kept_fraction_mean": 0.2}, "window/0.125": cell(0.2)}
+  assert F.verdict(row, ctl, fox) == ("holds", [])
+  assert F.verdict(row, {"text": {"bpb": 1.99}}, fox) == ("fails", ["text"])  # +1.0% against the control
+  assert F.verdict(row, ctl, ("fpa_global", 0.9)) == ("fails", ["FoX"])
   # the tolerance policy: a bound that must also keep <= 25% of the keys on average
-  row["cache"]["fpa/tol"] = {"accuracy": 1.0, "kept_fraction_mean": 0.9}
-  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("fails", ["tolerance"])
+  row["cache"]["fpa/tol"]["kept_fraction_mean"] = 0.9
+  assert F.verdict(row, ctl, fox) == ("fails", ["tolerance"])
   row["cache"]["fpa/tol"]["kept_fraction_mean"] = 0.2
-  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
   assert F.layer_words(row["cache"]["fpa/tol"]) == ""  # a cell from before the per-layer share
   assert F.layer_words({"kept_fraction_per_layer": [0.301, 0.76]}) == " (0.30 / 0.76)"
   # heuristics scored at 12.5%: the learned rule must lead the best of them by >= 0.1
-  row["cache"] |= {"window/0.125": cell(0.2), "snapkv/0.125": cell(0.87)}
+  row["cache"] |= {"snapkv/0.125": cell(0.87)}
   assert F.best_heuristic(row, "0.125") == ("snapkv", 0.87) and F.best_heuristic(row, "0.25") is None
-  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("fails", ["heuristics"])
+  assert F.verdict(row, ctl, fox) == ("fails", ["heuristics"])
   row["cache"]["snapkv/0.125"] = cell(0.86)
-  assert F.verdict(row, {"text": {"bpb": 2.0}}) == ("holds", [])
+  assert F.verdict(row, ctl, fox) == ("holds", [])
   row["cache"]["fpa_global/0.125"] = cell(0.94)
-  assert F.verdict(row, None) == ("fails", ["12.5%", "heuristics"])
+  assert F.verdict(row, None) == ("fails", ["12.5%", "heuristics"])  # a failure fails whatever is missing
 
 
 def test_oracle_split_gives_the_budget_by_hand(monkeypatch):
@@ -206,7 +211,7 @@ def test_oracle_split_gives_the_budget_by_hand(monkeypatch):
 @pytest.mark.slow
 def test_tiny_screen_retrofits_scores_and_resumes(tmp_path):
   common = TINY + ["--data-dir", str(tmp_path / "data")]
-  src = ["--methods", RECOMMENDED, "--seeds", "0", "--steps", "2", "--stage-steps", "2", "--n-val", "5"]
+  src = ["--methods", PRETRAIN, "--seeds", "0", "--steps", "2", "--stage-steps", "2", "--n-val", "5"]
   O.main(common + src + ["--phase", "train", "--runs-dir", str(tmp_path / "src"), "--out-dir", str(tmp_path / "o")])
   argv = common + [
     "--mechanisms", "control", "nowalk_hinge", "--source-step", "2", "--retrofit-steps", "2",
@@ -246,7 +251,7 @@ def test_committed_recipe_checkpoint_is_the_scored_one():
   src = F.source_checkpoint(args, 0)
   assert src.is_relative_to(F.ASSETS)
   model, _ = load_model(str(src.parent.parent))
-  scored = json.loads((U.ROOT / "results" / "one_recipe" / "eval" / f"{RECOMMENDED}_s0.json").read_text())
+  scored = json.loads((U.ROOT / "results" / "one_recipe" / "eval" / f"{PRETRAIN}_s0.json").read_text())
   assert U.params_digest(model) == scored["params"]
   for seed in (1, 2):  # retrained for the screen: the parameters its rows of that seed retrofitted
     src = F.source_checkpoint(args, seed)
@@ -270,13 +275,21 @@ def test_claim_row_judges_every_target(tmp_path):
   rows = {
     "control": {**full, "text": {"bpb": 2.0}, "cache": {"fpa_budget/0.25": cell(0.3)}},
     "nowalk_hinge": {**full, "text": {"bpb": 2.08}, "cache": {"fpa_budget/0.25": cell(1.0), "fpa_global/0.125": cell(1.0)}},
-    "nowalk": {**full, "text": {"bpb": 2.005}, "cache": {"fpa_global/0.25": cell(1.0), "fpa_budget/0.125": cell(0.97)}},
+    "nowalk": {**full, "text": {"bpb": 2.005}, "cache": {"fpa_global/0.25": cell(1.0), "fpa_budget/0.125": cell(0.97),
+               "fpa/tol": {"accuracy": 1.0, "kept_fraction_mean": 0.2}, "snapkv/0.125": cell(0.5)}},
   }  # fmt: skip
   for m, r in rows.items():
     (ev / f"{m}_s0.json").write_text(json.dumps({**r, "mechanism": m}))
+  fox = tmp_path / "results" / "one_recipe" / "eval"
+  fox.mkdir(parents=True)
   (row,) = F.claim_rows(tmp_path)
-  assert row.verdict == "holds (`nowalk`)"  # +0.25% text, 1.00 / 0.97: every target
-  assert "`nowalk_hinge` seed 0: 1.00 / 1.00, text +4.00%" in row.evidence and "control" not in row.evidence
+  assert row.verdict == "not met (0 of 2 mechanisms, seed 0)"  # every target but FoX's, unscored: not a hold
+  (fox / "fox_s0.json").write_text(json.dumps({"cache": {"parallel/fpa_global/0.125": cell(0.8)}}))
+  (row,) = F.claim_rows(tmp_path)
+  assert row.verdict == "holds (`nowalk`)"  # +0.25% text, 1.00 / 0.97, 0.47 ahead: every target, all scored
+  # each cell quotes one rule, named
+  assert "`nowalk_hinge` seed 0: fpa_budget 1.00 / fpa_global 1.00, text +4.00%" in row.evidence
+  assert "`nowalk` seed 0: fpa_global 1.00 / fpa_budget 0.97" in row.evidence and "control" not in row.evidence
   (ev / "nowalk_s0.json").unlink()
   (row,) = F.claim_rows(tmp_path)
   assert row.verdict == "not met (0 of 1 mechanisms, seed 0)" and not row.evidence.startswith("every cache")
@@ -285,8 +298,6 @@ def test_claim_row_judges_every_target(tmp_path):
   hinge = {**rows["nowalk_hinge"], "mechanism": "nowalk_hinge"}
   hinge["cache"] = {**hinge["cache"], "snapkv/0.125": cell(0.5)}
   (ev / "nowalk_hinge_s0.json").write_text(json.dumps(hinge))
-  fox = tmp_path / "results" / "one_recipe" / "eval"
-  fox.mkdir(parents=True)
   (fox / "fox_s0.json").write_text(json.dumps({"cache": {"parallel/fpa_global/0.125": cell(0.9), "x/0.25": cell(1.0)}}))
   assert F.fox_best(0, root=tmp_path) == ("fpa_global", 0.9) and F.fox_best(1, root=tmp_path) is None
   (row,) = F.claim_rows(tmp_path)
@@ -298,10 +309,9 @@ def test_claim_row_judges_every_target(tmp_path):
   deep.mkdir(parents=True)
   for m, r in rows.items():
     (deep / f"{m}_s0.json").write_text(json.dumps({**r, "mechanism": m}))
-  (row,) = F.claim_rows(tmp_path)
-  assert (
-    row.verdict == "holds (`nowalk` at 4 layers)" and "`nowalk_hinge` at 4 layers seed 0: 1.00 / 1.00" in row.evidence
-  )
+  (row,) = F.claim_rows(tmp_path)  # no FoX at 4 layers (nor now at 2) to lead: nothing holds
+  assert row.verdict == "not met (0 of 3 mechanisms, seed 0)"
+  assert "`nowalk_hinge` at 4 layers seed 0: fpa_budget 1.00 / fpa_global 1.00" in row.evidence
 
 
 def test_docstring_commands_parse():

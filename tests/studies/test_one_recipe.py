@@ -161,9 +161,9 @@ def test_bindings_verdict_reads_the_recipe_row_seed_by_seed():
   v = O.bindings_verdict(res)
   assert v["verdict"] == "1 of 2 seeds" and "seed 1: rule 90.0 vs full 95.0, h2o 85.0" in v["evidence"]
   assert O.bindings_verdict({"fpa": {}})["verdict"] == "not run"
-  from experiments.recipes import BINDINGS_LM, ONE_RECIPE, RECOMMENDED
+  from experiments.recipes import BINDINGS_LM, ONE_RECIPE, PRETRAIN
 
-  assert BINDINGS_LM["fpa_recipe"] == ONE_RECIPE[RECOMMENDED]  # the same recipe, not a bindings variant
+  assert BINDINGS_LM["fpa_recipe"] == ONE_RECIPE[PRETRAIN]  # the same recipe, not a bindings variant
 
 
 def test_speed_table_and_models_index():

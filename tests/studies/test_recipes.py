@@ -291,7 +291,7 @@ def test_gate_presets():
     assert set(preset) == set(C.GATE_PRESET_FIELDS)
   # the LM default: the one-recipe study's gate (LM_FOX_FIRST on every kv head, FoX's term at bias 5)
   assert C.LM_DEFAULT == {**recipes.LM_FOX_FIRST, "fox_heads": 0, "gate_bias_init": 5.0}
-  assert C.LM_DEFAULT == {k: recipes.ONE_RECIPE[recipes.RECOMMENDED][k] for k in C.GATE_PRESET_FIELDS}
+  assert C.LM_DEFAULT == {k: recipes.ONE_RECIPE[recipes.PRETRAIN][k] for k in C.GATE_PRESET_FIELDS}
   assert recipes.LM_GATE == {**C.SINGLE_HEAD_GATE, "gate_forget": True, "step_scale": 1.0, "absolute_scale": 1.0,
                              "offset_scale": 1.0}  # fmt: skip
   assert recipes.LM_WARM == {**recipes.LM_GATE, "step_init_std": 0.0, "absolute_init_std": 0.0,

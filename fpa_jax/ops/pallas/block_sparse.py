@@ -33,10 +33,11 @@ skip_tolerance=None walks every causal tile: the exact kernels in this form.
 
 Status: the grid, BlockSpecs and scalar prefetch are Mosaic TPU's form (tiles of 128 tokens
 there, `BlockSizes.default("tpu")`; m / l scratch [blk, 1]); only the interpreter on CPU has run
-them. Not done: Triton GPU (no scalar prefetch, no sequential grid axis: `pallas_attention` raises
-there), and splitting the prefetched lists for larger calls: they sit in SMEM, flat (B KVH nb^2 int32:
-256 KiB for B KVH = 16, nb = 64). The grid always has nb list steps per block;
-the padded ones cost a grid step each but no copy and no compute.
+them, and Mosaic has lowered them on CPU (backend="tpu", `lowering.lower_for`). Not done: Triton
+GPU (no scalar prefetch, no sequential grid axis: `pallas_attention` raises there), and splitting
+the prefetched lists for larger calls: they sit in SMEM, flat (B KVH nb^2 int32: 256 KiB for
+B KVH = 16, nb = 64). The grid always has nb list steps per block; the padded ones cost a grid step
+each but no copy and no compute.
 """
 
 from __future__ import annotations
@@ -378,7 +379,17 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def block_sparse_attention(
-  q, k, v, bias: Bias, *, scale, skip_tolerance, segment_ids=None, block_sizes=None, interpret=None
+  q,
+  k,
+  v,
+  bias: Bias,
+  *,
+  scale,
+  skip_tolerance,
+  segment_ids=None,
+  block_sizes=None,
+  interpret=None,
+  backend: pc.Backend = "auto",
 ):
   """Causal FPA / FoX attention in Pallas kernels that visit only the tiles the skip bound keeps.
 
@@ -392,15 +403,17 @@ def block_sparse_attention(
     block_sizes: as in `pallas_attention`, one tile for all three kernels (the dropped tiles are
       the forward's); a `BlockSizes` with another backward tile raises.
     interpret: the Pallas interpreter; default: on anything but TPU / GPU.
+    backend: as in `pallas_attention`; "gpu" raises (Triton has no scalar prefetch).
   Returns:
     [B, T, H, Kv] in q's dtype: `chunked_attention(..., block_size=tile, skip_tolerance=...)` up to
     rounding, values and gradients.
   """
+  pc.check_backend(backend, interpret)
   b, t, h, d = q.shape
   dv = v.shape[-1]
   if b == 0 or t == 0:
     return jnp.zeros((b, t, h, dv), q.dtype)
-  interpret, mode = pc.run_mode(interpret)
+  interpret, mode = pc.run_mode(interpret, backend)
   if mode == "gpu":
     raise ValueError(PALLAS_SKIP_GPU)
   bs = pc.check_blocks(block_sizes, mode)

@@ -2,13 +2,14 @@
 configuration, the tile's bias / mask / logits, the tile bodies (the online softmax step, the
 dK / dV and dQ tiles: one tile kernel for FPA and FoX, dense or block-sparse), kernel-ref
 unpacking, the optional operands, the block-pair statistic's row layout, the group sum of
-per-query-head partials and the tile-size checks. Both kernel modules
+per-query-head partials, the tile-size checks and the target backend (`run_mode`). Both kernel modules
 import this one and not each other at the top (`kernels.pallas_attention` hands skip_tolerance to
 `block_sparse` inside the function), so the package has no import circle."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,12 @@ from fpa_jax.ops.pallas.tile_bias import INF, tile_bias
 
 NEG = -1e30  # finite mask value: exp(NEG - m) == 0 without any inf - inf
 
+# What the kernels are built for: "auto" the backend JAX runs on (the interpreter off TPU / GPU),
+# "interpret" the Pallas interpreter, "tpu" / "gpu" Mosaic / Triton whatever JAX runs on (on a
+# machine without one, for lowering through `jax.export`: `lowering.lower_for`).
+Backend = Literal["auto", "interpret", "tpu", "gpu"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
 
 @dataclasses.dataclass(frozen=True)
 class Cfg:
@@ -29,7 +36,7 @@ class Cfg:
   fwd: int
   bwd: int
   interpret: bool
-  backend: str  # "tpu" | "gpu" | "interpret"
+  backend: str  # "tpu" | "gpu" | "interpret": `run_mode`'s mode
   group: int = 1  # G = H / KVH: query head h reads kv head h // G
 
   def compiler_params(self):
@@ -176,13 +183,33 @@ def group_sum(x, g, dtype):
   return x.reshape((x.shape[0], x.shape[1] // g, g) + x.shape[2:]).sum(2).astype(dtype)
 
 
-def run_mode(interpret):
-  """(interpret, mode): interpret None means the interpreter on anything but TPU / GPU; mode is
-  "tpu", "gpu" or "interpret" (what `check_blocks`, `fit` and `Cfg.backend` take)."""
-  backend = jax.default_backend()
-  if interpret is None:
-    interpret = backend not in ("tpu", "gpu")
-  return bool(interpret), "interpret" if interpret else backend
+def check_backend(backend, interpret=None, *, name="backend"):
+  """backend one of BACKENDS, and interpret not False with "interpret"."""
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown {name} {backend!r}: the {name} must be one of {BACKENDS}")
+  if backend == "interpret" and interpret is False:
+    raise ValueError(
+      f"{name}='interpret' runs the Pallas interpreter: leave interpret unset, or pick {name}='tpu' / 'gpu'"
+    )
+
+
+def run_mode(interpret, backend: Backend = "auto"):
+  """(interpret, mode): mode is "tpu", "gpu" or "interpret" (what `check_blocks`, `fit` and
+  `Cfg.backend` take: the tiles, padding and compiler params the kernels are built with).
+
+  backend "auto": JAX's backend, interpret None meaning the interpreter on anything but TPU / GPU.
+  "interpret": the interpreter's kernels, interpreted. "tpu" / "gpu": that target's kernels,
+  compiled (interpret None or False; lowering them off the hardware is `lowering.lower_for`), or
+  with interpret=True run in the interpreter: the same tiles and padding, checked on CPU."""
+  check_backend(backend, interpret)
+  if backend == "auto":
+    backend = jax.default_backend()
+    if interpret is None:
+      interpret = backend not in ("tpu", "gpu")
+    return bool(interpret), "interpret" if interpret else backend
+  if backend == "interpret":
+    return True, "interpret"
+  return bool(interpret), backend
 
 
 def fit(blk, t, pow2):

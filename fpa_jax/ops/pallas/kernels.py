@@ -24,8 +24,9 @@ computing the tile bias once and pulling back the group's summed cotangent, so d
 key-stat cotangents are written once, in their own dtype (only the small query-stat cotangents
 of the dQ kernel are summed over the group outside).
 
-Status: written for TPU (Mosaic) and GPU (Triton) lowering but run and tested only in interpret
-mode on CPU (`interpret=True`, the default there); the compiled paths are unverified.
+Status: run and tested in interpret mode on CPU (`interpret=True`, the default there). Built with
+backend="tpu" / "gpu" they lower for Mosaic / Triton on CPU too (`lowering.lower_for`,
+tests/ops/pallas/test_lowering.py); the compiled kernels have not run on a device.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from jax.experimental import pallas as pl
 from fpa_jax.ops.bias import Bias, FoXBias, FPABias
 from fpa_jax.ops.common import F32
 from fpa_jax.ops.pallas.common import (
+  Backend,
   Cfg,
   add_r_cotangent,
+  check_backend,
   check_blocks,
   dkv_tile,
   dq_tile,
@@ -306,7 +309,17 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def pallas_attention(
-  q, k, v, bias: Bias, *, scale, segment_ids=None, block_sizes=None, interpret=None, skip_tolerance=None
+  q,
+  k,
+  v,
+  bias: Bias,
+  *,
+  scale,
+  segment_ids=None,
+  block_sizes=None,
+  interpret=None,
+  skip_tolerance=None,
+  backend: Backend = "auto",
 ):
   """Causal attention with an FPA or FoX bias in Pallas kernels.
 
@@ -320,9 +333,14 @@ def pallas_attention(
     interpret: run the kernels in the Pallas interpreter; default: on anything but TPU / GPU.
     skip_tolerance: None (these kernels, exact) or eps in (0, 1): the block-sparse kernels
       (`block_sparse.block_sparse_attention`), which drop the chunked kernel's dead tiles.
+    backend: what the kernels are built for (`common.run_mode`): "auto" (JAX's backend, the
+      interpreter off TPU / GPU), "interpret", or "tpu" / "gpu" whatever JAX runs on: Mosaic /
+      Triton kernels to lower through `jax.export` without the hardware (`lowering.lower_for`),
+      or with interpret=True that target's tiles and padding run in the interpreter.
   Returns:
     [B, T, H, Kv] in q's dtype.
   """
+  check_backend(backend, interpret)  # before the empty return: a bad setting fails on any input
   if skip_tolerance is not None:
     from fpa_jax.ops.pallas.block_sparse import (
       block_sparse_attention,
@@ -338,12 +356,13 @@ def pallas_attention(
       segment_ids=segment_ids,
       block_sizes=block_sizes,
       interpret=interpret,
+      backend=backend,
     )
   b, t, h, d = q.shape
   dv = v.shape[-1]
   if b == 0 or t == 0:  # an empty grid: nothing to run
     return jnp.zeros((b, t, h, dv), q.dtype)
-  interpret, mode = run_mode(interpret)
+  interpret, mode = run_mode(interpret, backend)
   bs = check_blocks(block_sizes, mode)
   bf, bb = (fit(n, t, mode == "gpu") for n in (bs.fwd, bs.backward))
   tp = -(-t // math.lcm(bf, bb)) * math.lcm(bf, bb)
