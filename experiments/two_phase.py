@@ -14,7 +14,7 @@ as long with no mechanism). The phases, each resumable and each skipped where it
   retrofit  the retrofit and the control, under runs/forget_screen (FPA) or runs/forget_screen_fox (FoX)
   export    every model a claim judges, as `export_model` folders with their digests:
             experiments/assets/two_phase/<name>/<role>_s<seed> (role: pretrained, final, control), and
-            digests.json beside them; the pretrained orbax checkpoint too, so a clone can retrofit it
+            <name>/digests.json; the pretrained orbax checkpoint too, so a clone can retrofit it
   eval      every cell of `cells()` on each exported model, resumable cell by cell, into
             results/two_phase/eval/<name>_<role>_s<seed>.json with the digest it scored and the commit
   report    results/two_phase/two_phase.md and the claims rows (`claim_rows`)
@@ -126,7 +126,8 @@ def export(recipe: TwoPhase, seed: int, args, argv, log) -> None:
     tr = U.read_json(Path(fs.out_dir) / "train" / f"{row}_s{seed}.json")
     if tr and tr["steps"] >= fs.source_step + FS.retrofit_steps(row, fs) and Path(tr["workdir"]).exists():
       trained[role] = (Path(tr["workdir"]), tr["steps"], f"{row}_s{seed} of {tr['source']}")
-  digests = U.read_json(args.assets / "digests.json", {})
+  book = args.assets / recipe.name / "digests.json"  # one per recipe: the recipes may export at once
+  digests = U.read_json(book, {})
   for role, (wd, step, what) in trained.items():
     model, cfg = load_model(wd, step=step)
     digest, key = U.params_digest(model), f"{recipe.name}/{role}_s{seed}"
@@ -135,13 +136,14 @@ def export(recipe: TwoPhase, seed: int, args, argv, log) -> None:
     meta = {"recipe": recipe.name, "role": role, "seed": seed, "trained": what, "params": digest}
     export_model(model, cfg, asset_dir(recipe, role, seed, args.assets), meta=meta | {"commit": U.git_commit()})
     digests[key] = digest
-    U.write_json(args.assets / "digests.json", dict(sorted(digests.items())))
+    U.write_json(book, dict(sorted(digests.items())))
     log(f"[two_phase] {key}: exported ({digest})")
 
 
 def committed_digests(root: Path = U.ROOT) -> dict[str, str]:
-  """`<recipe>/<role>_s<seed>` -> parameter digest of every exported asset (digests.json)."""
-  return U.read_json(root / "experiments" / "assets" / "two_phase" / "digests.json", {})
+  """`<recipe>/<role>_s<seed>` -> parameter digest of every exported asset (each recipe's digests.json)."""
+  books = sorted((root / "experiments" / "assets" / "two_phase").glob("*/digests.json"))
+  return {k: v for book in books for k, v in U.read_json(book).items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,7 +266,7 @@ def markdown(rows: dict[tuple[str, str, int], dict], argv, multiple: int = 8, n:
   md = [
     "# The two-phase recipe against FoX with the same retrofit",
     "",
-    f"Regenerate: `{U.command(MODULE, argv)}`. Models: `experiments/assets/two_phase` (digests.json); "
+    f"Regenerate: `{U.command(MODULE, argv)}`. Models: `experiments/assets/two_phase` (`<recipe>/digests.json`); "
     f"every cache cell at {multiple}x the training length, {n} passkey prompts over 5 depths.",
     "",
   ]

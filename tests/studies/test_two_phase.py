@@ -121,7 +121,7 @@ def test_tiny_two_phase_trains_exports_scores_and_resumes(tmp_path):
     "--pos-docs", "2", "--cache-batch", "5", "--rules", "fpa_budget", "fpa_global", "window",
   ]  # fmt: skip
   md = T.main(argv)
-  digests = json.loads((tmp_path / "experiments" / "assets" / "two_phase" / "digests.json").read_text())
+  digests = T.committed_digests(tmp_path)
   assert set(digests) == {f"{n}/{r}_s0" for n in ("fpa_recipe", "fox_recipe") for r in T.ROLES}
   assert (tmp_path / "experiments" / "assets" / "one_recipe" / "fox_s0" / "checkpoints" / "2").is_dir()
   final = json.loads((tmp_path / "results" / "two_phase" / "eval" / "fox_recipe_final_s0.json").read_text())
