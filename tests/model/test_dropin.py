@@ -75,19 +75,19 @@ def test_readme_model_trains_and_gate_gets_gradient(readme_run):
 
 def test_readme_recipe_trains_then_decodes_with_the_learned_rule(readme_recipe_run):
   """The second block: the layer has the LM gate, the optimizer the recipe's parts (the read-outs
-  moved off their zero init once the ramp let them), the loss is finite, and the model decoded
-  under `fpa_budget` and was evaluated through its cache."""
+  moved off their zero init once the ramp let them), both phases' losses are finite, and the model
+  decoded under `fpa_global` and was evaluated through its cache."""
   ns = readme_recipe_run
   attn = ns["model"].attn
   lm = C.gate_recipe("lm", "model")
   assert {k: getattr(attn.cfg, k) for k in lm} == lm
-  assert all(np.isfinite(ns["recipe_losses"]))
+  assert all(np.isfinite(ns["recipe_losses"])) and all(np.isfinite(ns["retrofit_losses"]))
   assert float(jnp.abs(attn.gate.offset.w[...]).max()) > 0  # zero at init (FoX), moved by the recipe's ramp
   new, stats = ns["new"], ns["stats"]
-  assert new.shape == (2, 8) and stats["policy"] == "fpa_budget" and stats["capacity"] == 6
+  assert new.shape == (2, 8) and stats["policy"] == "fpa_global"
   assert stats["cache_fraction"] <= 0.25
   res = ns["res"]
-  assert res["cache"]["policy"] == "fpa_budget" and res["cache"]["cache_fraction"] == 0.25
+  assert res["cache"]["policy"] == "fpa_global" and res["cache"]["budget"] == 0.25
   assert res["tokens"] == 2 * 32 and np.isfinite(res["nll_mean"])
 
 
