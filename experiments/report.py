@@ -3,7 +3,9 @@
     python -m experiments.report
 
 1. Writes results/claims.md, the README's claims table: one line per claim, its verdict and a link
-   to the evidence. From results/one_recipe/claims.json (`experiments.one_recipe`: every claim on
+   to the evidence. From the two-phase study (`experiments.two_phase.claim_rows`: the final recipe
+   against FOX_BASELINE on committed models) once it has scored a final model, else from
+   results/one_recipe/claims.json (`experiments.one_recipe`: every claim on
    the same checkpoints) when it exists and has judged a claim, else from the separate studies' results
    (results/{scopes,dips,passkey*,kv_compression*,perplexity*,bindings_lm,text_pareto,forget_speed}.json):
    every study exports its rows (`claim_rows`: live_sets, passkey, kv_compression, perplexity,
@@ -43,6 +45,7 @@ from experiments import (
   passkey,
   perplexity,
   text_pareto,
+  two_phase,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +103,19 @@ def claims_table(root: Path = ROOT, studies: bool = False, base: str = "") -> st
   path = root / ONE_RECIPE_CLAIMS
   recipe = json.loads(path.read_text()) if path.exists() and not studies else []
   rel = lambda link: os.path.relpath(link, base or ".")  # noqa: E731  (links from the page that shows it)
+  final = [] if studies else two_phase.claim_rows(root)
+  if final:  # the two-phase recipe against FoX with the same phases, on committed models
+    lines = [
+      "The live-set claims are single attention heads (`experiments.live_sets`); the LM claims are judged on the "
+      "two-phase recipe's committed models against FoX with the same two phases, paired by seed "
+      "(`python -m experiments.two_phase`); the nested bindings are their own study's models:",
+      "",
+      "| claim | verdict | evidence |",
+      "|---|---|---|",
+    ]
+    rows = [*claims_rows(root)[:2], *final, *bindings_lm.claim_rows(root), *forget_screen.claim_rows(root)]
+    lines += [f"| {r.claim} | {r.verdict} | [{_cell(r.evidence)}]({rel(r.link)}) |" for r in rows]
+    return "\n".join(lines) + "\n"
   if any(not str(c.get("verdict", "not run")).startswith("not run") for c in recipe):
     lines = [
       "The live-set claims are single attention heads (`experiments.live_sets`); every other claim is judged on the "

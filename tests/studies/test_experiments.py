@@ -448,6 +448,19 @@ def test_report_claims_table_one_line_per_claim(tmp_path):
   assert report.claims_table(tmp_path, studies=True) != md
   for text in (md, report.claims_table(tmp_path, studies=True), report.claims_detail(tmp_path)):
     assert not re.search(r"\bissues?[\s_-]*#?\d+", text, re.I), text
+  # once the two-phase study scored a final model, its rows replace the one-recipe study's
+  U.write_json(
+    tmp_path / "results" / "two_phase" / "eval" / "fpa_recipe_final_s0.json",
+    {"recipe": "fpa_recipe", "role": "final", "seed": 0, "params": "p", "passkey": {"8": {"accuracy": 1.0}}},
+  )
+  md = report.claims_table(tmp_path)
+  assert (
+    "LM recipe:" not in md
+    and "| two-phase recipe: perfect passkey at 8x (full cache >= 0.99) | holds (1 of 1 seed) |" in md
+  )
+  assert (
+    "| two-phase recipe: perplexity on par with FoX (bits per byte <= FOX_BASELINE's) | not scored (seed 0) |" in md
+  )
 
 
 def test_report_collects_the_claim_rows_each_study_exports(tmp_path):
