@@ -39,6 +39,7 @@ from typing import Any, Mapping
 
 from fpa_jax import field_checks as V
 from fpa_jax.ops import validate as _ops_validate
+from fpa_jax.ops.pallas import common as _pallas_common
 
 ATTENTIONS = ("fpa", "stack", "fox", "softmax", "nope")
 GATED = ("fpa", "stack", "fox")
@@ -90,6 +91,7 @@ _GATE_BIAS = V.real(why="a gate read-out's initial bias")
 _impl = lambda name, v: _ops_validate.check_impl(v, name=name)
 _skip_tolerance = lambda name, v: _ops_validate.check_skip_tolerance(v, name=name)
 _skip = lambda name, v: _ops_validate.check_skip_name(v, name=name)
+_pallas_backend = lambda name, v: _pallas_common.check_backend(v, name=name)
 
 
 def _tokenizer(name: str, v: Any) -> None:
@@ -132,6 +134,10 @@ class ModelConfig(_Part):
   # what skip_tolerance drops: "tiles" (forward and backward) or "keys" (per query block, each key the
   # bound rules out, forward and backward, `fpa_jax.ops.sparse`)
   skip: str = _field("tiles", _skip, free_on_resume=True)
+  # what attn_impl="pallas" builds its kernels for (`fpa_jax.ops.pallas.BACKENDS`): "auto" JAX's backend
+  # (the interpreter off TPU / GPU); "tpu" / "gpu" that target's kernels whatever JAX runs on, to lower a
+  # step for it without the hardware (`ops.pallas.lower_for`; docs/ops.md, "Lowering without the hardware")
+  pallas_backend: str = _field("auto", _pallas_backend, free_on_resume=True)
   # one of PRECISIONS: fp32 matmul passes (TPU: default = bf16 passes)
   precision: str = _field("default", V.choice(PRECISIONS), free_on_resume=True)
   rope: bool | None = _field(None, V.flag(optional=True))  # None -> RoPE for softmax only (the gates give position)
@@ -323,6 +329,15 @@ class ModelConfig(_Part):
       tolerance_name=n("skip_tolerance"),
       impl_name=n("attn_impl"),
     )
+    if self.pallas_backend != "auto" and _ops_validate.resolve_impl(self.attn_impl) != "pallas":
+      raise ValueError(
+        f"{n('pallas_backend')}={self.pallas_backend!r} only applies to {n('attn_impl')}='pallas', which "
+        f"{n('attn_impl')}={self.attn_impl!r} does not run: set {n('attn_impl')}='pallas' or "
+        f"{n('pallas_backend')}='auto'"
+      )
+    # the device-free half of `check_pallas_skip` ("auto" is decided by JAX's backend, at the op)
+    if self.pallas_backend == "gpu" and self.skip_tolerance is not None:
+      raise ValueError(_ops_validate.PALLAS_SKIP_GPU)
     return self
 
 

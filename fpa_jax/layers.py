@@ -186,7 +186,9 @@ class AttentionSpec:
     forget gate) or "none" (softmax / nope: the FoX kernel with a zero log-gate).
   impl: the ops impl, "auto" resolved (`ops.validate.resolve_impl`); block_size: the tile, None =
     the ops default (only set for a blocked impl); skip_tolerance, skip: dead tiles / keys dropped
-    (both differentiable); scale: the logit scale head_dim ** -0.5; precision: matmul precision.
+    (both differentiable); scale: the logit scale head_dim ** -0.5; precision: matmul precision;
+    pallas_backend: what impl "pallas" builds its kernels for ("auto", or "tpu" / "gpu" to lower
+    them for that target on any host, `ops.pallas.lower_for`).
   """
 
   kind: str
@@ -196,6 +198,7 @@ class AttentionSpec:
   skip: str
   scale: float
   precision: str
+  pallas_backend: str = "auto"
 
   def op_args(self, gates: GateTerms) -> tuple:
     """(op, gate arrays) of the parallel kernel for this kind."""
@@ -223,6 +226,8 @@ class AttentionSpec:
       kw["skip_tolerance"] = self.skip_tolerance
     if self.skip != "tiles":  # config validation has already required a tolerance with it
       kw["skip"] = self.skip
+    if self.pallas_backend != "auto":  # config validation has already required impl "pallas" with it
+      kw["pallas_backend"] = self.pallas_backend
     op = with_precision(op, self.precision)
     if self.impl != "pallas":
       return op(q, k, v, *gates, segment_ids=segment_ids, **kw)
@@ -314,6 +319,7 @@ def attention_spec(cfg: ModelConfig) -> AttentionSpec:
     skip=cfg.skip,
     scale=cfg.head_dim**-0.5,
     precision=cfg.precision,
+    pallas_backend=cfg.pallas_backend,
   )
 
 

@@ -168,6 +168,22 @@ def make_mesh(spec: str | None = None, devices: Sequence[jax.Device] | None = No
   )
 
 
+def make_abstract_mesh(
+  spec: str | None, n_devices: int, abstract_device: jax.sharding.AbstractDevice | None = None
+) -> jax.sharding.AbstractMesh:
+  """The mesh `make_mesh(spec)` builds on `n_devices` devices, without the devices: a step on it
+  (`fpa_jax.train.TrainStep`) can be exported but not run, e.g. a TPU pod's from a CPU host, where
+  `abstract_device` is a TPU `jax.sharding.AbstractDevice` (Mosaic reads its kind: docs/ops.md,
+  "Lowering without the hardware")."""
+  sizes = parse_mesh(spec, n_devices)
+  return jax.sharding.AbstractMesh(
+    (sizes["data"], sizes["model"]),
+    MESH_AXES,
+    axis_types=(AxisType.Auto, AxisType.Auto),
+    abstract_device=abstract_device,
+  )
+
+
 def logical_to_spec(
   axes: Sequence[str | None] | None,
   shape: Sequence[int] | None = None,

@@ -143,30 +143,50 @@ def create_state(cfg: C.Config, mesh: jax.sharding.Mesh, tx=None):
   return graphdef, state, shardings, abstract
 
 
-class _UnderMesh:
-  """A jitted function called, traced and lowered with `mesh` in context (`jax.set_mesh`)."""
+AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
-  def __init__(self, jitted, mesh: jax.sharding.Mesh):
+
+def _in_mesh(mesh: AnyMesh):
+  """The context a step traces in: `jax.set_mesh` for a concrete mesh, `jax.sharding.use_abstract_mesh`
+  for an abstract one (no devices: a step that can only be exported, e.g. for a TPU pod on CPU)."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return jax.set_mesh(mesh)
+
+
+class _UnderMesh:
+  """A jitted function called, traced, lowered and exported with `mesh` in context (`_in_mesh`)."""
+
+  def __init__(self, jitted, mesh: AnyMesh):
     self.jitted, self.mesh = jitted, mesh
 
   def __call__(self, *args):
-    with jax.set_mesh(self.mesh):
+    with _in_mesh(self.mesh):
       return self.jitted(*args)
 
   def lower(self, *args):
-    with jax.set_mesh(self.mesh):
+    with _in_mesh(self.mesh):
       return self.jitted.lower(*args)
+
+  def export(self, *args, platforms: tuple[str, ...] | list[str]) -> jax.export.Exported:
+    """`jax.export` of the function on `args` (arrays or `jax.ShapeDtypeStruct`s) for `platforms`,
+    e.g. ["tpu"]: on an abstract mesh, the sharded program for devices this host does not have."""
+    with _in_mesh(self.mesh):
+      return jax.export.export(self.jitted, platforms=platforms)(*args)
 
 
 class TrainStep:
-  """Builds the jitted step; `traces` counts Python traces (must stay 1: no retracing)."""
+  """Builds the jitted step; `traces` counts Python traces (must stay 1: no retracing).
 
-  def __init__(self, cfg: C.Config, graphdef, shardings, mesh: jax.sharding.Mesh, tx):
+  mesh: the concrete mesh the step runs on, or a `jax.sharding.AbstractMesh` (with `shardings` of
+  `sharding.state_shardings(abstract, mesh)`) for a step that is only exported (`jitted.export`)."""
+
+  def __init__(self, cfg: C.Config, graphdef, shardings, mesh: AnyMesh, tx):
     self.cfg, self.graphdef, self.mesh, self.traces = cfg, graphdef, mesh, 0
     self.schedule = lr_schedule(cfg)
     batch_sh = {k: S.batch_sharding(mesh) for k in ("inputs", "targets", "segment_ids", "loss_mask")}
     rep = NamedSharding(mesh, P())
-    # Both run under `jax.set_mesh(mesh)`, so the model's activation constraints
+    # Both run under the mesh (`_in_mesh`), so the model's activation constraints
     # (`fpa_jax.sharding.constrain`) shard the batch over `data` (they are no-ops without a mesh).
     self.jitted = _UnderMesh(
       jax.jit(self._step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep), donate_argnums=(0,)), mesh

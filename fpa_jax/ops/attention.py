@@ -133,7 +133,7 @@ def fpa_attention(
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
   _v.check_skip(skip, skip_tolerance, impl)
-  _v.check_pallas_skip(impl, block_size, skip_tolerance)
+  _v.check_pallas_skip(impl, block_size, skip_tolerance, pallas_backend)
   _check_pallas_backend(pallas_backend, impl, skip_tolerance)
   if _v.is_empty(b, t):
     return jnp.zeros((b, t, h, v.shape[-1]), q.dtype)
@@ -277,7 +277,7 @@ def fox_attention(
   impl = _v.resolve_impl(impl, kvh != h)
   _v.check_skip_tolerance(skip_tolerance, impl)
   _v.check_skip(skip, skip_tolerance, impl)
-  _v.check_pallas_skip(impl, block_size, skip_tolerance)
+  _v.check_pallas_skip(impl, block_size, skip_tolerance, pallas_backend)
   _v.check_gate_values("log_fgate", log_fgate)
   _v.check_log_fgate(log_fgate)
   _check_pallas_backend(pallas_backend, impl, skip_tolerance)

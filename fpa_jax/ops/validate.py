@@ -168,9 +168,14 @@ def check_skip_tolerance(skip_tolerance, impl: str | None = None, *, name="skip_
     )
 
 
-def check_pallas_skip(impl, block_size, skip_tolerance, *, name="skip_tolerance", block_name="block_size") -> None:
+def check_pallas_skip(
+  impl, block_size, skip_tolerance, backend="auto", *, name="skip_tolerance", block_name="block_size"
+) -> None:
   """impl="pallas" with a tolerance (the block-sparse kernels): one tile size for the forward and
-  backward kernels (they drop the same tiles), and a backend with scalar prefetch."""
+  backward kernels (they drop the same tiles), and a target with scalar prefetch. The target is
+  `backend` (the kernels' `pallas_backend`) where one is chosen, whatever JAX runs on: "tpu" or
+  "interpret" pass on a GPU host too (lowering a TPU step there), "gpu" is refused on any host;
+  "auto" is JAX's backend."""
   if impl != "pallas" or skip_tolerance is None:
     return
   if isinstance(block_size, BlockSizes) and block_size.backward != block_size.fwd:
@@ -178,7 +183,7 @@ def check_pallas_skip(impl, block_size, skip_tolerance, *, name="skip_tolerance"
       f"{name} drops the same tiles in the Pallas forward and backward kernels, so they take one tile "
       f"size, got {block_name}={block_size}: pass {block_name}={block_size.fwd}"
     )
-  if jax.default_backend() == "gpu":
+  if (jax.default_backend() if backend == "auto" else backend) == "gpu":
     raise ValueError(PALLAS_SKIP_GPU)
 
 

@@ -237,6 +237,7 @@ def test_field_lists_come_from_the_fields():
     "block_size",
     "skip_tolerance",
     "skip",
+    "pallas_backend",
     "precision",
     "dtype",
     "remat",
@@ -264,3 +265,21 @@ def test_training_accepts_key_skipping():
     cfg = C.get_config("tiny", attn_impl="chunked", skip_tolerance=1e-3, skip=skip)
     assert cfg.validate() is cfg and cfg.validate(training=True) is cfg
   C.get_config("tiny").validate(training=True)
+
+
+def test_pallas_backend_builds_the_layers_kernels_for_its_target():
+  """pallas_backend (a free-on-resume model field) reaches the layer's attention call; it needs
+  attn_impl="pallas", and "gpu" has no block-sparse kernels: errors before any trace."""
+  from fpa_jax import layers
+
+  cfg = C.get_config("tiny", attn_impl="pallas", pallas_backend="tpu", skip_tolerance=1e-3)
+  assert layers.attention_spec(cfg.model).pallas_backend == "tpu"
+  assert layers.attention_spec(C.get_config("tiny").model).pallas_backend == "auto"
+  with pytest.raises(ValueError, match=r"unknown pallas_backend 'mosaic': the pallas_backend must be one of"):
+    C.get_config("tiny", attn_impl="pallas", pallas_backend="mosaic")
+  with pytest.raises(
+    ValueError, match=r"pallas_backend='tpu' only applies to attn_impl='pallas', which attn_impl='auto'"
+  ):
+    C.get_config("tiny", pallas_backend="tpu")
+  with pytest.raises(ValueError, match=r"Triton on GPU has neither"):
+    C.get_config("tiny", attn_impl="pallas", pallas_backend="gpu", skip_tolerance=1e-3)

@@ -214,3 +214,18 @@ def test_lower_for_refuses_a_module_without_kernels():
   fn = lambda q, k, v, f, lv: ops.fpa_attention(q, k, v, f, lv, impl="pallas")
   with pytest.raises(ValueError, match=r"build them with backend='tpu'"):
     pallas.lower_for(fn, q, k, v, f, lv, platform="tpu")
+
+
+def test_block_sparse_check_reads_the_chosen_backend(monkeypatch):
+  """`validate.check_pallas_skip` asks JAX's backend only under pallas_backend="auto": on a GPU host
+  "tpu" lowers the block-sparse TPU kernels, and "gpu" is refused on any host."""
+  with pytest.raises(ValueError, match=r"Triton on GPU has neither"):
+    ops.validate.check_pallas_skip("pallas", None, TOL, "gpu")  # on this (CPU) host too
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU host, as the checks see it
+  with pytest.raises(ValueError, match=r"Triton on GPU has neither"):
+    ops.validate.check_pallas_skip("pallas", None, TOL)  # "auto": JAX's backend, as before
+  ops.validate.check_pallas_skip("pallas", None, TOL, "interpret")
+  exported = pallas.lower_for(_value_and_grads("fpa", "block_sparse", "tpu"), *_specs("mha"), platform="tpu")
+  assert sorted(n for _, n in pallas.lowered_kernels(exported)) == sorted(
+    f"fpa_block_sparse_{p}" for p in ("fwd", "dkv", "dq")
+  )
