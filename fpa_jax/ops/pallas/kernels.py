@@ -13,8 +13,8 @@ differentiable JAX, so the kernels only return stat cotangents and autodiff carr
 field / level / log_fgate (as in `fpa_jax.ops.chunked`). The looped-over operand (k / v in the
 forward and dQ kernels, q / dO in dK / dV) is one whole-T block per (batch, head), sliced with
 `pl.ds` inside the loop: the portable form for Mosaic and Triton alike, which needs it to fit in
-VMEM / be addressable (long T on TPU would want a 4-D grid with scratch accumulators instead; not
-done).
+VMEM / be addressable (long T on TPU: `tpu_flash.py`, a 4-D grid with scratch accumulators,
+`pallas_attention(..., kernel="stream")`).
 
 Grouped-query attention (k, v, gates with KVH = H / G heads): the forward and dQ grids run over
 query heads, and their BlockSpec index maps send query head h to kv head h // G for k, v and the
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -307,6 +308,11 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 # ----------------------------------------------------------------------------- entry point
 
+# "whole": these kernels (the looped-over operand one whole-T block); "stream": the long-sequence
+# TPU kernels of `tpu_flash.py` (every operand one tile per grid step, VMEM independent of T).
+Kernel = Literal["whole", "stream"]
+KERNELS: tuple[str, ...] = get_args(Kernel)
+
 
 def pallas_attention(
   q,
@@ -320,6 +326,7 @@ def pallas_attention(
   interpret=None,
   skip_tolerance=None,
   backend: Backend = "auto",
+  kernel: Kernel = "whole",
 ):
   """Causal attention with an FPA or FoX bias in Pallas kernels.
 
@@ -337,9 +344,23 @@ def pallas_attention(
       interpreter off TPU / GPU), "interpret", or "tpu" / "gpu" whatever JAX runs on: Mosaic /
       Triton kernels to lower through `jax.export` without the hardware (`lowering.lower_for`),
       or with interpret=True that target's tiles and padding run in the interpreter.
+    kernel: "whole" (these kernels) or "stream" (`tpu_flash.tpu_flash_attention`: TPU or the
+      interpreter, exact only; interpret may then be a `pltpu.InterpretParams()`).
   Returns:
     [B, T, H, Kv] in q's dtype.
   """
+  if kernel not in KERNELS:
+    raise ValueError(f"unknown kernel {kernel!r}: the kernel must be one of {KERNELS}")
+  if kernel == "stream":
+    if skip_tolerance is not None:
+      raise ValueError(
+        "kernel='stream' is exact: drop skip_tolerance, or use kernel='whole' for the block-sparse kernels"
+      )
+    from fpa_jax.ops.pallas.tpu_flash import tpu_flash_attention  # function-level, as block_sparse
+
+    return tpu_flash_attention(
+      q, k, v, bias, scale=scale, segment_ids=segment_ids, block_sizes=block_sizes, interpret=interpret, backend=backend
+    )
   check_backend(backend, interpret)  # before the empty return: a bad setting fails on any input
   if skip_tolerance is not None:
     from fpa_jax.ops.pallas.block_sparse import (
