@@ -67,18 +67,10 @@ def machine() -> dict[str, Any]:
 
 def params_digest(model) -> str:
   """sha256 (hex, 16 chars) of a model's parameters, path by path: which checkpoint a results file
-  scored (a retrained run that is not bit-identical gets another digest)."""
-  import hashlib
+  scored (a retrained run that is not bit-identical gets another digest). The library's definition."""
+  from fpa_jax.eval.retrieval import params_digest as digest
 
-  import jax
-  from flax import nnx
-
-  h = hashlib.sha256()
-  leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
-  for path, x in sorted((jax.tree_util.keystr(p), x) for p, x in leaves):
-    a = np.asarray(x)
-    h.update(path.encode() + str(a.dtype).encode() + str(a.shape).encode() + a.tobytes())
-  return h.hexdigest()[:16]
+  return digest(model)
 
 
 def command(module: str, argv: list[str] | None) -> str:

@@ -8,6 +8,8 @@
     res = loss_by_position(model, rows, bucket=64)    # rows int [N, T + 1], or an iterable of rows / batches
     res = passkey_eval(model, 256, multiples=(1, 8), n=20, policy="window", budget=0.25)
     write_results(res, "eval/passkey.json")           # + eval/passkey.md
+    python -m fpa_jax.eval retrieval --workdir runs/small_fpa --multiples 1 2 4 8 --policies full fpa_global:0.25 --out r.json
+    res = run_suite(model, train_len=256, policies=["full", "window:0.125"], n=50, out_path="r.json")  # resumes
 
 Cache policies (`fpa_jax.inference.policies`): `full` (the default) runs the parallel model, one
 forward pass per batch; any other policy decodes every token through the KV cache
@@ -29,6 +31,8 @@ Modules, by concern: `stats` (Wilson intervals, pooled cells, merged cache stats
 record), `text_loss` (`token_nll`, `loss_by_position`), `passkey` (the scorers, `passkey_cell`,
 `passkey_eval`), `tables` (progress bar, markdown tables, results files), `cli` (the command line;
 `__main__`). Every name stays importable from `fpa_jax.eval`.
+`retrieval`: the RULER-style suite (`retrieval_cell`, `run_suite`, `suite_table`, `removal_plot`;
+`python -m fpa_jax.eval retrieval`, its own flags), resumable cell by cell.
 """
 
 # ruff: noqa: F401  (the private names too: importable from fpa_jax.eval, as from the module it was)
@@ -46,7 +50,26 @@ from fpa_jax.eval.passkey import (
   passkey_cell,
   passkey_eval,
   passkey_examples,
+  teacher_forced_argmax,
   teacher_forced_exact_match,
+  teacher_forced_predictor,
+)
+from fpa_jax.eval.retrieval import (
+  SUITE_MULTIPLES,
+  SUITE_TASKS,
+  cell_key,
+  expand_tasks,
+  params_digest,
+  parse_policy,
+  removal_plot,
+  removed_fraction,
+  retrieval_cell,
+  run_suite,
+  suite_cells,
+  suite_examples,
+  suite_policies,
+  suite_table,
+  suite_task,
 )
 from fpa_jax.eval.stats import (
   Z95,
@@ -99,6 +122,23 @@ __all__ = [
   "passkey_cell",
   "passkey_examples",
   "passkey_eval",
+  "teacher_forced_argmax",
+  "teacher_forced_predictor",
+  "SUITE_TASKS",
+  "SUITE_MULTIPLES",
+  "suite_task",
+  "expand_tasks",
+  "parse_policy",
+  "suite_policies",
+  "suite_cells",
+  "suite_examples",
+  "cell_key",
+  "params_digest",
+  "retrieval_cell",
+  "run_suite",
+  "suite_table",
+  "removed_fraction",
+  "removal_plot",
   "parse_args",
   "default_out",
   "run",

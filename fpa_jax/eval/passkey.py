@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -70,22 +70,52 @@ def teacher_forced_exact_match(
   for every k. Returns (correct bool [n], per-example predicted answer tokens int [n_answer]).
   """
   seqs = [np.asarray(ex["tokens"][:-1], np.int32) for ex in examples]  # drop EOS
-  length = length or max(map(len, seqs))
-  if max(map(len, seqs)) > length:
-    raise ValueError(f"a prompt + answer of {max(map(len, seqs))} tokens does not fit length={length}")
   correct, preds = [], []
+  for ex, am in zip(examples, teacher_forced_argmax(predict, seqs, length, batch_size)):
+    a0, n = answer_span(ex)
+    p = am[a0 - 1 : a0 - 1 + n]  # position t predicts token t + 1
+    preds.append(p)
+    correct.append(bool((p == np.asarray(ex["tokens"][a0 : a0 + n])).all()))
+  return np.asarray(correct, bool), preds
+
+
+def teacher_forced_argmax(
+  predict, seqs: list[np.ndarray], length: int | None = None, batch_size: int = 8
+) -> Iterator[np.ndarray]:
+  """Each sequence's greedy predictions from one teacher-forced pass, in order: int [length] per
+  sequence (position t predicts token t + 1). `seqs` int [T_i] are right-padded to `length`
+  (default: the longest) in batches of `batch_size` rows (the last filled with zeros: one compile
+  per length), each batch one call of `predict` (tokens int [B, T] -> argmax int [B, T])."""
+  longest = max(map(len, seqs))
+  length = length or longest
+  if longest > length:
+    raise ValueError(f"a prompt + answer of {longest} tokens does not fit length={length}")
   for i in range(0, len(seqs), batch_size):
     chunk = seqs[i : i + batch_size]
     batch = np.zeros((batch_size, length), np.int32)  # fixed shape: one compile per length
     for r, s in enumerate(chunk):
       batch[r, : len(s)] = s
     am = np.asarray(predict(batch))
-    for r, ex in enumerate(examples[i : i + batch_size]):
-      a0, n = answer_span(ex)
-      p = am[r, a0 - 1 : a0 - 1 + n]  # position t predicts token t + 1
-      preds.append(p)
-      correct.append(bool((p == np.asarray(ex["tokens"][a0 : a0 + n])).all()))
-  return np.asarray(correct, bool), preds
+    yield from am[: len(chunk)]
+
+
+def teacher_forced_predictor(model, policy) -> tuple[Callable[[np.ndarray], Any], Callable[[], dict[str, Any]]]:
+  """(predict, stats) for teacher-forced scoring under a checked `policy` (a `CachePolicy` / rule):
+  `predict` tokens int [B, T] -> argmax int [B, T], the parallel model for a policy that keeps every
+  key (`argmax_fn`, as the package holds it), else every token through the cache; `stats()` the
+  cache stats of the calls so far, merged over batches ({} for the parallel model)."""
+  if policy.kind.keeps_all:
+    return _argmax_fn(model), dict
+  got: list = []
+
+  def stats() -> dict[str, Any]:
+    out = None
+    for s in got:
+      out = merge_stats(out, s)
+    out.pop("batches")
+    return out
+
+  return cached_argmax_fn(model, got, policy=policy), stats
 
 
 def generated_exact_match(
@@ -194,17 +224,9 @@ def passkey_cell(
   else:
     longest = max(len(ex["tokens"]) - 1 for ex in examples)
     check_policy(policy, length or longest, **pk)
-    if policy.kind.keeps_all:  # full: the parallel model
-      ok, preds = teacher_forced_exact_match(_argmax_fn(model), examples, length, batch_size)
-      stats = {}
-    else:
-      got: list = []
-      predict = cached_argmax_fn(model, got, policy=policy, **pk)
-      ok, preds = teacher_forced_exact_match(predict, examples, length, batch_size)
-      stats = None
-      for s in got:
-        stats = merge_stats(stats, s)
-      stats.pop("batches")
+    predict, cache_stats = teacher_forced_predictor(model, policy)  # full: the parallel model
+    ok, preds = teacher_forced_exact_match(predict, examples, length, batch_size)
+    stats = cache_stats()
   out = {**summary(int(ok.sum()), len(ok), digit_accuracy(examples, preds, tokenizer)), **stats}
   if policy.kind.keeps_all and (cross_check or (cross_check is None and prefill is not None)):
     if prefill is None:  # teacher-forced above: generate too
