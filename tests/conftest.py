@@ -20,6 +20,11 @@ import tempfile
 TEST_XLA_FLAGS = (
   "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 )
+# The default-flag tier (`tests/repo/test_xla_default_flags.py`): the checks marked `xla_default` (bit for
+# bit and cross-implementation) run again at XLA's default flags, what users compile.
+XLA_DEFAULT_TIER = os.environ.get("FPA_XLA_DEFAULT_FLAGS") == "1"
+if XLA_DEFAULT_TIER:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # true in the controller only
 if _OWN_CACHE:

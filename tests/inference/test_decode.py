@@ -33,6 +33,7 @@ def _tokens(b, t, vocab, seed=1):
 # ------------------------------------------------------------------------------------------------ full
 
 
+@pytest.mark.xla_default
 @pytest.mark.parametrize(  # stack: fpa's cache with another gate module; nope: softmax's decode path without RoPE
   "att", [pytest.param(a, marks=pytest.mark.slow) if a in ("stack", "nope") else a for a in C.ATTENTIONS]
 )
@@ -237,6 +238,7 @@ def _greedy_reference(m, prompt, n):
   return np.asarray(toks[len(prompt) :])
 
 
+@pytest.mark.xla_default
 @pytest.mark.parametrize(
   "att", ["fpa", pytest.param("fox", marks=pytest.mark.slow), pytest.param("softmax", marks=pytest.mark.slow)]
 )
@@ -255,6 +257,7 @@ def test_generate_greedy_equals_parallel_argmax(att):
   assert stats["cache_fraction"] <= 1.0
 
 
+@pytest.mark.xla_default
 @pytest.mark.parametrize(
   "policy,kw",
   [
@@ -276,6 +279,7 @@ def test_reused_slots_equal_measured_cache(policy, kw):
   np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, 9:-1]), -1), out)
 
 
+@pytest.mark.xla_default
 @pytest.mark.parametrize(
   "policy,kw",
   [

@@ -426,6 +426,7 @@ def _membership(caches, n):
   return jnp.stack([jnp.any(c.alive[..., None] & (c.pos[..., None] == jnp.arange(n)), axis=1) for c in caches], 1)
 
 
+@pytest.mark.xla_default
 def test_pool_attends_like_the_measuring_layout(tiny):
   """The tiny model decoded token by token through both layouts of fpa_global in one program: at
   every step each (layer, kv head) holds the same keys in the pool (G slots per row) as in
@@ -459,6 +460,7 @@ def test_pool_attends_like_the_measuring_layout(tiny):
   assert_close(np.asarray(lp), np.asarray(lm), n=t * tiny.cfg.d_model * tiny.cfg.n_layers)
 
 
+@pytest.mark.xla_default
 @pytest.mark.parametrize("head_cap", [None, pytest.param(9, marks=pytest.mark.slow)])
 def test_global_budget_generates_like_its_measured_cache(tiny, head_cap):
   """generate's shared pool (slots reused) attends exactly like cached_logits' measured cache when
@@ -550,6 +552,7 @@ def test_evict_few_is_evict_largest():
     np.testing.assert_array_equal(np.asarray(P.evict_few(pen, pos, owner, cand, count, most)), np.asarray(want))
 
 
+@pytest.mark.xla_default
 @pytest.mark.parametrize("head_cap", [None, pytest.param(10, marks=pytest.mark.slow)])
 def test_pool_impls_agree(tiny, head_cap):
   """The tiny model decoded token by token through fpa_global's pool with each implementation in
