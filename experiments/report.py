@@ -44,6 +44,7 @@ from experiments import (
   live_sets,
   passkey,
   perplexity,
+  retrieval_suite,
   text_pareto,
   two_phase,
 )
@@ -113,7 +114,8 @@ def claims_table(root: Path = ROOT, studies: bool = False, base: str = "") -> st
       "| claim | verdict | evidence |",
       "|---|---|---|",
     ]
-    rows = [*claims_rows(root)[:2], *final, *bindings_lm.claim_rows(root), *forget_screen.claim_rows(root)]
+    rows = [*claims_rows(root)[:2], *final, *retrieval_suite.claim_rows(root), *bindings_lm.claim_rows(root)]
+    rows += forget_screen.claim_rows(root)
     lines += [f"| {r.claim} | {r.verdict} | [{_cell(r.evidence)}]({rel(r.link)}) |" for r in rows]
     return "\n".join(lines) + "\n"
   if any(not str(c.get("verdict", "not run")).startswith("not run") for c in recipe):
