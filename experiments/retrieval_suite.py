@@ -75,7 +75,8 @@ def score_one(name: str, seed: int, args, log) -> None:
     return
   model, cfg, _ = load_exported(folder)
   path = out_path(Path(args.out_dir), name, seed)
-  common = dict(train_len=args.train_len, n=args.n, out_path=path, show_progress=True, meta={"asset": str(folder)})
+  meta = {"asset": str(folder.relative_to(args.root)), "command": U.command(MODULE, args.argv), "commit": U.git_commit()}
+  common = dict(train_len=args.train_len, n=args.n, out_path=path, show_progress=True, meta=meta)
   if "full" in args.phase:  # each task from the shortest length it fits at
     starts = {t: shortest(t, args.train_len, args.multiples) for t in SUITE_TASKS}
     for m0 in sorted({m for m in starts.values() if m is not None}):
@@ -186,6 +187,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> str:
   args = parse_args(argv)
+  args.argv = argv
   log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
   for seed in args.seeds:
     for name in args.recipes:
