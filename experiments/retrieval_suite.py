@@ -75,7 +75,11 @@ def score_one(name: str, seed: int, args, log) -> None:
     return
   model, cfg, _ = load_exported(folder)
   path = out_path(Path(args.out_dir), name, seed)
-  meta = {"asset": str(folder.relative_to(args.root)), "command": U.command(MODULE, args.argv), "commit": U.git_commit()}
+  meta = {
+    "asset": str(folder.relative_to(args.root)),
+    "command": U.command(MODULE, args.argv),
+    "commit": U.git_commit(),
+  }
   common = dict(train_len=args.train_len, n=args.n, out_path=path, show_progress=True, meta=meta)
   if "full" in args.phase:  # each task from the shortest length it fits at
     starts = {t: shortest(t, args.train_len, args.multiples) for t in SUITE_TASKS}
