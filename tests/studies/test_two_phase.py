@@ -68,7 +68,7 @@ def test_verdicts_need_every_comparison_scored_and_quote_one_rule_per_cell(tmp_p
   lead = claims("12.5% of the cache (>= 0.9")
   assert lead.verdict.startswith("not scored") and "heuristic" in lead.evidence  # FoX's rules, heuristics missing
   assert claims("the only compared method").verdict.startswith("not scored")
-  assert claims("the retrofit's text cost").verdict == "not met (0 of 1 seeds)"
+  assert claims("the retrofit's text cost").verdict == "not met (0 of 1 seeds); seeds 1, 2 not scored"
   assert "+1.01%" in claims("the retrofit's text cost").evidence
   assert "not met" in claims("the tolerance policy >= 0").verdict
   # scored: FoX's best rule and every heuristic 0.1 below fpa_budget's 0.97 -> the lead holds
