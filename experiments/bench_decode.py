@@ -12,7 +12,10 @@ the pool repacked by owner every `repack_every` steps, each head over its own ra
 at 25% with a per-head limit of 50% (the same bytes); fpa_global_masked, fpa_global_gather and
 fpa_global_sort: fpa_global's other implementations ("masked": each head over the whole pool,
 masked; "gather": each head over its own slots, gathered; "reference": masked with eviction by one
-sort of the pool), the same keys.
+sort of the pool), the same keys. fpa_heads at 25%: fpa_global's split between heads, measured on
+the context's own prompts (`inference.calibrate_head_split`, parallel prefill) and then fixed, each
+head evicting in its own capacity, a cache of its own read in place (`FPAHeads`: the split's keys,
+about fpa_budget 25%'s bytes; on an untrained model the split is near even).
 Each context's policies are timed interleaved (a repeat of each in turn), so a loaded machine slows
 them alike: compare the ratios to full, not the seconds. With --profile (default) fpa_global's step
 at the largest context is split into attention, eviction and the rest (each part: the step's time
@@ -49,7 +52,7 @@ from tqdm import tqdm
 
 from experiments._common import ROOT, md_table, run_meta, study_parser, write_json
 from fpa_jax import configs as C
-from fpa_jax.inference import Decoder, cached_logits, load_model, make_policy, stand_in
+from fpa_jax.inference import Decoder, cached_logits, calibrate_head_split, load_model, make_policy, stand_in
 from fpa_jax.models import build_model
 
 POLICIES: dict[str, tuple[str, dict]] = {
@@ -63,6 +66,8 @@ POLICIES: dict[str, tuple[str, dict]] = {
   "fpa_global_masked": ("fpa_global", {"budget": 0.25, "pool_impl": "masked"}),
   "fpa_global_gather": ("fpa_global", {"budget": 0.25, "pool_impl": "gather"}),
   "fpa_global_sort": ("fpa_global", {"budget": 0.25, "pool_impl": "reference"}),
+  # fpa_global's split calibrated on the context's prompts, then fixed per head (`FPAHeads`)
+  "fpa_heads": ("fpa_heads", {"budget": 0.25, "split": "calibrate"}),
 }
 QUICK = ("full", "fpa_budget", "window", "fpa_global", "fpa_global_masked")
 
@@ -237,8 +242,14 @@ def main(argv=None) -> dict:
   rows, table = {}, []
   prompts = {m: rng.integers(3, cfg.vocab_size, (a.batch, length * m)) for m in a.multiples}
 
+  splits = {}
+
   def resolve(label: str, p: int):
     policy, kw = POLICIES[label]
+    if kw.get("split") == "calibrate":  # fpa_global's split on this context's prompts, once per context
+      if (label, p) not in splits:
+        splits[(label, p)] = calibrate_head_split(model, prompts[p // length], kw["budget"], show_progress=False)
+      kw = {**kw, "split": splits[(label, p)]}
     return make_policy(policy, p + a.new_tokens, **kw)
 
   timed = {}
@@ -259,6 +270,7 @@ def main(argv=None) -> dict:
       "budget": kw.get("budget"),
       "head_cap": kw.get("head_cap"),
       "pool_impl": pol.pool_impl if pol.is_global else None,
+      "head_keys": getattr(pol, "head_keys", None),  # fpa_heads: each (layer, kv head)'s capacity
       "capacity": pol.capacity,
       "slots_per_row": Decoder(model, pol, max_len=p + a.new_tokens).slots_per_row(),
       "recent": pol.recent,
@@ -307,7 +319,7 @@ def main(argv=None) -> dict:
         ]
       )
   targets = {}
-  for label in ("fpa_budget", "fpa_global", "fpa_global_masked", "fpa_global_gather", "fpa_global_sort"):
+  for label in ("fpa_budget", "fpa_global", "fpa_heads", "fpa_global_masked", "fpa_global_gather", "fpa_global_sort"):
     if label in labels:
       targets[f"{label}_cache_bytes_over_full_{top}x"] = rows[f"{top}x/{label}"]["cache_bytes_over_full"]
       targets[f"{label}_decode_time_over_full_{top}x"] = rows[f"{top}x/{label}"]["decode_time_over_full"]
@@ -356,7 +368,7 @@ def main(argv=None) -> dict:
     ],
     table,
   )
-  for label, goal in (("fpa_budget", 1.0), ("fpa_global", 0.5)):
+  for label, goal in (("fpa_budget", 1.0), ("fpa_global", 0.5), ("fpa_heads", 0.5)):
     if label in labels:
       tb, tt = targets[f"{label}_cache_bytes_over_full_{top}x"], targets[f"{label}_decode_time_over_full_{top}x"]
       md += (

@@ -4,6 +4,8 @@
     model, cfg = load_model("runs/small_fpa")
     tokens, stats = generate(model, prompts, 32, policy="fpa_budget", budget=0.25)
     tokens, stats = generate(model, prompts, 32, policy="fpa_global", budget=0.25)  # one budget per row
+    split = calibrate_head_split(model, prompts, 0.25)  # fpa_global's split between heads, fixed
+    tokens, stats = generate(model, prompts, 32, policy=FPAHeads(budget=0.25, split=split))  # per-head speed
     tokens, stats = generate(model, prompts, 32, policy=CachePolicy("window", compression_ratio=0.75))
     logits, stats = cached_logits(model, tokens, policy="fpa", tolerance=1e-3)   # studies
     logits, conv = extend(model, turn_1, max_len=4096, policy="fpa_budget", budget=512)  # chunk by chunk
@@ -14,13 +16,14 @@
 The model: a `DecoderLM`, or any NNX model of `FirstPassageAttention` layers whose `__call__` hands
 a `cache=` down to them (`.graph`: the layers found in the NNX graph, one cache each).
 
-Policies (one class per rule: `FPABudget(budget=0.25)`, `FPAGlobal(budget=0.25, pool_impl="masked")`,
+Policies (one class per rule: `FPABudget(budget=0.25)`, `FPAHeads(budget=0.25, split=...)`, `FPAGlobal(budget=0.25, pool_impl="masked")`,
 ...; `CachePolicy(name, ...)` or a name with keywords builds the same; one of your own subclasses
 `ScorePolicy` and writes `score()`) and the tolerance bound: `fpa_jax.inference.policies`. Cache layout: `.cache` (fpa_global's
 shared slot pool: `.pool`). The decoder's state between calls is a `DecodeState` (`cache.DecodeState`:
 every layer's `LayerCache` as `LayerCaches`, or fpa_global's `GlobalCache`), which is also the
 `models.ModelCache` of a call once it holds the call's run (`Decode`, `Prefill`, `Extend`); a layer
-attends against its part through `fpa_jax.layers.AttentionCache` (`CacheView`, `PoolView`).
+attends against its part through `fpa_jax.layers.AttentionCache` (`CacheView`, `PoolView`). The
+split of a budget between heads for `FPAHeads` (calibrated, saved with the model): `.head_budget`.
 """
 
 from fpa_jax.inference.cache import (
@@ -51,6 +54,7 @@ from fpa_jax.inference.decode import (
 )
 from fpa_jax.inference.conversation import Conversation, extend
 from fpa_jax.inference.graph import ByLayer, attention_layers, call_cached, vocab_size
+from fpa_jax.inference.head_budget import calibrate_head_split, load_head_split, normalise_split, save_head_split
 from fpa_jax.inference.loading import export_model, load_exported, load_model, read_metrics
 from fpa_jax.inference.policies import (
   H2O,
@@ -59,6 +63,7 @@ from fpa_jax.inference.policies import (
   CachePolicy,
   FPABudget,
   FPAGlobal,
+  FPAHeads,
   FPAThreshold,
   FPATolerance,
   Full,
@@ -137,7 +142,12 @@ __all__ = [
   "FPAThreshold",
   "FPABudget",
   "FPAGlobal",
+  "FPAHeads",
   "ScorePolicy",
+  "calibrate_head_split",
+  "normalise_split",
+  "save_head_split",
+  "load_head_split",
   "add_policy_args",
   "policy_from_args",
   "as_policy",

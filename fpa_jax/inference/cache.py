@@ -106,6 +106,61 @@ def init_layer_cache(
   )
 
 
+class HeadCaches(NamedTuple):
+  """One layer's state when each kv head has a cache of its own (`PolicyRule.head_slots`: `FPAHeads`,
+  a capacity per head): heads[j] a `LayerCache` of kv head j alone ([B, S_j, 1], S_j its slots), so
+  a step reads and updates only that head's keys. carry, lost, overflow: [B, KVH] as a `LayerCache`'s."""
+
+  heads: tuple[LayerCache, ...]
+
+  @property
+  def carry(self) -> jax.Array:
+    return jnp.concatenate([c.carry for c in self.heads], axis=1)
+
+  @property
+  def lost(self) -> jax.Array:
+    return jnp.concatenate([c.lost for c in self.heads], axis=1)
+
+  @property
+  def overflow(self) -> jax.Array:
+    return jnp.concatenate([c.overflow for c in self.heads], axis=1)
+
+
+def init_layer_state(
+  policy: PolicyRule, layer: int, batch: int, slots: int | None, heads: int, head_dim: int, *, dtype=F32, **thresholds
+) -> LayerCache | HeadCaches:
+  """Layer `layer`'s empty state under `policy`: a `LayerCache` of `slots` (default `policy.capacity`)
+  per kv head, or where the policy gives each head slots of its own (`head_slots`) a `HeadCaches`
+  (`slots` given: that many for every head, the measuring layout). `thresholds`: threshold,
+  key_coef, key_cap [KVH] or None (`init_layer_cache`)."""
+  per = policy.head_slots(layer)
+  if per is None:
+    return init_layer_cache(batch, slots or policy.capacity, heads, head_dim, dtype=dtype, **thresholds)
+  if len(per) != heads:
+    raise ValueError(f"policy {policy.name!r} gives layer {layer} {len(per)} kv heads' slots; it has {heads}")
+  one = lambda x, j: None if x is None else jnp.broadcast_to(jnp.asarray(x, F32).reshape(-1), (heads,))[j : j + 1]
+  return HeadCaches(
+    tuple(
+      init_layer_cache(batch, slots or n, 1, head_dim, dtype=dtype, **{k: one(x, j) for k, x in thresholds.items()})
+      for j, n in enumerate(per)
+    )
+  )
+
+
+def keys_held(state: LayerCache | HeadCaches) -> jax.Array:
+  """[B, KVH] int32 keys each (row, kv head) of one layer's state holds."""
+  if isinstance(state, HeadCaches):
+    return jnp.concatenate([keys_held(c) for c in state.heads], axis=1)
+  return jnp.sum(state.alive, axis=1, dtype=jnp.int32)
+
+
+def each_cache(fn, state: LayerCache | HeadCaches, *others):
+  """fn(cache, *others' caches) on a `LayerCache`, or on each head's of a `HeadCaches` (others alike)."""
+  if isinstance(state, HeadCaches):
+    return HeadCaches(tuple(fn(c, *(o.heads[j] for o in others)) for j, c in enumerate(state.heads)))
+  return fn(state, *others)
+
+
 def reset_rows(cache: LayerCache, rows: jax.Array) -> LayerCache:
   """Empty the cache of the rows where `rows` [B] is True (a new sequence starts there)."""
   r = rows[:, None, None]
@@ -605,6 +660,41 @@ Run = Decode | Prefill | Extend
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadsView:
+  """One layer's `HeadCaches` with what this call does: the `layers.AttentionCache` the layer calls
+  where each kv head has a cache of its own. `attend` runs the call's `CacheView` per kv head j on
+  its query heads (j G .. (j + 1) G - 1, G = H / KVH), its k, v and gates, under the head's rule
+  (`policy.for_head(layer, j)`), and joins the outputs along the heads."""
+
+  state: HeadCaches
+  run: Run
+  layer: int
+
+  @property
+  def carry(self) -> jax.Array:
+    return self.state.carry
+
+  def attend(self, spec, q, k, v, gates):
+    kvh = len(self.state.heads)
+    g = q.shape[2] // kvh
+    outs, heads = [], []
+    for j, c in enumerate(self.state.heads):
+      run = dataclasses.replace(self.run, policy=self.run.policy.for_head(self.layer, j))
+      mine = type(gates)(*(x[..., j : j + 1] for x in gates))  # GateTerms [B, T, 1] each
+      out, view = CacheView(c, run).attend(
+        spec, q[:, :, j * g : (j + 1) * g], k[:, :, j : j + 1], v[:, :, j : j + 1], mine
+      )
+      outs.append(out)
+      heads.append(view.state)
+    return jnp.concatenate(outs, axis=2), dataclasses.replace(self, state=HeadCaches(tuple(heads)))
+
+
+def layer_view(state: LayerCache | HeadCaches, run: Run, layer: int) -> CacheView | HeadsView:
+  """What layer `layer` attends against for `run`: its `CacheView`, or its `HeadsView` (a cache per kv head)."""
+  return HeadsView(state, run, layer) if isinstance(state, HeadCaches) else CacheView(state, run)
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheView:
   """One layer's `LayerCache` with what this call does (`Decode`, `Prefill` or `Extend`): the
   `layers.AttentionCache` the layer calls."""
@@ -665,7 +755,7 @@ class LayerCaches:
   fpa_global, and, with a call's `run`, the `models.ModelCache` the model attends against
   (`LayerCaches(caches, Decode(...))`; `.layers` after). Iterating it gives the layers' caches."""
 
-  layers: tuple[LayerCache, ...]
+  layers: tuple[LayerCache | HeadCaches, ...]  # HeadCaches: a cache per kv head (`PolicyRule.head_slots`)
   run: Run | None = None
 
   def __iter__(self):
@@ -681,8 +771,8 @@ class LayerCaches:
   def with_run(self, run: Run) -> LayerCaches:
     return dataclasses.replace(self, run=run)
 
-  def layer(self, i: int) -> CacheView:
-    return CacheView(self.layers[i], self.run)
+  def layer(self, i: int) -> CacheView | HeadsView:
+    return layer_view(self.layers[i], self.run, i)
 
   def update(self, i: int, new: CacheView) -> LayerCaches:
     return dataclasses.replace(self, layers=self.layers[:i] + (new.state,) + self.layers[i + 1 :])
@@ -703,7 +793,7 @@ class LayerCaches:
   def occupancy(self) -> tuple[jax.Array, jax.Array]:
     """(max keys held [], keys held [L, B, KVH]) fp32; layers with fewer kv heads than the most (a
     model of your own may mix them) padded with NaN."""
-    per = [jnp.sum(c.alive, axis=1).astype(F32) for c in self.layers]  # [B, KVH] each
+    per = [keys_held(c).astype(F32) for c in self.layers]  # [B, KVH] each
     kvh = max(h.shape[-1] for h in per)
     if any(h.shape[-1] != kvh for h in per):
       held = jnp.stack([jnp.pad(h, ((0, 0), (0, kvh - h.shape[-1])), constant_values=jnp.nan) for h in per])
@@ -718,10 +808,11 @@ class LayerCaches:
     return jnp.max(jnp.stack([jnp.max(c.lost) for c in self.layers]))
 
   def select_rows(self, rows: jax.Array, old: LayerCaches) -> LayerCaches:
-    return dataclasses.replace(self, layers=tuple(select_rows(rows, n, o) for n, o in zip(self.layers, old.layers)))
+    pick = lambda n, o: select_rows(rows, n, o)  # noqa: E731
+    return dataclasses.replace(self, layers=tuple(each_cache(pick, n, o) for n, o in zip(self.layers, old.layers)))
 
   def reset_rows(self, rows: jax.Array) -> LayerCaches:
-    return dataclasses.replace(self, layers=tuple(reset_rows(c, rows) for c in self.layers))
+    return dataclasses.replace(self, layers=tuple(each_cache(lambda c: reset_rows(c, rows), c) for c in self.layers))
 
   def nbytes(self) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.layers)))
@@ -753,16 +844,17 @@ class NNXDecoding:
     pol.check_model(layer)
     (thr, coef, cap), *_ = pol.layer_thresholds(layer, max_len)
     cfg = layer.cfg
-    cache = init_layer_cache(
-      batch, pol.capacity, cfg.kv_heads, cfg.head_dim, dtype=dtype, threshold=thr, key_coef=coef, key_cap=cap
-    )
+    cache = init_layer_state(
+      pol, 0, batch, None, cfg.kv_heads, cfg.head_dim, dtype=dtype, threshold=thr, key_coef=coef, key_cap=cap
+    )  # the layer is the whole model here (FPAHeads: a split of one layer)
     return cache, pol
 
-  def attend(self, state: LayerCache, policy: PolicyRule, start, spec, q, k, v, gates):
+  def attend(self, state: LayerCache | HeadCaches, policy: PolicyRule, start, spec, q, k, v, gates):
     b, t = q.shape[:2]
     at = jnp.full((b,), start, jnp.int32)
     run = Decode(policy, at) if t == 1 else Extend(policy, jnp.full((b,), t, jnp.int32), at)
-    return run.attend(state, spec, q, k, v, gates)
+    out, view = layer_view(state, run, 0).attend(spec, q, k, v, gates)
+    return out, view.state
 
 
 register_nnx_decoding(NNXDecoding())

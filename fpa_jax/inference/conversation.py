@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fpa_jax.inference.cache import LayerCaches, check_chunk_policy
+from fpa_jax.inference.cache import LayerCaches, check_chunk_policy, keys_held
 from fpa_jax.inference.decode import Decoder, _split_on_one_device
 from fpa_jax.inference.graph import check_decodable, vocab_size
 from fpa_jax.inference.policies import CachePolicy, PolicyRule, as_policy
@@ -52,7 +52,7 @@ class Conversation:
 
   def keys_held(self) -> np.ndarray:
     """[L, B, KVH] keys each (layer, row, kv head) holds (-1 past the kv heads of a layer with fewer)."""
-    held = [np.asarray(jnp.sum(c.alive, axis=1)) for c in self.caches]
+    held = [np.asarray(keys_held(c)) for c in self.caches]
     kvh = max(h.shape[1] for h in held)
     return np.stack([np.pad(h, ((0, 0), (0, kvh - h.shape[1])), constant_values=-1) for h in held])
 

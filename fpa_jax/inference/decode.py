@@ -43,7 +43,7 @@ from fpa_jax.inference.cache import (
   Prefill,
   check_chunk_policy,
   global_evict,
-  init_layer_cache,
+  init_layer_state,
 )
 from fpa_jax.inference.graph import call_cached, check_decodable, layer_configs, vocab_size
 from fpa_jax.inference.policies import (  # noqa: F401  (the bounds: importable from here, as before)
@@ -79,7 +79,8 @@ def init_caches(model, batch: int, policy: PolicyRule, n_keys: int, slots: int |
   shared pool (`pool.GlobalCache`).
 
   n_keys: the most keys a sequence can have (the N in the `fpa` tolerance threshold).
-  slots: default `policy.capacity`; `cached_logits` measures with one slot per token. fpa_global
+  slots: default `policy.capacity` (fpa_heads: each (layer, kv head) a cache of its own capacity,
+  `cache.HeadCaches`); `cached_logits` measures with one slot per token. fpa_global
   without `slots`: a `pool.GlobalCache` of G slots per row (`FPAGlobal.pool_slots`: the pool with
   its tags and index fits in the budget's keys' bytes; what `generate`
   decodes with); with `slots`: per-head caches of that many slots (the measuring layout, and a
@@ -96,9 +97,11 @@ def init_caches(model, batch: int, policy: PolicyRule, n_keys: int, slots: int |
   # Slots per kv head: a key, its level and penalty are shared by the query heads of its group.
   return LayerCaches(
     tuple(
-      init_layer_cache(
+      init_layer_state(
+        policy,
+        i,
         batch,
-        slots or policy.capacity,
+        slots,
         a.kv_heads,
         a.head_dim,
         dtype=jnp.dtype(a.dtype),
@@ -106,7 +109,7 @@ def init_caches(model, batch: int, policy: PolicyRule, n_keys: int, slots: int |
         key_coef=coef,
         key_cap=cap,
       )
-      for a, thr, coef, cap in zip(layers, thresholds, coefs, caps)
+      for i, (a, thr, coef, cap) in enumerate(zip(layers, thresholds, coefs, caps))
     )
   )
 
@@ -185,8 +188,9 @@ class Decoder:
     else:
       pol = as_policy(policy, **policy_kw).resolve(max_len)
     _check_model_policy(model, pol)
-    if pol.is_global:
-      slots_per_row(model, pol)  # a pool the budget's bytes leave no room in raises here, not while tracing
+    # Sizing checks here, not while tracing: fpa_global's pool that the budget's bytes leave no room in,
+    # fpa_heads' split against the model's layers and kv heads.
+    slots_per_row(model, pol)
     self.model, self.policy, self.max_len = model, pol, max_len
 
   def init(self, batch: int, *, slots: int | None = None) -> DecodeState:

@@ -2,7 +2,7 @@
 
 One class per policy (`POLICY_CLASSES`; their base `PolicyRule` says which methods the cache and the
 decoder call, so that neither branches on a name): `Full`, `FPATolerance`, `FPAThreshold`, `FPABudget`,
-`FPAGlobal`, `Window`, `SinkWindow`, `H2O`, `SnapKV`, and `ScorePolicy` for a policy of your own
+`FPAHeads`, `FPAGlobal`, `Window`, `SinkWindow`, `H2O`, `SnapKV`, and `ScorePolicy` for a policy of your own
 (subclass it and write `score()`). By name (`PolicyRule.name`, `CachePolicy(name, ...)`, the CLIs):
   full          keep every key (the cache must hold the whole sequence).
   fpa           evict a key once its first-passage penalty reaches a threshold that makes all evicted
@@ -16,6 +16,12 @@ decoder call, so that neither branches on a name): `Full`, `FPATolerance`, `FPAT
                 zero (a gate that has not judged the keys yet) "largest penalty, ties oldest" is a
                 window: the rule degrades to `window`, and the protected window means a learned rule
                 need not re-learn recency (DMS's delayed eviction).
+  fpa_heads     fpa_budget with a capacity of its own per (layer, kv head): `split` [L, KVH], each head's
+                kept fraction of the sequence (mean <= budget; `inference.head_budget.calibrate_head_split`
+                measures fpa_global's on prompts), fixed before decoding, so each head evicts its own
+                largest penalty within its own capacity C_lh, in a cache of its own of C_lh slots read in
+                place (`FPAHeads`, `cache.HeadCaches`). W = `recent` from the mean budget, at most
+                C_lh - 1 per head. No split: every head the budget (fpa_budget exactly).
   fpa_global    one key budget for the whole cache of a row: `budget` keys per (layer, kv head) on
                 average, G = budget * n_layers * kv_heads in all; the largest penalties across every
                 layer and head go first (ties: oldest, then lower layer / head), so heads that forget
@@ -60,7 +66,7 @@ penalty never decreases as decoding goes on (its running min of the field can on
 evicted `fpa` key would never have come back. The same holds for FoX models (FoX's penalty is a sum
 of decays).
 
-The protected window `recent` (W; fpa_budget, fpa_global, snapkv) defaults to budget // 8: an eighth
+The protected window `recent` (W; fpa_budget, fpa_heads, fpa_global, snapkv) defaults to budget // 8: an eighth
 of the budget (kvpress's DMS default of 128 keys at 1k-key budgets), small enough that most of the
 budget stays the policy's choice, and W = 0 below 8 keys (the new key is always kept anyway).
 """
@@ -81,13 +87,13 @@ from fpa_jax.ops import first_passage as fp
 from fpa_jax.ops.common import F32
 
 PolicyName = Literal[
-  "full", "fpa", "fpa_threshold", "fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv"
+  "full", "fpa", "fpa_threshold", "fpa_budget", "fpa_heads", "fpa_global", "window", "sink_window", "h2o", "snapkv"
 ]
 POLICIES: tuple[str, ...] = PolicyName.__args__
 SCORE = "score"  # a policy of your own: `CachePolicy(score=fn, budget=...)` (not a CLI choice)
-BUDGETED = ("fpa_budget", "fpa_global", "window", "sink_window", "h2o", "snapkv", SCORE)  # need a budget
+BUDGETED = ("fpa_budget", "fpa_heads", "fpa_global", "window", "sink_window", "h2o", "snapkv", SCORE)  # need a budget
 THRESHOLDED = ("fpa", "fpa_threshold")  # evict by penalty threshold
-WINDOWED = ("fpa_budget", "fpa_global", "snapkv", SCORE)  # have a protected recent window
+WINDOWED = ("fpa_budget", "fpa_heads", "fpa_global", "snapkv", SCORE)  # have a protected recent window
 BOUNDS = ("keys", "params")
 # fpa_global's implementations, one behaviour: "packed" (the default: the pool repacked by owner every
 # `repack_every` steps, each head over its own range), "masked" (each head over the whole pool, masked;
@@ -128,6 +134,68 @@ def default_recent(budget_keys: int) -> int:
   return budget_keys // 8
 
 
+SPLIT_SLACK = 1e-6  # a split's mean may pass its budget by this much (float rounding of a normalised split)
+
+
+def as_split(split) -> tuple[tuple[float, ...], ...]:
+  """`fpa_heads`' split -> a tuple per layer of floats per kv head (hashable: the policy is static).
+  split: [L, KVH] (an array, nested lists; a model of your own may give its layers different kv
+  heads), each head's kept fraction of the sequence, in [0, 1]. ValueError: what to change."""
+  try:
+    rows = [list(r) for r in split]
+  except TypeError:
+    raise ValueError(
+      f"split must be [layers, kv heads] (a kept fraction of the sequence per head, e.g. a numpy array from "
+      f"calibrate_head_split), got {split!r}"
+    ) from None
+  if not rows or any(not r for r in rows):
+    raise ValueError(f"split must be [layers, kv heads] with at least one head per layer, got {split!r}")
+  out = []
+  for li, r in enumerate(rows):
+    vals = []
+    for x in r:
+      if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"split[{li}] must hold numbers (a kept fraction per kv head), got {x!r}")
+      x = float(x)
+      if math.isnan(x) or not 0.0 <= x <= 1.0:
+        raise ValueError(
+          f"split[{li}] has {x}: each head's kept fraction of the sequence must be in [0, 1] (NaN refused); "
+          "a head that should keep more than its whole sequence cannot: give the budget to another head"
+        )
+      vals.append(x)
+    out.append(tuple(vals))
+  return tuple(out)
+
+
+def split_mean(split) -> float:
+  """The mean kept fraction over every (layer, kv head) of a split (what its budget bounds)."""
+  vals = [x for r in split for x in r]
+  return sum(vals) / len(vals)
+
+
+def split_capacities(split, keys: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+  """Per (layer, kv head) capacities C_lh of `fpa_heads` for sequences of `seq_len` keys and a mean
+  budget of `keys` per head: ceil(split_lh * seq_len), then, while they sum past keys * L * KVH,
+  one key less for the heads rounded up most (ties: the later head), and at least 1 (the query's own
+  key: a head given 0 keeps its newest key only). A uniform split at budget b gives every head
+  ceil(b * seq_len), `fpa_budget`'s capacity. ValueError when the split keeps more than the budget."""
+  flat = [(li, hi, x * seq_len) for li, r in enumerate(split) for hi, x in enumerate(r)]
+  allowed = keys * len(flat)
+  want = sum(t for *_, t in flat)
+  if want > allowed * (1 + SPLIT_SLACK) + SPLIT_SLACK:
+    raise ValueError(
+      f"the split keeps {want / len(flat):.2f} keys per head on average over {seq_len} keys, more than the budget's "
+      f"{keys}: scale the split down to a mean of {keys / seq_len:.4g} (head_budget.normalise_split), or raise the budget"
+    )
+  cap = {(li, hi): min(seq_len, math.ceil(t - SPLIT_SLACK * max(t, 1.0))) for li, hi, t in flat}
+  over = sum(cap.values()) - allowed
+  if over > 0:  # the rounding up passed the budget: undo it where it added most
+    order = sorted(flat, key=lambda e: (-(cap[e[:2]] - e[2]), -e[0], -e[1]))
+    for li, hi, _ in order[:over]:
+      cap[(li, hi)] -= 1
+  return tuple(tuple(max(1, cap[(li, hi)]) for hi in range(len(r))) for li, r in enumerate(split))
+
+
 @dataclasses.dataclass(frozen=True)
 class CachePolicy:
   """A KV-cache policy with its arguments, before it meets a sequence (as kvpress's presses): pass
@@ -146,6 +214,8 @@ class CachePolicy:
     At most one of them; budgeted policies need one.
   tolerance (fpa), threshold (fpa_threshold), recent, head_cap (fpa_global), bound (fpa): as
     `make_policy`.
+  split (fpa_heads): [L, KVH] each (layer, kv head)'s kept fraction of the sequence, in [0, 1], its
+    mean at most the budget (`FPAHeads`); None: every head the budget.
   score: fn(q, k, field, level, penalty, positions) -> scores, called at every decode step whose
     cache is full and once on a prompt (parallel prefill): the lowest-scored key outside the
     protected window `recent` (default budget // 8) is evicted (ties: the oldest); at prefill the
@@ -168,9 +238,12 @@ class CachePolicy:
   bound: str | None = None
   score: Callable | None = None
   pool_impl: str | None = None
+  split: tuple[tuple[float, ...], ...] | None = None
 
   def __post_init__(self):
     name = self.name
+    if self.split is not None:
+      object.__setattr__(self, "split", as_split(self.split))  # hashable; ValueError on a bad one
     if self.score is not None:
       if not callable(self.score):
         raise ValueError(
@@ -237,6 +310,14 @@ class CachePolicy:
       raise ValueError(
         f"pool_impl must be one of {POOL_IMPLS} (fpa_global's implementations, one behaviour), got {self.pool_impl!r}"
       )
+    if name != "fpa_heads" and self.split is not None:
+      raise ValueError(f"split only applies to policy 'fpa_heads', not {name!r}")
+    kept = self.kept
+    if self.split is not None and isinstance(kept, float) and split_mean(self.split) > kept + SPLIT_SLACK:
+      raise ValueError(
+        f"the split keeps {split_mean(self.split):.4g} of each head's keys on average, more than budget={kept:g}: "
+        f"scale it to a mean of {kept:g} (head_budget.normalise_split), or raise the budget"
+      )
 
   @property
   def kept(self) -> float | int | None:
@@ -285,6 +366,17 @@ class CachePolicy:
       kw["keys"] = keys
       kw["head_cap"] = None if limit is None or limit >= seq_len else limit
       cap = seq_len if kw["head_cap"] is None else limit
+    if name == "fpa_heads":
+      keys = min(cap, seq_len)  # the mean budget per head
+      kw["keys"] = keys
+      kw["split"] = self.split
+      if self.split is not None:
+        caps = split_capacities(self.split, keys, seq_len)
+        cap = max(max(r) for r in caps)  # the most any head holds
+        if min(min(r) for r in caps) < cap:  # uneven: a cache per head (an even split is fpa_budget at cap)
+          kw["head_keys"] = caps
+        else:
+          kw["recent"] = min(kw["recent"], cap - 1)
     if name == "fpa":
       kw["bound"] = self.bound or "keys"
     if name == SCORE:
@@ -386,6 +478,15 @@ class PolicyRule:
     return f"policy {cls.name!r} cannot run prefill={prefill!r}: use one of {cls.prefills}"
 
   # -------------------------------------------------------------------------------- the cache's side
+  def head_slots(self, layer: int) -> tuple[int, ...] | None:
+    """Layer `layer`'s cache: None, one `LayerCache` for all its kv heads, `capacity` slots each; or
+    one slot count per kv head, each head a cache of its own (`cache.HeadCaches`; `FPAHeads`)."""
+    return None
+
+  def for_head(self, layer: int, head: int) -> PolicyRule:
+    """The rule kv head `head` of layer `layer` runs in its own cache, where `head_slots` gives one."""
+    return self
+
   def evict_rank(self, cache, pen: jax.Array, cand: jax.Array, now: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A full (row, kv head) of a `LayerCache`: (rank [B, S, H], candidates [B, S, H] bool); the
     candidate of the largest rank goes, ties the oldest. `cand`: the alive keys outside the protected
@@ -518,6 +619,73 @@ class FPABudget(PolicyRule):
   name = "fpa_budget"
 
 
+@dataclasses.dataclass(frozen=True)
+class FPAHeads(PolicyRule):
+  """`fpa_budget` with a capacity of its own per (layer, kv head), fixed before decoding: a split of
+  the budget between heads (AdaKV; DuoAttention's retrieval and streaming heads; `fpa_global`'s
+  split measured on a few prompts, `head_budget.calibrate_head_split`).
+
+  split: [L, KVH] each head's kept fraction of the sequence, in [0, 1], its mean at most the budget
+    (None: every head the budget, `fpa_budget` exactly). Resolved for T keys, head (l, h) holds
+    C_lh = ceil(split_lh * T) keys (`split_capacities`: trimmed back to budget * L * KVH in all, at
+    least 1) and, when full, evicts its largest penalty (ties: the oldest) outside its last
+    W_lh = min(W, C_lh - 1) keys, W = `recent` (default: an eighth of the mean budget).
+  keys: the mean budget per head; head_keys: [L][KVH] the capacities C_lh (None without a split, or
+    where every head gets the same C: then `capacity` C, one cache per layer, `fpa_budget` at C);
+  layer, head: None, or the (layer, kv head) whose cache this rule runs (`for_head`: `fpa_budget`
+    at capacity C_lh, recent W_lh).
+
+  Layout: each (layer, kv head) a cache of its own of exactly C_lh slots (`cache.HeadCaches`), so a
+  decode step reads each head's keys in place and every op of it is O(C_lh): the cache allocates
+  the split's keys, sum C_lh, and a layer's step costs what they cost.
+
+      FPAHeads(budget=0.125, split=calibrate_head_split(model, prompts, 0.125))
+      FPAHeads(budget=0.25, split=[[0.02, 0.02], [0.9, 0.06]])  # layer 1 head 0 retrieves, the others stream
+  """
+
+  name = "fpa_heads"
+  keys: int | None = None
+  split: tuple[tuple[float, ...], ...] | None = None
+  head_keys: tuple[tuple[int, ...], ...] | None = None
+  layer: int | None = None
+  head: int | None = None
+
+  def __post_init__(self):
+    if self.split is not None:
+      object.__setattr__(self, "split", as_split(self.split))  # hashable: the policy is static
+    super().__post_init__()
+
+  def head_slots(self, layer):
+    return None if self.head_keys is None else self.head_keys[layer]
+
+  def for_head(self, layer, head):
+    if self.head_keys is None:
+      return self
+    c = self.head_keys[layer][head]
+    return dataclasses.replace(self, capacity=c, recent=min(self.recent, c - 1), head_keys=None, layer=layer, head=head)
+
+  def check_layers(self, layers) -> None:
+    """ValueError unless the split has one row per attention layer and one number per kv head."""
+    if self.split is None:
+      return
+    want = [c.kv_heads for c in layers]
+    got = [len(r) for r in self.split]
+    if got != want:
+      raise ValueError(
+        f"the split is {len(got)} layers x {got} kv heads; the model has {len(want)} attention layers with "
+        f"{want} kv heads: give one kept fraction per (layer, kv head), e.g. calibrate_head_split(model, ...)"
+      )
+
+  def check_model(self, model):
+    self.check_layers(layer_configs(model))
+
+  def slots_per_row(self, layers):
+    self.check_layers(layers)  # here too: every entry point sizes the cache, a DecoderLM too
+    if self.head_keys is None:
+      return super().slots_per_row(layers)
+    return sum(sum(r) for r in self.head_keys)
+
+
 class FPAThreshold(PolicyRule):
   """Keys whose penalty is below `threshold`."""
 
@@ -609,8 +777,13 @@ class FPAGlobal(PolicyRule):
     bytes of the budget's keys, keys * n_layers * kv_heads cached keys (k, v of `head_dim` at
     `itemsize` bytes, and a key's 17 bytes of state: `cache.LayerCache`), so fpa_global at budget b
     allocates no more than b of `full`'s bytes, nor than `fpa_budget` at b. ValueError if that leaves
-    no room for a key besides a step's L * KVH new ones (G <= L * KVH)."""
+    no room for a key besides a step's L * KVH new ones (G <= L * KVH). A budget of the whole
+    sequence (keys >= capacity, no head_cap: budget=1.0) gets G = (keys + 1) * L * KVH, every key of
+    every head plus a step's new ones, so it keeps every key as `full` does (its tags and index then
+    take it just past `full`'s bytes)."""
     owners = n_layers * kv_heads
+    if self.head_cap is None and self.keys >= self.capacity:
+      return (self.keys + 1) * owners
     key = 2 * head_dim * itemsize + 17  # k, v; level, run_min, pos, score (4 bytes each), alive (1)
     # The gate carries [L][KVH] fp32 and packed's PackIndex (start, count [O], since, step, new_slot
     # [O, N], new_pos [N]) at its largest, N = keys, whatever the implementation: every implementation
@@ -709,11 +882,12 @@ class ScorePolicy(PolicyRule):
 
 
 POLICY_CLASSES: dict[str, type[PolicyRule]] = {
-  c.name: c for c in (Full, FPATolerance, FPAThreshold, FPABudget, FPAGlobal, Window, SinkWindow, H2O, SnapKV)
+  c.name: c for c in (Full, FPATolerance, FPAThreshold, FPABudget, FPAHeads, FPAGlobal, Window, SinkWindow, H2O, SnapKV)
 }
 POLICY_CLASSES[SCORE] = ScorePolicy
-SPEC_ARGS = ("budget", "compression_ratio", "tolerance", "threshold", "recent", "head_cap", "bound", "score")
-RESOLVED = ("capacity", "keys", "score_fn")  # what `CachePolicy.resolve` sets (with recent, head_cap, bound)
+SPEC_ARGS = ("budget", "compression_ratio", "tolerance", "threshold", "recent", "head_cap", "bound", "score", "split")
+# what `CachePolicy.resolve` sets (with recent, head_cap, bound)
+RESOLVED = ("capacity", "keys", "score_fn", "head_keys")
 
 
 def policy_class(name: str) -> type[PolicyRule]:
@@ -761,6 +935,7 @@ def make_policy(
   bound: str | None = None,
   score: Callable | None = None,
   pool_impl: str | None = None,
+  split=None,
 ) -> PolicyRule:
   """Check the arguments of a policy for sequences of up to `seq_len` keys; raise what to change.
 
@@ -771,7 +946,8 @@ def make_policy(
   report it as an overflow, since the tolerance bound then no longer holds). `budget` (kept: a
   fraction or a count) or `compression_ratio` (the fraction removed), not both. `recent` (W):
   fpa_budget, fpa_global, snapkv and score only, 0 <= W < budget, default budget // 8. `bound`: fpa
-  only, "keys" (default) or "params". `score`: a policy of your own (`CachePolicy`).
+  only, "keys" (default) or "params". `score`: a policy of your own (`CachePolicy`). `split`:
+  fpa_heads only, [L, KVH] kept fractions per head (`FPAHeads`).
   """
   kw = dict(
     budget=budget,
@@ -783,6 +959,7 @@ def make_policy(
     bound=bound,
     score=score,
     pool_impl=pool_impl,
+    split=split,
   )
   if score is not None and name == SCORE:
     name = None
@@ -1007,13 +1184,18 @@ def add_policy_args(ap, *, of: str = "prompt + new tokens") -> None:
   g.add_argument("--threshold", type=float, help="policy fpa_threshold: penalty (nats) at which a key goes")
   g.add_argument("--bound", choices=BOUNDS, help="policy fpa: the logit bound (default keys)")
   g.add_argument(
-    "--recent", type=int, help="fpa_budget, fpa_global, snapkv: last keys never evicted (default budget/8)"
+    "--recent", type=int, help="fpa_budget, fpa_heads, fpa_global, snapkv: last keys never evicted (default budget/8)"
   )
   g.add_argument(
     "--head-cap", type=parse_budget, help="fpa_global: max keys per layer and head in the pool (default: none)"
   )
   g.add_argument(
     "--pool-impl", choices=POOL_IMPLS, help="fpa_global: how the pool runs (default packed; the same keys)"
+  )
+  g.add_argument(
+    "--head-split",
+    help="fpa_heads: a head_split.json (head_budget.save_head_split) or the exported model folder holding one; "
+    "its budget unless --budget is given",
   )
 
 
@@ -1024,6 +1206,12 @@ def policy_from_args(a, **more) -> CachePolicy:
   """The `CachePolicy` the flags of `add_policy_args` name (ValueError: what to change); `more`:
   other arguments (a flag and the same argument in `more`: ValueError)."""
   kw = {k: getattr(a, k) for k in POLICY_FLAGS if getattr(a, k, None) is not None}
+  if getattr(a, "head_split", None):
+    from fpa_jax.inference.split_file import load_head_split
+
+    kw["split"], budget = load_head_split(a.head_split)
+    if "budget" not in kw and "compression_ratio" not in kw:
+      kw["budget"] = budget
   both = sorted(set(kw) & set(more))
   if both:
     raise ValueError(f"{both} given twice: as --{both[0].replace('_', '-')} and as another argument")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fpa_jax.inference import FPABudget, generate
+from fpa_jax.inference import FPABudget, FPAHeads, generate
 from fpa_jax.layers import FirstPassageAttention
 
 VOCAB, D, HEADS, B, P, N = 48, 32, 2, 2, 10, 6
@@ -102,6 +102,20 @@ def test_swapped_layer_decodes_under_fpa_budget_like_the_threaded_form(models):
   assert int(lm.attn.cache_index[...]) == P + N and lm.attn.cache_policy.capacity == 6
   assert int(np.asarray(lm.attn.cache_state.get_value().alive).sum(1).max()) <= 6
   np.testing.assert_array_equal(greedy(lm, prompt, N, whole_prompt=True, policy=policy), want_par)
+
+
+def test_swapped_layer_decodes_under_a_head_split_like_the_threaded_form(models):
+  """fpa_heads (a capacity per kv head: a cache per head in the layer's nnx.Cache state) decodes the
+  flax way as the threaded form does, each head within its own capacity; a split of another
+  model's shape is refused at init_cache."""
+  _, lm, prompt = models
+  policy = FPAHeads(budget=0.25, split=[[0.125, 0.375]])  # of P + N = 16 keys: 2 and 6, the budget's 8
+  want, _ = generate(Threaded(lm), np.asarray(prompt), N, policy=policy, prefill="decode")
+  np.testing.assert_array_equal(greedy(lm, prompt, N, policy=policy), want)
+  heads = lm.attn.cache_state.get_value().heads
+  assert [int(np.asarray(c.alive).sum(1).max()) for c in heads] == [2, 6]
+  with pytest.raises(ValueError, match="the model has 1 attention layers"):
+    lm.attn.init_cache((B, P + N, D), policy=FPAHeads(budget=0.25, split=[[0.25, 0.25]] * 2))
 
 
 def test_swapped_layer_full_cache_is_teacher_forcing(models):
