@@ -42,8 +42,9 @@ ROLES = ("pretrained", "final", "control")
 SEEDS = (0, 1, 2)  # the seeds every target asks
 # kvpress's axis: the share of the cache removed at 8x (kept = 1 - removed)
 REMOVED = (0.875, 0.75, 0.5, 0.25)
-LEARNED = ("fpa_budget", "fpa_global")
-RULES = (*LEARNED, *R.HEURISTICS)
+LEARNED = ("fpa_budget", "fpa_global", "fpa_heads")  # fpa_heads: scored at --head-budgets, its split calibrated
+RULES = ("fpa_budget", "fpa_global", *R.HEURISTICS)  # the rules of every kept share
+ALL_RULES = (*LEARNED, *R.HEURISTICS)
 # the targets (final recipe against FOX_BASELINE, paired by seed)
 TARGET_FULL, TARGET_25, TARGET_125, TARGET_MARGIN, TARGET_BPB, TARGET_TOL_SHARE = 0.99, 0.99, 0.95, 0.1, 0.005, 0.25
 
@@ -168,7 +169,7 @@ def eval_one(recipe: TwoPhase, role: str, seed: int, args, argv, log) -> dict | 
   from experiments.passkey import DEPTHS
   from fpa_jax import eval as ev
   from fpa_jax.data import passkey_eval_examples
-  from fpa_jax.inference import POLICY_CLASSES, load_exported
+  from fpa_jax.inference import POLICY_CLASSES, calibrate_head_split, load_exported, load_head_split, save_head_split
 
   folder = asset_dir(recipe, role, seed, args.assets)
   if not (folder / "params.npz").exists():
@@ -222,6 +223,32 @@ def eval_one(recipe: TwoPhase, role: str, seed: int, args, argv, log) -> dict | 
     }
     save("cache", cache)
     log(f"[two_phase] {name}: {M}x {key} {c['accuracy']:.2f} ({cache[key]['wall_s']:.0f} s)")
+  for b in args.head_budgets if role == "final" else ():  # fpa_global's split, calibrated once, then fixed
+    key = f"fpa_heads/{b:g}"
+    if key in cache:
+      continue
+    split_file = folder / f"head_split_{b:g}.json"
+    if split_file.exists():
+      split, _ = load_head_split(split_file)
+    else:  # calibration prompts: other keys than the scored ones (seed 1), the same depths
+      per = max(1, args.calibration // len(DEPTHS))
+      cal = [e for d in DEPTHS for e in passkey_eval_examples(L, M, d, n=per, seed=1)]
+      split = calibrate_head_split(model, [e["tokens"] for e in cal], b, batch_size=args.cache_batch)
+      save_head_split(
+        split_file, split, b, meta={"prompts": len(cal), "seed": 1, "multiple": M, "commit": U.git_commit()}
+      )
+    t = time.perf_counter()
+    c = ev.passkey_cell(
+      model, exs, policy="fpa_heads", budget=b, split=split, prefill="parallel", batch_size=args.cache_batch
+    )
+    cache[key] = {k: c.get(k) for k in ("n", "correct", "accuracy", "ci95", "cache_fraction") if c.get(k) is not None}
+    cache[key] |= {
+      "prefill": "parallel",
+      "split": str(split_file.relative_to(args.root)),
+      "wall_s": round(time.perf_counter() - t, 1),
+    }
+    save("cache", cache)
+    log(f"[two_phase] {name}: {M}x {key} {c['accuracy']:.2f}")
   if role == "final" and args.pos_docs and "positions" not in res:  # loss by position out to 8L
     docs = perplexity.long_documents(ns)
     lp = ev.loss_by_position(model, docs, bucket=args.pos_bucket, batch_size=4, show_progress=False)
@@ -244,7 +271,7 @@ def acc(row: dict | None, key: str) -> float | None:
   return ((row or {}).get("cache", {}).get(key) or {}).get("accuracy")
 
 
-def best_rule(row: dict | None, kept: float, rules=RULES) -> tuple[str, float] | None:
+def best_rule(row: dict | None, kept: float, rules=ALL_RULES) -> tuple[str, float] | None:
   """(rule, accuracy) of the best of `rules` scored at `kept` of the cache: one rule, one cell."""
   got = [(p, a) for p in rules if (a := acc(row, f"{p}/{kept:g}")) is not None]
   return max(got, key=lambda x: x[1]) if got else None
@@ -297,7 +324,7 @@ def markdown(rows: dict[tuple[str, str, int], dict], argv, multiple: int = 8, n:
       if not e or not e.get("cache"):
         continue
       full = (e.get("passkey", {}).get(str(multiple)) or {}).get("accuracy")
-      for p in RULES:
+      for p in ALL_RULES:
         got = [acc(e, f"{p}/{1 - x:g}") for x in REMOVED]
         if any(g is not None for g in got):
           body.append([f"`{r.name}`", s, p, *map(_f, got), _f(smallest_within(e, p, full), "g")])
@@ -414,6 +441,8 @@ def parse_args(argv=None):
   ap.add_argument("--retrofit-steps", type=int, default=600)
   ap.add_argument("--root", type=Path, default=U.ROOT, help="where runs/, results/ and experiments/assets/ lie")
   ap.add_argument("--tolerance", type=float, default=1e-3, help="the `fpa` policy's per-row bound")
+  ap.add_argument("--head-budgets", type=float, nargs="*", default=[0.25, 0.125], help="fpa_heads cells (calibrated)")
+  ap.add_argument("--calibration", type=int, default=10, help="calibration prompts of fpa_heads' split (seed 1)")
   ap.add_argument("--train-len", type=int, default=512)
   ap.add_argument("--cache-multiple", type=int, default=8)
   ap.add_argument("--multiples", type=int, nargs="+", default=[1, 2, 4, 8])

@@ -118,7 +118,7 @@ def test_tiny_two_phase_trains_exports_scores_and_resumes(tmp_path):
   argv = TINY + [
     "--root", str(tmp_path), "--data-dir", str(tmp_path / "data"), "--pretrain-steps", "2", "--retrofit-steps", "2",
     "--seeds", "0", "--n", "5", "--cache-multiple", "2", "--multiples", "1", "2", "--heldout-windows", "8",
-    "--pos-docs", "2", "--cache-batch", "5", "--rules", "fpa_budget", "fpa_global", "window",
+    "--pos-docs", "2", "--cache-batch", "5", "--rules", "fpa_budget", "fpa_global", "window", "--calibration", "5",
   ]  # fmt: skip
   md = T.main(argv)
   digests = T.committed_digests(tmp_path)
@@ -127,6 +127,9 @@ def test_tiny_two_phase_trains_exports_scores_and_resumes(tmp_path):
   final = json.loads((tmp_path / "results" / "two_phase" / "eval" / "fox_recipe_final_s0.json").read_text())
   assert final["params"] == digests["fox_recipe/final_s0"] and "fpa_global/0.125" in final["cache"]
   assert final["passkey"]["2"]["generated"]["prefill"] == "parallel"  # both scorers at the cache multiple
+  assert {"fpa_heads/0.25", "fpa_heads/0.125"} <= set(final["cache"])  # the calibrated head budget
+  split = tmp_path / final["cache"]["fpa_heads/0.125"]["split"]
+  assert split.exists() and split.parent.name == "final_s0"  # saved with the model
   assert "`fox_recipe` final | 0 |" in md and "fpa (tolerance)" in md
   before = {p.name: p.read_text() for p in (tmp_path / "results" / "two_phase" / "eval").glob("*.json")}
   T.main(argv)  # all done: nothing retrained, re-exported or rescored
