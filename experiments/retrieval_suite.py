@@ -121,6 +121,10 @@ def claim_rows(root: Path = U.ROOT, threshold: float = 0.5, multiple: int = 8) -
   words, oks = [], []
   for s in seeds:
     f, x = rows.get((RECOMMENDED.name, s), {}), rows.get((FOX_BASELINE.name, s), {})
+    if not x:
+      oks.append(None)
+      words.append(f"seed {s}: FOX_BASELINE not scored")
+      continue
     tasks = [t for t in can_do(f, threshold) if t in can_do(x, threshold)]
     full = rule_score(f, tasks, "full", multiple)
     best = lambda res, rules: max(  # noqa: E731
@@ -144,7 +148,8 @@ def claim_rows(root: Path = U.ROOT, threshold: float = 0.5, multiple: int = 8) -
       f"best heuristic {max(heur):.2f}"
     )
   missing = [s for s, ok in zip(seeds, oks) if ok is None]
-  verdict = f"not scored (seeds {', '.join(map(str, missing))})" if missing else U.seed_verdict(oks)
+  which = f"seed{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
+  verdict = f"not scored ({which})" if missing else U.seed_verdict(oks)
   return [
     U.ClaimRow(
       "beyond the paper: the retrieval suite at 8x with 12.5% of the cache (>= 0.9 of full, >= 0.1 ahead)",

@@ -32,5 +32,5 @@ def test_tiny_suite_scores_reports_and_judges(tmp_path):
   }
   assert "## `fpa_recipe` seed 0" in md and "Can do at the shortest length scored (full cache >= 0.5): none." in md
   (row,) = S.claim_rows(tmp_path, multiple=4)
-  assert row.verdict.startswith("not scored") and "0 tasks both do" in row.evidence
+  assert row.verdict == "not scored (seed 0)" and "FOX_BASELINE not scored" in row.evidence
   assert S.cache_specs(["fpa_global"], (0.5, 0.125)) == ["fpa_global:0.125", "fpa_global:0.5"]
