@@ -100,11 +100,17 @@ def pretrain(recipe: TwoPhase, seed: int, args, argv, log) -> None:
   R.train_one(recipe.pretrain, seed, ra, argv, log)
 
 
+def retrofitted(fs, row: str, seed: int) -> dict | None:
+  """The screen's train record of (row, seed) when it ran its whole retrofit here (its run present)."""
+  tr = U.read_json(Path(fs.out_dir) / "train" / f"{row}_s{seed}.json")
+  done = tr and tr["steps"] >= fs.source_step + FS.retrofit_steps(row, fs) and Path(tr["workdir"]).exists()
+  return tr if done else None
+
+
 def retrofit(recipe: TwoPhase, seed: int, args, argv, log) -> None:
   fs = screen_args(recipe, args)
   for row in (recipe.retrofit, recipe.control):
-    tr = U.read_json(Path(fs.out_dir) / "train" / f"{row}_s{seed}.json")
-    if not (tr and tr["steps"] >= fs.source_step + FS.retrofit_steps(row, fs) and Path(tr["workdir"]).exists()):
+    if not retrofitted(fs, row, seed):
       FS.train_one(row, seed, fs, argv, log)
 
 
@@ -125,8 +131,7 @@ def export(recipe: TwoPhase, seed: int, args, argv, log) -> None:
     log(f"[two_phase] {recipe.name} seed {seed}: pretrained checkpoint kept in {kept}")
   trained = {"pretrained": (src.parent.parent, int(src.name), f"{recipe.pretrain}_s{seed}@{src.name}")}
   for role, row in (("final", recipe.retrofit), ("control", recipe.control)):
-    tr = U.read_json(Path(fs.out_dir) / "train" / f"{row}_s{seed}.json")
-    if tr and tr["steps"] >= fs.source_step + FS.retrofit_steps(row, fs) and Path(tr["workdir"]).exists():
+    if tr := retrofitted(fs, row, seed):
       trained[role] = (Path(tr["workdir"]), tr["steps"], f"{row}_s{seed} of {tr['source']}")
   book = args.assets / recipe.name / "digests.json"  # one per recipe: the recipes may export at once
   digests = U.read_json(book, {})
