@@ -28,7 +28,6 @@ def tiny():
   return build_model(C.get_config("tiny", attention="fpa", **RANDOM_GATE), seed=0)
 
 
-@pytest.mark.xla_default
 @pytest.mark.parametrize("policy, kw", [("fpa_budget", dict(budget=6)), ("fpa_global", dict(budget=6))])
 def test_decoder_loop_is_generate(tiny, policy, kw):
   """A greedy loop written on the decoder (prefill, then step) emits generate's tokens, over either

@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # where the marked checks live (a new file with a marked test is added here; the tier fails on none found)
-TIER_FILES = ("tests/inference/test_decode.py", "tests/inference/test_decoder.py", "tests/inference/test_policies.py")
+TIER_FILES = ("tests/inference/test_decode.py", "tests/inference/test_policies.py")
 
 
 @pytest.mark.xla_default

@@ -12,6 +12,7 @@ import pytest
 from experiments import device_check as DC
 
 
+@pytest.mark.slow  # a study's tiny run; every kernel's lowering: tests/ops/pallas/test_lowering.py
 def test_quick_run_lowers_everything_and_skips_the_run_phase(tmp_path):
   if jax.default_backend() != "cpu":
     pytest.skip("the quick run's off-device path")

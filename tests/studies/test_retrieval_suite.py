@@ -2,12 +2,15 @@
 can do (none for a random model: only multikey at k = 8, reported whatever it shows), the page and a
 claims row that judges nothing unscored."""
 
+import pytest
+
 from experiments import _common as U
 from experiments import retrieval_suite as S
 from experiments import two_phase as T
 from experiments.recipes import RECOMMENDED
 
 
+@pytest.mark.slow  # a study's tiny run; run_suite's scoring and resume: tests/inference/test_retrieval_eval.py
 def test_tiny_suite_scores_reports_and_judges(tmp_path):
   from flax import nnx
 
