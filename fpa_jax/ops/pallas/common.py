@@ -9,6 +9,7 @@ import this one and not each other at the top (`kernels.pallas_attention` hands 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, get_args
 
 import jax
@@ -232,3 +233,28 @@ def check_blocks(block_sizes, mode):
     if mode == "gpu" and (n < 16 or n & (n - 1)):
       raise ValueError(f"Triton tiles must be powers of two >= 16, got {block_sizes}")
   return block_sizes
+
+
+def flash_core(forward, backward):
+  """The custom VJP of a flash kernel pair: forward(cfg, q, k, v, stats, seg) -> (o, lse) and
+  backward(cfg, q, k, v, do, lse, delta, stats, seg) -> (dq, dk, dv, dstats) ->
+  core(cfg, q, k, v, fst, bst, seg) -> o. fst / bst: the bias stats at the forward / backward tile
+  size (bst None: the same tiles; else the forward's stats only shaped the output, no gradient)."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def core(cfg, q, k, v, fst, bst, seg):
+    return forward(cfg, q, k, v, fst, seg)[0]
+
+  def core_fwd(cfg, q, k, v, fst, bst, seg):
+    o, lse = forward(cfg, q, k, v, fst, seg)
+    return o, (q, k, v, fst, bst, seg, o, lse)
+
+  def core_bwd(cfg, res, do):
+    q, k, v, fst, bst, seg, o, lse = res
+    delta = jnp.sum(do.astype(F32) * o.astype(F32), -1, keepdims=True)  # [B, H, Tp, 1]
+    dq, dk, dv, dst = backward(cfg, q, k, v, do, lse, delta, fst if bst is None else bst, seg)
+    dfst, dbst = (dst, None) if bst is None else (jax.tree.map(jnp.zeros_like, fst), dst)
+    return dq, dk, dv, dfst, dbst, jax.tree.map(lambda _: None, seg)
+
+  core.defvjp(core_fwd, core_bwd)
+  return core

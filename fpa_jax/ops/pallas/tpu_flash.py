@@ -374,29 +374,7 @@ def _backward(cfg, q, k, v, do, lse, delta, st, seg):
 # ----------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q, k, v, fst, bst, seg):
-  """fst / bst: the bias stats at the forward / backward tile size (bst None: the same tiles)."""
-  return _forward(cfg, q, k, v, fst, seg)[0]
-
-
-def _core_fwd(cfg, q, k, v, fst, bst, seg):
-  o, lse = _forward(cfg, q, k, v, fst, seg)
-  return o, (q, k, v, fst, bst, seg, o, lse)
-
-
-def _core_bwd(cfg, res, do):
-  q, k, v, fst, bst, seg, o, lse = res
-  delta = jnp.sum(do.astype(F32) * o.astype(F32), -1, keepdims=True)  # [B, H, Tp, 1]
-  dq, dk, dv, dst = _backward(cfg, q, k, v, do, lse, delta, fst if bst is None else bst, seg)
-  if bst is None:
-    dfst, dbst = dst, None
-  else:
-    dfst, dbst = jax.tree.map(jnp.zeros_like, fst), dst  # the forward's stats only shaped the output
-  return dq, dk, dv, dfst, dbst, jax.tree.map(lambda _: None, seg)
-
-
-_core.defvjp(_core_fwd, _core_bwd)
+_core = pc.flash_core(_forward, _backward)  # the custom VJP every flash kernel shares
 
 
 # ----------------------------------------------------------------------------- entry point
